@@ -1,0 +1,3 @@
+from finetune.cli import main
+
+main()
