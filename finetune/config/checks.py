@@ -1,0 +1,175 @@
+"""Rules between keys: choices that contradict each other, or keys that would silently do nothing.
+
+Each rule sees only the sections it needs and returns Problems naming every key involved. All rules
+run, so a file with several conflicts gets them all in one message. Rules that depend on the hardware
+(does it fit? is bf16 supported?) belong to the planner, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from finetune.config.schema import Config, DPOMethod, GRPOMethod
+from finetune.errors import Problem
+
+Rule = Callable[[Config], list[Problem]]
+RULES: list[tuple[frozenset[str], Rule]] = []
+
+
+def rule(*sections: str) -> Callable[[Rule], Rule]:
+    """Register a rule that reads only these top-level sections."""
+
+    def register(fn: Rule) -> Rule:
+        RULES.append((frozenset(sections), fn))
+        return fn
+
+    return register
+
+
+def check(config: Config, valid: set[str] | None = None) -> list[Problem]:
+    """Run every rule whose sections are all in `valid` (default: all); return all problems found.
+
+    When some sections failed validation, the loader passes a config built from the sections that
+    passed, so conflicts elsewhere are still reported in the same run.
+    """
+    return [p for sections, fn in RULES if valid is None or sections <= valid for p in fn(config)]
+
+
+@rule("adapter", "quantization")
+def adapter_vs_quantization(c: Config) -> list[Problem]:
+    a, q = c.adapter, c.quantization
+    keys = (("quantization", "type"), ("adapter", "type"))
+    if a.type == "full" and q.type in ("nf4", "int8"):
+        return [Problem(keys, f"full fine-tuning cannot train {q.type}-quantized weights", "set adapter.type: qlora (nf4) or lora (int8), or quantization.type: none")]
+    if a.type == "qlora" and q.type in ("none", "int8"):
+        return [Problem(keys, f"qlora trains an adapter on a 4-bit nf4 base, but quantization.type is {q.type}", "set quantization.type: nf4 (or auto), or adapter.type: lora")]
+    return []
+
+
+@rule("adapter")
+def lora_options_need_lora(c: Config) -> list[Problem]:
+    a = c.adapter
+    if a.type != "full":
+        return []
+    lora_keys = [k for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save", "dora", "rslora") if a.explicit(k)]
+    return [Problem((("adapter", k), ("adapter", "type")), "this LoRA option has no effect with full fine-tuning", f"remove adapter.{k}, or set adapter.type: lora") for k in lora_keys]
+
+
+@rule("quantization")
+def quantization_options_need_quantization(c: Config) -> list[Problem]:
+    q = c.quantization
+    if q.type != "none":
+        return []
+    return [Problem((("quantization", k), ("quantization", "type")), "has no effect without quantization", f"remove quantization.{k}, or set quantization.type: nf4")
+            for k in ("double_quant", "compute_dtype") if q.explicit(k)]
+
+
+@rule("train")
+def one_batch_size(c: Config) -> list[Problem]:
+    t = c.train
+    if t.global_batch_tokens is not None and t.explicit("global_batch_size"):
+        return [Problem((("train", "global_batch_size"), ("train", "global_batch_tokens")), "both set the global batch", "keep one: sequences (global_batch_size) or tokens (global_batch_tokens)")]
+    return []
+
+
+@rule("train")
+def one_duration(c: Config) -> list[Problem]:
+    t = c.train
+    out = []
+    if t.max_steps is not None and t.epochs is not None:
+        out.append(Problem((("train", "max_steps"), ("train", "epochs")), "both set how long to train", "keep one of them"))
+    if t.warmup_steps and t.warmup_ratio:
+        out.append(Problem((("train", "warmup_steps"), ("train", "warmup_ratio")), "both set the warmup", "keep one of them"))
+    return out
+
+
+_FSDP = {"full_shard", "shard_grad_op", "hybrid_shard"}
+_ZERO = {"zero1", "zero2", "zero3"}
+
+
+@rule("distributed")
+def backend_vs_sharding(c: Config) -> list[Problem]:
+    d = c.distributed
+    keys = (("distributed", "sharding"), ("distributed", "backend"))
+    allowed = {"fsdp": _FSDP, "deepspeed": _ZERO, "ddp": {"none"}, "single": {"none"}}.get(d.backend)
+    if allowed is None or d.sharding in allowed or d.sharding == "auto":
+        return []
+    owner = "fsdp" if d.sharding in _FSDP else "deepspeed" if d.sharding in _ZERO else "ddp"
+    return [Problem(keys, f"{d.sharding} is a sharding of the {owner} backend, not of {d.backend}", f"set distributed.backend: {owner}, or distributed.sharding to one of {', '.join(sorted(allowed))} (or auto)")]
+
+
+@rule("distributed")
+def offload_needs_sharding_backend(c: Config) -> list[Problem]:
+    d = c.distributed
+    keys = (("distributed", "offload"), ("distributed", "backend"))
+    if d.offload in ("auto", "none"):
+        return []
+    if d.backend in ("single", "ddp"):
+        return [Problem(keys, f"offloading to host RAM needs fsdp or deepspeed, not {d.backend}", "set distributed.backend: fsdp (offload: all) or deepspeed, or offload: none")]
+    if d.backend == "fsdp" and d.offload == "optimizer":
+        return [Problem(keys, "FSDP offloads parameters, gradients and optimiser states together", "set distributed.offload: all, or distributed.backend: deepspeed to offload only the optimiser")]
+    return []
+
+
+@rule("distributed")
+def single_is_one_process(c: Config) -> list[Problem]:
+    d = c.distributed
+    if d.backend != "single":
+        return []
+    return [Problem((("distributed", k), ("distributed", "backend")), "backend single runs one process", f"remove distributed.{k}, or choose backend ddp, fsdp or deepspeed")
+            for k in ("nodes", "processes_per_node") if getattr(d, k) not in ("auto", 1)]
+
+
+@rule("distributed")
+def deepspeed_config_needs_deepspeed(c: Config) -> list[Problem]:
+    d = c.distributed
+    if d.deepspeed_config is not None and d.backend != "deepspeed":
+        return [Problem((("distributed", "deepspeed_config"), ("distributed", "backend")), f"a DeepSpeed JSON is only used by the deepspeed backend (backend is {d.backend})", "set distributed.backend: deepspeed, or remove deepspeed_config")]
+    return []
+
+
+_FORMATS = {
+    "sft": {"chat", "instruction", "completion", "prompt_completion"},
+    "dpo": {"preference"},
+    "grpo": {"prompt_only", "chat", "instruction", "prompt_completion"},
+}
+
+
+@rule("data", "method")
+def data_fits_method(c: Config) -> list[Problem]:
+    allowed = _FORMATS[c.method.name]
+    out = [Problem((("data", "datasets", i, "format"), ("method", "name")), f"{c.method.name} cannot train on {ds.format} data", f"use a dataset of format {' or '.join(sorted(allowed))}, or another method")
+           for i, ds in enumerate(c.data.datasets) if ds.format not in allowed]
+    if c.data.packing and c.method.name != "sft":
+        out.append(Problem((("data", "packing"), ("method", "name")), f"packing applies to SFT only, not {c.method.name}", "set data.packing: false"))
+    return out
+
+
+@rule("train", "method")
+def grpo_groups(c: Config) -> list[Problem]:
+    m = c.method
+    if not isinstance(m, GRPOMethod) or c.train.global_batch_tokens is not None:
+        return []
+    if c.train.global_batch_size % m.num_generations:
+        return [Problem((("train", "global_batch_size"), ("method", "num_generations")), f"a GRPO batch holds whole groups: {c.train.global_batch_size} completions is not a multiple of {m.num_generations} generations per prompt", f"set train.global_batch_size to a multiple of {m.num_generations}, e.g. {m.num_generations * max(1, c.train.global_batch_size // m.num_generations)}")]
+    return []
+
+
+@rule("method", "adapter")
+def dpo_options(c: Config) -> list[Problem]:
+    m = c.method
+    out = []
+    if isinstance(m, DPOMethod) and m.label_smoothing and m.loss != "sigmoid":
+        out.append(Problem((("method", "label_smoothing"), ("method", "loss")), f"label smoothing applies to the sigmoid loss, not {m.loss}", "remove label_smoothing or set loss: sigmoid"))
+    if isinstance(m, DPOMethod) and m.reference == "adapter_disabled" and c.adapter.type == "full":
+        out.append(Problem((("method", "reference"), ("adapter", "type")), "full fine-tuning has no adapter to disable for the reference model", "set method.reference: copy (or auto), or adapter.type: lora"))
+    return out
+
+
+@rule("train", "quantization")
+def precision_vs_compute_dtype(c: Config) -> list[Problem]:
+    p, q = c.train.precision, c.quantization.compute_dtype
+    if "auto" in (p, q) or p == q or p == "fp32":
+        return []
+    return [Problem((("quantization", "compute_dtype"), ("train", "precision")), f"computing in {q} while training in {p} mixes two half-precision formats", f"set quantization.compute_dtype: {p} (or auto)")]
+

@@ -1,0 +1,291 @@
+"""The job file's schema: one frozen pydantic model per section.
+
+Each field's docstring is its only documentation: it feeds the JSON Schema (`ft schema`), the key
+reference (`ft explain`, docs/config.md) and the messages of `ft validate`. Cross-section rules (two keys
+that contradict each other) live in `finetune.config.checks`, so that every problem is reported at once.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+AUTO = "auto"
+Auto = Literal["auto"]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class Section(BaseModel):
+    """Base of every section: immutable, unknown keys rejected, field docstrings become descriptions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    def explicit(self, field: str) -> bool:
+        """True when the user wrote this key (as opposed to it taking its default)."""
+        return field in self.model_fields_set
+
+
+# ---------------------------------------------------------------- model
+class ModelSection(Section):
+    """The model to fine-tune."""
+
+    name: str
+    """Hub id (`meta-llama/Llama-3.1-8B`), a name from ft's catalog (`ft-tiny`), or a local folder with config.json."""
+    revision: str = "main"
+    """Hub revision (branch, tag or commit) to load; ignored for local folders."""
+    tokenizer: str | None = None
+    """Tokenizer to use when it is not the model's own (hub id or folder). Leave unset to use the model's."""
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel. `auto`: flash-attention when installed and supported, otherwise sdpa."""
+    trust_remote_code: bool = False
+    """Run Python code shipped with the model's repository. Off unless you trust its author."""
+
+
+# ---------------------------------------------------------------- data
+DataFormat = Literal["chat", "instruction", "completion", "prompt_completion", "preference", "prompt_only"]
+
+
+class DatasetSpec(Section):
+    """One data source. Several sources are mixed."""
+
+    path: str
+    """Local file (.jsonl, .json, .csv, .parquet, .txt), glob or folder, or a hub dataset id."""
+    format: DataFormat
+    """How records are read: chat (messages or ShareGPT conversations), instruction (alpaca), completion (plain text), prompt_completion, preference (prompt/chosen/rejected), prompt_only (GRPO prompts plus extra columns)."""
+    subset: str | None = None
+    """Hub dataset configuration name (e.g. `main` for gsm8k)."""
+    split: str = "train"
+    """Split to read."""
+    revision: str | None = None
+    """Hub dataset revision; unset means the default branch."""
+    columns: dict[str, str] = {}
+    """Map ft's field names to this source's column names, e.g. {messages: conversations, prompt: question}."""
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    """Relative share of this source in the mix."""
+    max_samples: PositiveInt | None = None
+    """Use at most this many records from this source (unset: all)."""
+
+
+class DataSection(Section):
+    """Training data and how it becomes token sequences."""
+
+    datasets: Annotated[list[DatasetSpec], Field(min_length=1)]
+    """Data sources, mixed by weight."""
+    seq_len: Annotated[int, Field(ge=16)] = 2048
+    """Maximum tokens per training sequence (packed row or padded sample)."""
+    packing: bool = False
+    """Pack several samples into each sequence; attention never crosses sample boundaries."""
+    template: str = "tokenizer"
+    """Chat template: `tokenizer` (the tokenizer's own), a built-in name (chatml, llama3, mistral, gemma, qwen, phi) or a path to a Jinja file."""
+    train_on: Literal["assistant", "all", "last_assistant", "prompt_and_completion"] = "assistant"
+    """Which tokens carry loss: assistant turns with their end-of-turn token (default), every token, only the last assistant turn, or prompt and completion."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """What to do with a sample longer than seq_len."""
+    validation: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Fraction of the data held out for evaluation (0: none)."""
+    seed: int = 42
+    """Seed for shuffling, mixing and the validation split."""
+    num_proc: PositiveInt = 1
+    """Processes used to tokenize."""
+    skip_bad_records: bool = False
+    """Skip (and count) records that cannot be parsed instead of stopping."""
+
+
+# ---------------------------------------------------------------- method
+class SFTMethod(Section):
+    """Supervised fine-tuning: next-token loss on the trained tokens."""
+
+    name: Literal["sft"]
+    """Method name."""
+
+
+class DPOMethod(Section):
+    """Direct preference optimisation on prompt/chosen/rejected pairs."""
+
+    name: Literal["dpo"]
+    """Method name."""
+    beta: Annotated[float, Field(gt=0)] = 0.1
+    """Strength of the implicit KL constraint to the reference model."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO loss variant."""
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    """Assumed label noise (conservative DPO); sigmoid loss only."""
+    reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
+    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full fine-tuning; `precomputed` computes reference log-probs once before training."""
+
+
+class RewardSpec(Section):
+    """One reward function for GRPO."""
+
+    function: str
+    """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or `path/to/file.py:function`."""
+    weight: float = 1.0
+    """Weight of this reward in the sum."""
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
+
+
+class GRPOMethod(Section):
+    """Group relative policy optimisation: sample several completions per prompt, score them, push up the better ones."""
+
+    name: Literal["grpo"]
+    """Method name."""
+    rewards: Annotated[list[RewardSpec], Field(min_length=1)]
+    """Reward functions, summed with their weights."""
+    num_generations: Annotated[int, Field(ge=2)] = 8
+    """Completions sampled per prompt (the group)."""
+    max_new_tokens: PositiveInt = 256
+    """Longest completion generated."""
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+    """Sampling temperature."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling threshold."""
+    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    """Weight of the KL penalty to the reference model (0: no reference model is needed)."""
+    clip_eps: Annotated[float, Field(gt=0)] = 0.2
+    """PPO-style ratio clipping."""
+    loss_normalization: Literal["sequence", "token", "dr_grpo"] = "sequence"
+    """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO); `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """Generation engine: `auto` uses vLLM on GPUs where installed, transformers otherwise."""
+
+
+Method = Annotated[Union[SFTMethod, DPOMethod, GRPOMethod], Field(discriminator="name")]
+
+
+# ---------------------------------------------------------------- adapter, quantization
+class AdapterSection(Section):
+    """What is trained: all weights, or a LoRA adapter on frozen (optionally quantized) weights."""
+
+    type: Literal["auto", "full", "lora", "qlora"] = "auto"
+    """`full` trains every weight; `lora` trains low-rank adapters; `qlora` does so on a 4-bit base; `auto` picks LoRA, or QLoRA when LoRA does not fit."""
+    r: PositiveInt = 16
+    """LoRA rank."""
+    alpha: Annotated[float, Field(gt=0)] = 32
+    """LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora)."""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    """Dropout on the adapter's input."""
+    target_modules: Union[Literal["all-linear"], Annotated[list[str], Field(min_length=1)]] = "all-linear"
+    """Modules that get an adapter: `all-linear` (every linear layer of the decoder, not the output head) or a list of names such as [q_proj, v_proj]."""
+    modules_to_save: list[str] = []
+    """Modules trained in full next to the adapter (e.g. [embed_tokens, lm_head] when tokens are added)."""
+    dora: bool = False
+    """Weight-decomposed LoRA (DoRA): adds a trained magnitude vector per module."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+
+class QuantizationSection(Section):
+    """Quantization of the frozen base weights (bitsandbytes)."""
+
+    type: Literal["auto", "none", "nf4", "int8"] = "auto"
+    """`nf4`: 4-bit NormalFloat (QLoRA); `int8`: LLM.int8(); `none`; `auto`: nf4 for QLoRA, none otherwise."""
+    double_quant: bool = True
+    """Quantize the 4-bit quantization constants too (saves about 0.4 bits per parameter)."""
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Dtype of the matmuls on dequantized weights; `auto` follows the plan's precision."""
+
+
+# ---------------------------------------------------------------- train
+class TrainSection(Section):
+    """Optimisation: batch, length of training, optimiser, precision."""
+
+    global_batch_size: PositiveInt = 32
+    """Sequences per optimiser step, over all devices. ft derives accumulation so this holds at any world size."""
+    global_batch_tokens: PositiveInt | None = None
+    """Alternative to global_batch_size: tokens per optimiser step (converted to sequences of seq_len)."""
+    micro_batch_size: Union[Auto, PositiveInt] = AUTO
+    """Sequences per device per forward pass; `auto` picks the largest that fits."""
+    max_steps: PositiveInt | None = None
+    """Optimiser steps to train. Set this or epochs."""
+    epochs: Annotated[float, Field(gt=0)] | None = None
+    """Passes over the data (default 1 when max_steps is not set)."""
+    lr: Union[Auto, Annotated[float, Field(gt=0)]] = AUTO
+    """Peak learning rate; `auto`: 2e-4 for LoRA/QLoRA, 2e-5 for full fine-tuning (5e-6 / 1e-6 for DPO / GRPO full)."""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate schedule after warmup."""
+    warmup_steps: NonNegInt = 0
+    """Linear warmup in steps (set this or warmup_ratio)."""
+    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """Linear warmup as a fraction of all steps."""
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = "adamw_torch"
+    """Optimiser; the 8-bit ones (bitsandbytes) keep 2 bytes of state per trained parameter instead of 8."""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """Decoupled weight decay."""
+    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Compute precision; `auto`: bf16 where the accelerator supports it, fp16 on older GPUs, fp32 on CPU."""
+    gradient_checkpointing: Union[Auto, bool] = AUTO
+    """Recompute activations in the backward pass to save memory; `auto` turns it on only when needed to fit."""
+    seed: int = 42
+    """Seed for weights of new modules, dropout and data order."""
+
+
+# ---------------------------------------------------------------- distributed
+class DistributedSection(Section):
+    """How the job spreads over devices and nodes."""
+
+    backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
+    """`single` process, torch `ddp`, `fsdp` (FSDP2) or `deepspeed` ZeRO; `auto` picks the cheapest that fits."""
+    sharding: Literal["auto", "none", "full_shard", "shard_grad_op", "hybrid_shard", "zero1", "zero2", "zero3"] = "auto"
+    """What is sharded: FSDP `full_shard` / `shard_grad_op` / `hybrid_shard` (shard in a node, replicate across nodes), or DeepSpeed `zero1` / `zero2` / `zero3`."""
+    offload: Literal["auto", "none", "optimizer", "all"] = "auto"
+    """Move optimiser states (`optimizer`, DeepSpeed) or parameters, gradients and optimiser states (`all`) to host RAM."""
+    nodes: Union[Auto, PositiveInt] = AUTO
+    """Nodes to use; `auto`: all the hardware has."""
+    processes_per_node: Union[Auto, PositiveInt] = AUTO
+    """Processes per node; `auto`: one per GPU (one on a CPU-only machine)."""
+    timeout_minutes: PositiveInt = 30
+    """Time a collective may wait before the job fails with a message naming the rank."""
+    deepspeed_config: str | None = None
+    """Your own DeepSpeed JSON file, used as is instead of the one ft writes."""
+
+
+# ---------------------------------------------------------------- output
+class OutputSection(Section):
+    """Where the run folder goes and how often it is written to."""
+
+    dir: str
+    """Run folder: config, plan, metrics, checkpoints and the final model."""
+    save_steps: NonNegInt = 500
+    """Save a checkpoint every N steps (0: only at the end)."""
+    keep_checkpoints: PositiveInt = 3
+    """Keep the newest N checkpoints."""
+    eval_steps: NonNegInt = 0
+    """Evaluate on the validation split every N steps (0: only at the end)."""
+    log_steps: PositiveInt = 10
+    """Write metrics every N steps."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
+    """Experiment trackers to log to, besides metrics.jsonl."""
+    run_name: str | None = None
+    """Name shown in trackers (default: the run folder's name)."""
+    resume: Literal["never", "auto"] = "never"
+    """`auto`: continue from the newest complete checkpoint in dir when there is one."""
+
+
+# ---------------------------------------------------------------- the job
+class Config(Section):
+    """An ft job: one file, one section per concern."""
+
+    model: ModelSection
+    """The model to fine-tune."""
+    data: DataSection
+    """Training data and its preparation."""
+    method: Method = SFTMethod(name="sft")
+    """Training method: sft, dpo or grpo, with its own options."""
+    adapter: AdapterSection = AdapterSection()
+    """Full fine-tuning or a (Q)LoRA adapter."""
+    quantization: QuantizationSection = QuantizationSection()
+    """Quantization of the frozen base."""
+    train: TrainSection = TrainSection()
+    """Optimisation settings."""
+    distributed: DistributedSection = DistributedSection()
+    """Devices, nodes, backend and sharding."""
+    output: OutputSection
+    """Run folder and cadence of saving, evaluation and logging."""
+
