@@ -1,0 +1,99 @@
+"""The `ft` command. Each verb parses its arguments, then calls one function.
+
+Imports of torch, transformers and friends stay inside the functions that need them, so `ft --help`,
+`ft validate` and `ft plan --hardware ...` start in well under a second.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from finetune import __version__
+from finetune.errors import FtError
+
+app = typer.Typer(
+    name="ft",
+    help="ft: declarative fine-tuning. Describe a job in one YAML file; ft validates it, plans it for your hardware and explains every choice.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+SetOption = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help="Override a key, e.g. --set train.lr=1e-4 --set data.seq_len=4096 (repeatable; `ft explain` lists keys).")
+HardwareOption = typer.Option(None, "--hardware", "-H", metavar="DESC", help="Plan for hardware you describe instead of this machine: cpu, cpu:2, 1xA10G-24GB, 8xH100-80GB, 2x8xA100-40GB, h100, ...")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ft {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")) -> None:
+    """ft: declarative fine-tuning for large language models."""
+
+
+@app.command()
+def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: Optional[List[str]] = SetOption) -> None:
+    """Check a job file: every problem at once, with file and line. Exit code 2 when invalid."""
+    from finetune.config import load
+
+    cfg = load(config, set_ or ())
+    typer.echo(f"{config}: valid ({cfg.method.name}, model {cfg.model.name}, adapter {cfg.adapter.type}, output {cfg.output.dir})")
+
+
+@app.command()
+def plan(
+    config: Path = typer.Argument(..., help="Job YAML file."),
+    hardware: Optional[str] = HardwareOption,
+    json_: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    set_: Optional[List[str]] = SetOption,
+) -> None:
+    """Show what ft would run: every choice with its reason, memory per device and host, the launch command."""
+    from finetune.report import print_plan
+    from finetune.workflow import compile_plan
+
+    print_plan(compile_plan(config, set_ or (), hardware), as_json=json_)
+
+
+@app.command()
+def schema(
+    output: Path = typer.Option(Path("schemas/ft.schema.json"), "--output", "-o", help="Where to write the JSON Schema ('-' for stdout)."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the key reference as Markdown to this file."),
+) -> None:
+    """Write the JSON Schema of job files (editors use it to complete and check YAML)."""
+    from finetune.config.docs import json_schema_text, markdown_reference
+
+    text = json_schema_text()
+    if str(output) == "-":
+        sys.stdout.write(text)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {output}", err=True)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(markdown_reference(), encoding="utf-8")
+        typer.echo(f"wrote {markdown}", err=True)
+
+
+@app.command()
+def explain(key: Optional[str] = typer.Argument(None, help="A section or dotted key, e.g. train or train.micro_batch_size.")) -> None:
+    """Describe the keys of a job file (the same text as the JSON Schema and docs/config.md)."""
+    from finetune.config.docs import explain_key
+
+    typer.echo(explain_key(key))
+
+
+def main() -> None:
+    """Console entry point: user errors print a message (no traceback) and exit with their code."""
+    try:
+        app()
+    except FtError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(e.exit_code)

@@ -1,0 +1,93 @@
+"""The Plan: every value ft derived from a Config and a Hardware, each with the reason it was chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from finetune.plan.memory import GiB, Estimate
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice: its value, why, and whether the user made it (`config`) or ft did (`auto`)."""
+
+    field: str
+    value: Any
+    reason: str
+    source: str = "auto"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a job will run: derived values only; the Config stays as the user wrote it."""
+
+    model: str
+    hardware: str
+    method: str
+    precision: str
+    adapter: str
+    quantization: str
+    backend: str
+    sharding: str | None
+    offload: str  # none | optimizer | all
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool
+    world_size: int
+    nodes: int
+    processes_per_node: int
+    global_batch_size: int  # sequences per optimizer step
+    seq_len: int
+    lr: float
+    attn_implementation: str
+    estimate: Estimate
+    device_capacity_bytes: int  # usable memory per device (after headroom)
+    host_capacity_bytes: int  # usable host RAM per node
+    decisions: tuple[Decision, ...]
+    launch: tuple[str, ...]
+
+    def decision(self, field: str) -> Decision:
+        return next(d for d in self.decisions if d.field == field)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+    def to_json(self) -> dict[str, Any]:
+        """The Plan as plain JSON types (`ft plan --json`, plan.json in the run folder)."""
+        e = self.estimate
+        return {
+            "model": self.model,
+            "hardware": self.hardware,
+            "method": self.method,
+            "precision": self.precision,
+            "adapter": self.adapter,
+            "quantization": self.quantization,
+            "backend": self.backend,
+            "sharding": self.sharding,
+            "offload": self.offload != "none",
+            "offload_target": self.offload,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "world_size": self.world_size,
+            "nodes": self.nodes,
+            "processes_per_node": self.processes_per_node,
+            "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.tokens_per_step,
+            "seq_len": self.seq_len,
+            "lr": self.lr,
+            "attn_implementation": self.attn_implementation,
+            "params": {"total": e.total_params, "trainable": e.trainable_params},
+            "memory": {
+                "per_device_gib": round(e.device_bytes / GiB, 2),
+                "device_capacity_gib": round(self.device_capacity_bytes / GiB, 2),
+                "host_gib": round(e.host_bytes / GiB, 2),
+                "host_capacity_gib": round(self.host_capacity_bytes / GiB, 2),
+                "per_device_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.device.items()},
+                "host_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.host.items()},
+            },
+            "decisions": [{"field": d.field, "value": d.value, "reason": d.reason, "source": d.source} for d in self.decisions],
+            "launch": list(self.launch),
+        }

@@ -1,0 +1,328 @@
+"""plan(config, hardware, model) -> Plan: a pure function; every `auto` becomes a Decision with a reason.
+
+Order of choices: topology (nodes, processes) -> precision -> global batch -> the first setup that fits,
+searching adapter/quantization (least compromise first: LoRA before QLoRA), then backend/sharding/offload
+(least communication first: DDP, FSDP shard_grad_op, hybrid, full shard, then host offload), then
+gradient checkpointing (only when needed) and the largest micro-batch that divides the per-rank batch.
+Explicit choices are kept and checked. When nothing fits, PlanError gives the estimate and the
+concrete changes that would fit (see `finetune.plan.advice`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.catalog import ModelFacts
+from finetune.config.schema import Config, DPOMethod, GRPOMethod
+from finetune.distributed.launch import launch_command
+from finetune.errors import PlanError
+from finetune.hardware import Hardware
+from finetune.plan.memory import GiB, Estimate, Setup, estimate
+from finetune.plan.plan import Decision, Plan
+
+GPU_HEADROOM = 0.10  # keep 10% of each GPU free: estimator error, allocator spikes, other processes
+CPU_HEADROOM = 0.20  # the OS, page cache and the tokenizer also live in host RAM
+HOST_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    processes_per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    adapter: str
+    quantization: str
+    backend: str
+    sharding: str | None
+    offload: str
+
+
+@dataclass(frozen=True)
+class Fit:
+    candidate: Candidate
+    micro_batch_size: int
+    checkpointing: bool
+    estimate: Estimate
+
+
+def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml") -> Plan:
+    """Compile `config` for `hardware`; raise PlanError when it cannot run there."""
+    decisions: list[Decision] = []
+    topo = choose_topology(config, hardware, decisions)
+    precision = choose_precision(config, hardware, decisions)
+    batch = choose_global_batch(config, topo, decisions)
+    fit = search(config, hardware, model, topo, precision, batch)
+    if fit is None:
+        from finetune.plan.advice import no_fit_error
+
+        raise no_fit_error(config, hardware, model, topo, precision, batch)
+    _record_fit(config, fit, topo, batch, decisions)
+    lr = choose_lr(config, fit.candidate.adapter, decisions)
+    attn = choose_attention(config, hardware, decisions)
+    c = fit.candidate
+    return Plan(
+        model=model.name, hardware=hardware.describe(), method=config.method.name, precision=precision,
+        adapter=c.adapter, quantization=c.quantization, backend=c.backend, sharding=c.sharding, offload=c.offload,
+        micro_batch_size=fit.micro_batch_size, gradient_accumulation_steps=batch // topo.world // fit.micro_batch_size,
+        gradient_checkpointing=fit.checkpointing, world_size=topo.world, nodes=topo.nodes,
+        processes_per_node=topo.processes_per_node, global_batch_size=batch, seq_len=config.data.seq_len, lr=lr,
+        attn_implementation=attn, estimate=fit.estimate, device_capacity_bytes=device_capacity(hardware),
+        host_capacity_bytes=host_capacity(hardware), decisions=tuple(decisions),
+        launch=tuple(launch_command(config_path, topo.nodes, topo.processes_per_node, hardware.launch.master_addr)),
+    )
+
+
+# ---------------------------------------------------------------- topology, precision, batch
+def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topology:
+    d = config.distributed
+    unit = "process" if hw.is_cpu else "GPU"
+    if d.backend == "single":
+        out.append(Decision("world_size", 1, f"backend single runs one process{'' if hw.world_size == 1 else f' ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)'}", "config"))
+        return Topology(1, 1)
+    nodes = hw.nodes if d.nodes == "auto" else d.nodes
+    if nodes > hw.nodes:
+        raise PlanError(f"distributed.nodes: {nodes} asks for more nodes than the hardware has ({hw.describe()}); set distributed.nodes: {hw.nodes} or auto, or plan for the hardware you will run on (--hardware {nodes}x{hw.devices_per_node}x...)")
+    ppn = hw.devices_per_node if d.processes_per_node == "auto" else d.processes_per_node
+    if not hw.is_cpu and ppn > hw.devices_per_node:
+        raise PlanError(f"distributed.processes_per_node: {ppn} is more than the {hw.devices_per_node} GPUs per node; set it to {hw.devices_per_node} or auto")
+    source = "auto" if d.nodes == "auto" and d.processes_per_node == "auto" else "config"
+    why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {unit}{'s' if ppn > 1 else ''}"
+    out.append(Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source))
+    return Topology(nodes, ppn)
+
+
+def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
+    p = config.train.precision
+    acc = hw.accelerator
+    if p != "auto":
+        if acc is not None and p == "bf16" and not acc.bf16:
+            raise PlanError(f"train.precision: bf16 is not supported by {acc.name}; set train.precision: fp16 (or auto)")
+        if acc is None and p == "fp16":
+            raise PlanError("train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 (or auto)")
+        out.append(Decision("precision", p, "as set in the config", "config"))
+        return p
+    if acc is None:
+        out.append(Decision("precision", "fp32", "CPU: fp32 is exact and supported everywhere (set bf16 to use AMX/AVX-512 bf16 units where the CPU has them)"))
+        return "fp32"
+    if acc.bf16:
+        out.append(Decision("precision", "bf16", f"{acc.name} supports bf16: half the memory of fp32, no loss scaling needed"))
+        return "bf16"
+    out.append(Decision("precision", "fp16", f"{acc.name} has no bf16; fp16 with dynamic loss scaling"))
+    return "fp16"
+
+
+def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> int:
+    t, world = config.train, topo.world
+    if t.global_batch_tokens is not None:
+        seqs = max(world, round(t.global_batch_tokens / config.data.seq_len / world) * world)
+        out.append(Decision("global_batch_size", seqs, f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world size {world}: {seqs * config.data.seq_len} tokens per step"))
+        return seqs
+    if t.global_batch_size % world:
+        lower, upper = (t.global_batch_size // world) * world, (t.global_batch_size // world + 1) * world
+        options = " or ".join(str(n) for n in (lower, upper) if n)
+        raise PlanError(f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} ranks; set it to {options}, or change distributed.processes_per_node / nodes")
+    out.append(Decision("global_batch_size", t.global_batch_size, f"{t.global_batch_size // world} sequences per rank × {world} ranks", "config" if t.explicit("global_batch_size") else "auto"))
+    return t.global_batch_size
+
+
+# ---------------------------------------------------------------- the search
+def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Fit | None:
+    """The first candidate (in preference order) with a micro-batch and checkpointing setting that fit."""
+    for cand in candidates(config, hw, topo):
+        fit = fit_candidate(config, hw, m, topo, precision, batch, cand)
+        if fit is not None:
+            return fit
+    return None
+
+
+def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
+    """Every setup the config allows, in preference order; host offload (slow) only after all others."""
+    out = [Candidate(a, q, b, s, o) for a, q in adapter_options(config) for b, s, o in backend_options(config, hw, topo)
+           if not (q == "int8" and b in ("fsdp", "deepspeed"))]
+    return sorted(out, key=lambda c: c.offload != "none")
+
+
+def adapter_options(config: Config) -> list[tuple[str, str]]:
+    """(adapter, quantization) pairs to try, least compromise first."""
+    a, q = config.adapter.type, config.quantization.type
+    if a == "full":
+        return [("full", "none")]
+    if a == "qlora" or (a == "lora" and q == "nf4"):
+        return [("qlora", "nf4")]
+    if q == "int8":
+        return [("lora", "int8")]
+    if q == "nf4":
+        return [("qlora", "nf4")]
+    if a == "lora" or q == "none":
+        return [("lora", "none")]
+    return [("lora", "none"), ("qlora", "nf4")]
+
+
+def backend_options(config: Config, hw: Hardware, topo: Topology) -> list[tuple[str, str | None, str]]:
+    """(backend, sharding, offload) triples to try, least communication and host traffic first."""
+    d = config.distributed
+    if topo.world == 1 and d.backend in ("auto", "single"):
+        opts = [("single", None, "none")]
+        if d.backend == "auto" and not hw.is_cpu and d.offload in ("auto", "all"):
+            opts.append(("fsdp", "full_shard", "all"))
+        return opts
+    backends = ["ddp", "fsdp"] if d.backend == "auto" else [d.backend]
+    out = []
+    for b in backends:
+        for s in _shardings(b, d.sharding, topo):
+            for o in _offloads(b, s, d.offload, hw):
+                out.append((b, s, o))
+    return out
+
+
+def _shardings(backend: str, asked: str, topo: Topology) -> list[str | None]:
+    if backend in ("ddp", "single"):
+        return [None]
+    if asked != "auto":
+        if asked == "hybrid_shard" and topo.nodes == 1:
+            raise PlanError("distributed.sharding: hybrid_shard shards inside a node and replicates across nodes, but the job has 1 node; set sharding: full_shard (or auto)")
+        return [asked]
+    if backend == "deepspeed":
+        return ["zero1", "zero2", "zero3"]
+    return ["shard_grad_op"] + (["hybrid_shard"] if topo.nodes > 1 else []) + ["full_shard"]
+
+
+def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> list[str]:
+    if backend in ("ddp", "single"):
+        return ["none"]
+    if asked != "auto":
+        if asked != "none" and hw.is_cpu:
+            raise PlanError(f"distributed.offload: {asked} moves memory from GPUs to host RAM, but this hardware has no GPU; set offload: none (or auto)")
+        return [asked]
+    if hw.is_cpu:
+        return ["none"]
+    if backend == "deepspeed":
+        return ["none", "optimizer", "all"] if sharding == "zero3" else ["none", "optimizer"]
+    return ["none", "all"] if sharding == "full_shard" else ["none"]
+
+
+def fit_candidate(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, cand: Candidate) -> Fit | None:
+    """Largest micro-batch without checkpointing; checkpointing only when even that does not fit."""
+    per_rank = batch // topo.world
+    t = config.train
+    ckpts = [False, True] if t.gradient_checkpointing == "auto" else [t.gradient_checkpointing]
+    sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0] if t.micro_batch_size == "auto" else [t.micro_batch_size]
+    if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
+        divisors = [n for n in range(1, per_rank + 1) if per_rank % n == 0]
+        raise PlanError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors} or auto")
+    for ckpt in ckpts:
+        for mb in sizes:
+            est = estimate(m, setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
+            if fits(est, hw):
+                return Fit(cand, mb, ckpt, est)
+    return None
+
+
+def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool) -> Setup:
+    """The memory estimator's view of one candidate."""
+    a, method = config.adapter, config.method
+    shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
+    attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+    full = cand.adapter == "full"
+    reference_copy = (isinstance(method, DPOMethod) and full and method.reference in ("auto", "copy")) or (isinstance(method, GRPOMethod) and full and method.kl_coef > 0)
+    gen_tokens = config.data.seq_len if isinstance(method, GRPOMethod) else 0
+    targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
+    return Setup(
+        adapter=cand.adapter, quantization=cand.quantization, precision=precision, optimizer=config.train.optimizer,
+        micro_batch_size=mb, seq_len=config.data.seq_len, gradient_checkpointing=ckpt, sharding=cand.sharding,
+        shard_size=shard_size if cand.sharding else 1, offload=cand.offload, lora_r=a.r, lora_targets=targets,
+        lora_dropout=a.dropout, dora=a.dora, modules_to_save=tuple(a.modules_to_save), double_quant=config.quantization.double_quant,
+        attention=attn, method=method.name, reference_copy=reference_copy, generation_tokens=gen_tokens,
+        generation_batch=batch // topo.world if gen_tokens else 0, accelerator=not hw.is_cpu,
+    )
+
+
+def device_capacity(hw: Hardware) -> int:
+    return int(hw.device_memory_bytes * (1 - (CPU_HEADROOM if hw.is_cpu else GPU_HEADROOM)))
+
+
+def host_capacity(hw: Hardware) -> int:
+    return int(hw.host_memory_bytes * (1 - HOST_HEADROOM))
+
+
+def fits(est: Estimate, hw: Hardware) -> bool:
+    if est.device_bytes > device_capacity(hw):
+        return False
+    return hw.is_cpu or est.host_bytes <= host_capacity(hw)
+
+
+# ---------------------------------------------------------------- recording the choices
+def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, out: list[Decision]) -> None:
+    c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
+    gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
+    out.append(_choice("adapter", c.adapter, a.type, {
+        "lora": f"LoRA fits ({gib}): trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} parameters, base kept in full precision",
+        "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
+    }.get(c.adapter, "")))
+    out.append(_choice("quantization", c.quantization, q.type, {"nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""), "none": "the base fits unquantized"}.get(c.quantization, "")))
+    out.append(_choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
+    out.append(_choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
+    out.append(_choice("offload", c.offload, d.offload, "everything fits in device memory" if c.offload == "none" else f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)"))
+    per_rank = batch // topo.world
+    out.append(_choice("micro_batch_size", fit.micro_batch_size, t.micro_batch_size, f"largest divisor of the {per_rank} sequences per rank that fits ({gib})"))
+    out.append(Decision("gradient_accumulation_steps", per_rank // fit.micro_batch_size, f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × {topo.world} ranks"))
+    out.append(_choice("gradient_checkpointing", fit.checkpointing, t.gradient_checkpointing, "on: without it even micro-batch 1 does not fit (costs ~30% more compute)" if fit.checkpointing else "off: activations fit without recomputation"))
+    if c.quantization == "nf4" and c.backend == "fsdp":
+        out.append(Decision("quant_storage", "bf16", "FSDP shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container (FSDP-QLoRA)"))
+
+
+def _choice(field: str, value, asked, reason: str) -> Decision:
+    if asked != "auto":
+        return Decision(field, value, "as set in the config", "config")
+    return Decision(field, value, reason)
+
+
+def _backend_reason(c: Candidate, topo: Topology) -> str:
+    if c.backend == "single":
+        return "one device: no distributed backend needed"
+    if c.backend == "ddp":
+        return f"a full replica fits on each of the {topo.world} devices: DDP only all-reduces gradients"
+    if c.backend == "fsdp":
+        return "a full replica does not fit per device; FSDP2 shards it" + (" and offloads to host RAM" if c.offload != "none" else "")
+    return "DeepSpeed ZeRO shards training state across ranks"
+
+
+def _sharding_reason(c: Candidate, topo: Topology) -> str:
+    return {
+        None: "no sharding: each rank holds the whole model",
+        "shard_grad_op": "gradients and optimizer states sharded, parameters kept between forward and backward: less communication than full_shard",
+        "hybrid_shard": f"sharded inside each node ({topo.processes_per_node} GPUs), replicated across the {topo.nodes} nodes: all-gathers stay on the fast intra-node links",
+        "full_shard": f"parameters, gradients and optimizer states sharded over all {topo.world} ranks",
+        "zero1": "optimizer states sharded", "zero2": "gradients and optimizer states sharded", "zero3": "parameters, gradients and optimizer states sharded",
+    }[c.sharding]
+
+
+def choose_lr(config: Config, adapter: str, out: list[Decision]) -> float:
+    if config.train.lr != "auto":
+        out.append(Decision("lr", config.train.lr, "as set in the config", "config"))
+        return config.train.lr
+    full = adapter == "full"
+    lr = {"sft": 2e-5 if full else 2e-4, "dpo": 5e-7 if full else 5e-6, "grpo": 1e-6 if full else 1e-5}[config.method.name]
+    out.append(Decision("lr", lr, f"common starting point for {config.method.name} with {'full fine-tuning' if full else 'an adapter'}"))
+    return lr
+
+
+def choose_attention(config: Config, hw: Hardware, out: list[Decision]) -> str:
+    asked = config.model.attn_implementation
+    if asked != "auto":
+        out.append(Decision("attn_implementation", asked, "as set in the config", "config"))
+        return asked
+    out.append(Decision("attn_implementation", "sdpa", "torch's scaled-dot-product attention: memory-efficient kernels with no extra install; ft train upgrades to flash_attention_2 where installed and supported"))
+    return "sdpa"
+
+
+def with_hardware(hw: Hardware, nodes: int | None = None, devices_per_node: int | None = None) -> Hardware:
+    """The same hardware with another node or device count (for 'what would fit' advice)."""
+    return replace(hw, nodes=nodes or hw.nodes, devices_per_node=devices_per_node or hw.devices_per_node)

@@ -1,0 +1,56 @@
+"""Printing a Plan for people (rich tables) or programs (JSON)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+from finetune.plan.memory import GiB
+from finetune.plan.plan import Plan
+
+
+def print_plan(plan: Plan, as_json: bool = False) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    e = plan.estimate
+    console.print(f"[bold]{plan.model}[/] · {plan.method} · on {plan.hardware}")
+    console.print(f"{e.total_params:,} parameters, {e.trainable_params:,} trained ({100 * e.trainable_params / e.total_params:.2f}%)")
+
+    choices = Table(title="Decisions", title_justify="left", show_lines=False)
+    for col in ("choice", "value", "by", "why"):
+        choices.add_column(col, overflow="fold")
+    for d in plan.decisions:
+        choices.add_row(d.field, _fmt(d.value), "you" if d.source == "config" else "ft", d.reason)
+    console.print(choices)
+
+    memory = Table(title=f"Memory per {'process' if 'CPU only' in plan.hardware else 'GPU'}", title_justify="left")
+    memory.add_column("component")
+    memory.add_column("GiB", justify="right")
+    for name, size in sorted(e.device.items(), key=lambda kv: -kv[1]):
+        memory.add_row(name, f"{size / GiB:.2f}")
+    used = e.device_bytes / plan.device_capacity_bytes
+    memory.add_row("[bold]total[/]", f"[bold]{e.device_bytes / GiB:.2f}[/]")
+    memory.add_row("usable", f"{plan.device_capacity_bytes / GiB:.2f} ({100 * used:.0f}% used)")
+    console.print(memory)
+    if e.host:
+        host = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.host.items())
+        console.print(f"Host RAM per node: {e.host_bytes / GiB:.1f} GiB of {plan.host_capacity_bytes / GiB:.1f} usable ({host})")
+    console.print(f"Step: {plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step:,} tokens "
+                  f"({plan.micro_batch_size} micro × {plan.gradient_accumulation_steps} accumulation × {plan.world_size} ranks)")
+    console.print("Launch: " + " ".join(shlex.quote(a) if not a.startswith("--node-rank=$") and "$" not in a else a for a in plan.launch), soft_wrap=True)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
