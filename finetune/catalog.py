@@ -17,16 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.catalog_data import ENTRIES
+from finetune.catalog_data import ENTRIES, LAYOUTS, layout
 
 MLP_KINDS = ("gated", "plain")
 NORM_KINDS = ("rms", "layer")
 
 # model_type values whose layout ft knows exactly (tested against transformers on the meta device).
-EXACT_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
-     "phi", "phi3", "stablelm"}
-)
+EXACT_MODEL_TYPES = frozenset(LAYOUTS)
 
 
 @dataclass(frozen=True)
@@ -255,11 +252,12 @@ def suggest(name: str, n: int = 3) -> list[str]:
     return names[:n]
 
 
-# ---------------------------------------------------------------------------------------------
-# config.json -> ModelFacts
+# --- config.json -> ModelFacts ---
 
 # Multimodal configs that nest the language model in "text_config", and the text model's type.
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Where config.json omits tie_word_embeddings, transformers ties the head for these types only.
+_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text"})
 
 _KEY_SPELLINGS = {
     "vocab_size": ("vocab_size", "padded_vocab_size"),
@@ -304,57 +302,6 @@ def _core_fields(cfg: dict, name: str) -> dict:
     }
 
 
-def _moe_fields(cfg: dict, expert_size_key: str = "moe_intermediate_size") -> dict:
-    experts = _first(cfg, ("num_local_experts", "num_experts")) or 0
-    if not experts:
-        return {}
-    return {
-        "num_experts": experts,
-        "experts_per_token": cfg.get("num_experts_per_tok") or 1,
-        "moe_intermediate_size": cfg.get(expert_size_key) or cfg.get("intermediate_size"),
-    }
-
-
-def _llama_like(cfg: dict) -> dict:
-    bias = bool(cfg.get("attention_bias"))
-    return {"attention_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias"))}
-
-
-def _stablelm(cfg: dict) -> dict:
-    parallel = bool(cfg.get("use_parallel_residual"))
-    return {"norm": "layer", "attention_bias": bool(cfg.get("use_qkv_bias")),
-            "norms_per_layer": 1 if parallel else 2, "counts_exact": not cfg.get("qk_layernorm")}
-
-
-def _qwen3_moe(cfg: dict) -> dict:
-    every_layer_sparse = not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
-    return {"qk_norm": True, **_llama_like(cfg), **_moe_fields(cfg), "counts_exact": every_layer_sparse}
-
-
-def _unknown(cfg: dict) -> dict:
-    return {**_llama_like(cfg), **_moe_fields(cfg), "counts_exact": False}
-
-
-_LAYOUTS = {
-    "llama": _llama_like,
-    "mistral": lambda cfg: {},
-    "mixtral": lambda cfg: _moe_fields(cfg, "intermediate_size"),  # experts are full-size MLPs
-    "qwen2": lambda cfg: {"attention_bias": True},
-    "qwen3": lambda cfg: {"qk_norm": True, **_llama_like(cfg)},
-    "qwen3_moe": _qwen3_moe,
-    "gemma": _llama_like,
-    "gemma2": lambda cfg: {"norms_per_layer": 4, **_llama_like(cfg)},
-    "gemma3_text": lambda cfg: {"norms_per_layer": 4, "qk_norm": True, **_llama_like(cfg)},
-    "phi": lambda cfg: {"mlp": "plain", "norm": "layer", "norms_per_layer": 1,
-                        "attention_bias": True, "o_bias": True, "mlp_bias": True,
-                        "lm_head_bias": True, "counts_exact": not cfg.get("qk_layernorm")},
-    "phi3": lambda cfg: {"fused_qkv": True, "fused_gate_up": True},
-    "stablelm": _stablelm,
-}
-
-_TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
-
-
 def from_hf_config(cfg: dict, name: str) -> ModelFacts:
     """ModelFacts from a config.json dict (or a transformers config's `to_dict()`).
 
@@ -363,13 +310,13 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
     names. An unknown model_type is read as a llama-like layout with `counts_exact=False`.
     """
     text, model_type = _text_config(cfg)
-    switches = _LAYOUTS.get(model_type, _unknown)(text)
+    switches = layout(model_type, text)
     tie = text.get("tie_word_embeddings")
     return ModelFacts(
         name=name,
         model_type=model_type,
         **_core_fields(text, name),
-        tie_word_embeddings=(model_type in _TIED_BY_DEFAULT) if tie is None else bool(tie),
+        tie_word_embeddings=model_type in _TIED_BY_DEFAULT if tie is None else bool(tie),
         **switches,
     )
 
@@ -399,8 +346,7 @@ def to_hf_config(facts: ModelFacts) -> dict:
     return cfg
 
 
-# ---------------------------------------------------------------------------------------------
-# resolve: local folder -> catalog -> hub
+# --- resolve: local folder -> catalog -> hub ---
 
 
 class ModelNotFound(Exception):
@@ -417,6 +363,9 @@ class ModelNotFound(Exception):
                 "catalog, and could not be fetched from the hub (offline?).")
         if self.suggestions:
             text += " Did you mean: " + ", ".join(self.suggestions) + "?"
+        else:
+            text += (" No catalog name is close to it; catalog names look like "
+                     "'meta-llama/Llama-3.1-8B', 'Qwen/Qwen2.5-7B-Instruct' or 'ft-tiny'.")
         if self.reason:
             text += f" (hub: {self.reason})"
         return text

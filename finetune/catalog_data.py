@@ -1,4 +1,5 @@
-"""The catalog's table: config.json values of popular open models (read by finetune.catalog).
+"""The catalog's data (read by finetune.catalog): which parameters each model_type creates, and
+a table of config.json values of popular open models.
 
 One row per distinct architecture. Instruct or chat releases with the same config are aliases;
 a release whose config differs (vocab size, max positions) is its own entry, built as a variant.
@@ -8,21 +9,84 @@ entry's parameter count against transformers on the meta device.
 
 from __future__ import annotations
 
-# Switches shared by a family; the ModelFacts defaults (gated MLP, RMS norm, no biases) fill the rest.
-LLAMA = {"model_type": "llama"}
-MISTRAL = {"model_type": "mistral"}
-MIXTRAL = {"model_type": "mixtral", "num_experts": 8, "experts_per_token": 2}
-QWEN2 = {"model_type": "qwen2", "attention_bias": True}
-QWEN3 = {"model_type": "qwen3", "qk_norm": True}
-QWEN3_MOE = {"model_type": "qwen3_moe", "qk_norm": True}
-GEMMA2 = {"model_type": "gemma2", "norms_per_layer": 4}
+
+# --- Which parameters each model_type creates, as ModelFacts switches read from its config ---
+# (the ModelFacts defaults, a gated MLP, RMS norms and no biases, fill the rest)
+
+
+def _llama_like(cfg: dict) -> dict:
+    bias = bool(cfg.get("attention_bias"))  # llama-style: one flag for q, k, v and o
+    return {"attention_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias"))}
+
+
+def _moe(cfg: dict, expert_size_key: str = "moe_intermediate_size") -> dict:
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not experts:
+        return {}
+    return {"num_experts": experts, "experts_per_token": cfg.get("num_experts_per_tok") or 1,
+            "moe_intermediate_size": cfg.get(expert_size_key) or cfg.get("intermediate_size")}
+
+
+def _qwen3_moe(cfg: dict) -> dict:
+    every_layer_sparse = not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
+    return {"qk_norm": True, **_llama_like(cfg), **_moe(cfg), "counts_exact": every_layer_sparse}
+
+
+def _phi(cfg: dict) -> dict:
+    return {"mlp": "plain", "norm": "layer", "norms_per_layer": 1, "attention_bias": True,
+            "o_bias": True, "mlp_bias": True, "lm_head_bias": True,
+            "counts_exact": not cfg.get("qk_layernorm")}
+
+
+def _stablelm(cfg: dict) -> dict:
+    return {"norm": "layer", "attention_bias": bool(cfg.get("use_qkv_bias")),
+            "norms_per_layer": 1 if cfg.get("use_parallel_residual") else 2,
+            "counts_exact": not cfg.get("qk_layernorm")}
+
+
+LAYOUTS = {
+    "llama": _llama_like,
+    "mistral": lambda cfg: {},
+    "mixtral": lambda cfg: _moe(cfg, "intermediate_size"),  # each expert is a full-size MLP
+    "qwen2": lambda cfg: {"attention_bias": True},  # q, k, v biases always; none on o
+    "qwen3": lambda cfg: {"qk_norm": True, **_llama_like(cfg)},
+    "qwen3_moe": _qwen3_moe,
+    "gemma": _llama_like,
+    "gemma2": lambda cfg: {"norms_per_layer": 4, **_llama_like(cfg)},
+    "gemma3_text": lambda cfg: {"norms_per_layer": 4, "qk_norm": True, **_llama_like(cfg)},
+    "phi": _phi,
+    "phi3": lambda cfg: {"fused_qkv": True, "fused_gate_up": True},
+    "stablelm": _stablelm,
+}
+
+
+def layout(model_type: str, cfg: dict) -> dict:
+    """The switches for `model_type`; an unknown type is read as llama-like, not exactly."""
+    if model_type in LAYOUTS:
+        return LAYOUTS[model_type](cfg)
+    return {**_llama_like(cfg), **_moe(cfg), "counts_exact": False}
+
+
+def _family(model_type: str, **cfg) -> dict:
+    return {"model_type": model_type, **layout(model_type, cfg)}
+
+
+# --- The table ---
+
+LLAMA = _family("llama")
+MISTRAL = _family("mistral")
+MIXTRAL = {**_family("mixtral"), "num_experts": 8, "experts_per_token": 2}
+QWEN2 = _family("qwen2")
+QWEN3 = _family("qwen3")
+QWEN3_MOE = _family("qwen3_moe")
+GEMMA2 = _family("gemma2")
 # Gemma 3 4B and up are multimodal (model_type "gemma3"); the catalog describes their text tower
 # (Gemma3TextConfig, model_type "gemma3_text"), which is what ft fine-tunes. 1B is text-only.
-GEMMA3 = {"model_type": "gemma3_text", "norms_per_layer": 4, "qk_norm": True}
-PHI = {"model_type": "phi", "mlp": "plain", "norm": "layer", "norms_per_layer": 1,
-       "attention_bias": True, "o_bias": True, "mlp_bias": True, "lm_head_bias": True}
-PHI3 = {"model_type": "phi3", "fused_qkv": True, "fused_gate_up": True}
-STABLELM = {"model_type": "stablelm", "norm": "layer"}
+GEMMA3 = _family("gemma3_text")
+PHI = _family("phi")
+PHI3 = _family("phi3")
+STABLELM = _family("stablelm")
+STABLELM_QKV_BIAS = _family("stablelm", use_qkv_bias=True)
 
 
 def _rows(family: dict, name: str, vocab: int, hidden: int, inter: int, layers: int, heads: int,
@@ -152,8 +216,8 @@ _ROWS = (
           aliases=("01-ai/Yi-6B-Chat",)),
     _rows(LLAMA, "01-ai/Yi-34B", 64000, 7168, 20480, 60, 56, 8, 128, False, 4096,
           aliases=("01-ai/Yi-34B-Chat",)),
-    _rows(STABLELM, "stabilityai/stablelm-2-1_6b", 100352, 2048, 5632, 24, 32, 32, 64, False, 4096,
-          attention_bias=True),
+    _rows(STABLELM_QKV_BIAS, "stabilityai/stablelm-2-1_6b", 100352, 2048, 5632, 24, 32, 32, 64,
+          False, 4096),
     _rows(STABLELM, "stabilityai/stablelm-3b-4e1t", 50304, 2560, 6912, 32, 32, 32, 80, False, 4096),
 )
 

@@ -36,6 +36,8 @@ class Problem:
             loc = self.where[i] if i < len(self.where) and self.where[i] else ""
             names.append(f"{dotted(key) or '(top level)'}" + (f" ({loc})" if loc else ""))
         head = " conflicts with ".join(names) if len(names) > 1 else (names[0] if names else "")
+        if not self.keys and self.where:
+            head = self.where[0]
         text = f"{head}: {self.message}" if head else self.message
         return text + (f"\n    fix: {self.fix}" if self.fix else "")
 

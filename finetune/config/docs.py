@@ -16,7 +16,7 @@ from finetune.errors import FtError
 
 def json_schema() -> dict:
     schema = Config.model_json_schema()
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "ft job", **schema}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "ft job"}
 
 
 def json_schema_text() -> str:

@@ -145,19 +145,20 @@ def _apply_override(data: dict, item: str, source: Source, problems: list[Proble
         problems.append(Problem((path,), f"value {raw!r} is not valid YAML ({getattr(e, 'problem', e)})", "quote it, e.g. --set 'model.name=\"org/model\"'", (f"--set {item}",)))
         return
     target: Any = data
-    for i, part in enumerate(path[:-1]):
-        nxt = target.get(part) if isinstance(target, dict) else (target[part] if isinstance(target, list) and isinstance(part, int) and part < len(target) else None)
-        if nxt is None and isinstance(target, dict):
-            nxt = target[part] = {}
-        if not isinstance(nxt, (dict, list)):
-            problems.append(Problem((path[: i + 1],), f"--set {key}: {dotted(path[: i + 1])} is not a section or list, so it has no key {path[i + 1]!r}", "check the dotted key (ft explain lists the keys)", (f"--set {item}",)))
+    for i, part in enumerate(path):
+        here = path[: i + 1]
+        if isinstance(target, list) and not (isinstance(part, int) and part < len(target)):
+            problems.append(Problem((here,), f"--set {key}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)", "use an index that exists", (f"--set {item}",)))
             return
-        target = nxt
-    last = path[-1]
-    if isinstance(target, list) and not (isinstance(last, int) and last < len(target)):
-        problems.append(Problem((path,), f"--set {key}: index {last} is out of range (the list has {len(target)} items)", "use an index that exists", (f"--set {item}",)))
-        return
-    target[last] = value
+        if not isinstance(target, (dict, list)):
+            problems.append(Problem((path[:i],), f"--set {key}: {dotted(path[:i])} is not a section or list, so it has no key {part!r}", "check the dotted key (ft explain lists the keys)", (f"--set {item}",)))
+            return
+        if i == len(path) - 1:
+            break
+        if isinstance(target, dict) and target.get(part) is None:
+            target[part] = {}  # a section that is absent or written empty ("train:")
+        target = target[part]
+    target[path[-1]] = value
     source.overrides[path] = item
 
 

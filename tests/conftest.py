@@ -1,0 +1,48 @@
+"""Shared test setup: never reach the hub; helpers to write job files."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parent.parent
+
+MINIMAL = """\
+model: {name: meta-llama/Llama-3.1-8B}
+data:
+  datasets: [{path: data/train.jsonl, format: chat}]
+  seq_len: 2048
+  packing: true
+method: {name: sft}
+adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}
+quantization: {type: auto}
+train:
+  global_batch_size: 32
+  micro_batch_size: auto
+  gradient_checkpointing: auto
+  optimizer: adamw_torch
+  precision: auto
+  lr: 2.0e-4
+  max_steps: 1000
+distributed: {backend: auto, sharding: auto, offload: auto}
+output: {dir: runs/llama8b-lora}
+"""
+
+
+@pytest.fixture
+def write_yaml(tmp_path):
+    """write_yaml(text) -> path of a job file holding the dedented text."""
+
+    def write(text: str, name: str = "job.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text))
+        return path
+
+    return write
