@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.catalog_data import ENTRIES, LAYOUTS, layout
+from finetune.catalog_data import (ENTRIES, KEY_SPELLINGS, LAYOUTS, TEXT_MODEL_TYPES,
+                                    TIED_BY_DEFAULT, layout)
 
 MLP_KINDS = ("gated", "plain")
 NORM_KINDS = ("rms", "layer")
@@ -121,7 +122,8 @@ class ModelFacts:
         if self.fused_gate_up:
             gate_up = (Linear("gate_up_proj", h, 2 * inter, bias=bias),)
         else:
-            gate_up = (Linear("gate_proj", h, inter, bias=bias), Linear("up_proj", h, inter, bias=bias))
+            gate_up = (Linear("gate_proj", h, inter, bias=bias),
+                       Linear("up_proj", h, inter, bias=bias))
         return gate_up + (Linear("down_proj", inter, h, bias=bias),)
 
     @property
@@ -150,10 +152,12 @@ class ModelFacts:
         # gate and up (fused as gate_up_proj) plus down, for every expert
         return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
 
+    def _norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm == "layer" else 1)  # LayerNorm adds a bias
+
     def _norms_per_layer(self) -> int:
-        per_norm = self.hidden_size * (2 if self.norm == "layer" else 1)
         qk = 2 * self.head_dim if self.qk_norm else 0
-        return self.norms_per_layer * per_norm + qk
+        return self.norms_per_layer * self._norm_params() + qk
 
     @property
     def layer_params(self) -> int:
@@ -163,23 +167,16 @@ class ModelFacts:
         return linears + self._experts_per_layer() + router + self._norms_per_layer()
 
     @property
-    def final_norm_params(self) -> int:
-        return self.hidden_size * (2 if self.norm == "layer" else 1)
-
-    @property
     def num_params(self) -> int:
         """Total parameters, as transformers instantiates the model (tied weights counted once)."""
-        return (
-            self.embedding_params
-            + self.lm_head_params
-            + self.num_layers * self.layer_params
-            + self.final_norm_params
-        )
+        layers = self.num_layers * self.layer_params
+        return self.embedding_params + self.lm_head_params + layers + self._norm_params()
 
     @property
     def other_params(self) -> int:
         """Norms, routers and everything else that is not embedding, head, linear or expert."""
-        counted = self.embedding_params + self.lm_head_params + self.linear_params + self.expert_params
+        counted = (self.embedding_params + self.lm_head_params + self.linear_params
+                   + self.expert_params)
         return self.num_params - counted
 
 
@@ -243,31 +240,19 @@ def suggest(name: str, n: int = 3) -> list[str]:
     key = name.strip().lower()
     matches = difflib.get_close_matches(key, list(_INDEX), n=4 * n, cutoff=0.5)
     matches += difflib.get_close_matches(_short(key), list(_INDEX), n=4 * n, cutoff=0.5)
-    ranked = sorted(matches, key=lambda k: -difflib.SequenceMatcher(None, _short(key), _short(k)).ratio())
+    ranked = sorted(matches, key=lambda m: _closeness(key, m), reverse=True)
     names: list[str] = []
     for match in ranked:
-        canonical = _INDEX[match].name
-        if canonical not in names:
-            names.append(canonical)
+        if _INDEX[match].name not in names:
+            names.append(_INDEX[match].name)
     return names[:n]
 
 
+def _closeness(query: str, key: str) -> float:
+    return difflib.SequenceMatcher(None, _short(query), _short(key)).ratio()
+
+
 # --- config.json -> ModelFacts ---
-
-# Multimodal configs that nest the language model in "text_config", and the text model's type.
-_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
-# Where config.json omits tie_word_embeddings, transformers ties the head for these types only.
-_TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text"})
-
-_KEY_SPELLINGS = {
-    "vocab_size": ("vocab_size", "padded_vocab_size"),
-    "hidden_size": ("hidden_size", "n_embd", "d_model"),
-    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
-    "max_position_embeddings": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
-}
-
-
 def _first(cfg: dict, keys: tuple[str, ...]) -> Any:
     for key in keys:
         if cfg.get(key) is not None:
@@ -281,15 +266,15 @@ def _text_config(cfg: dict) -> tuple[dict, str]:
     if not isinstance(text, dict):
         return cfg, str(cfg.get("model_type") or "unknown")
     outer = str(cfg.get("model_type") or "")
-    model_type = text.get("model_type") or _TEXT_MODEL_TYPES.get(outer, outer) or "unknown"
+    model_type = text.get("model_type") or TEXT_MODEL_TYPES.get(outer, outer) or "unknown"
     merged = {"tie_word_embeddings": cfg.get("tie_word_embeddings"), **text}
     return merged, str(model_type)
 
 
 def _core_fields(cfg: dict, name: str) -> dict:
     """The shape fields every model has; ValueError naming all missing keys at once."""
-    found = {field: _first(cfg, keys) for field, keys in _KEY_SPELLINGS.items()}
-    missing = [" or ".join(_KEY_SPELLINGS[f]) for f, value in found.items() if value is None]
+    found = {field: _first(cfg, keys) for field, keys in KEY_SPELLINGS.items()}
+    missing = [" or ".join(KEY_SPELLINGS[f]) for f, value in found.items() if value is None]
     if missing:
         raise ValueError(f"config of {name!r} lacks " + ", ".join(missing))
     hidden, heads = found["hidden_size"], found["num_attention_heads"]
@@ -316,13 +301,13 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
         name=name,
         model_type=model_type,
         **_core_fields(text, name),
-        tie_word_embeddings=model_type in _TIED_BY_DEFAULT if tie is None else bool(tie),
+        tie_word_embeddings=model_type in TIED_BY_DEFAULT if tie is None else bool(tie),
         **switches,
     )
 
 
 def to_hf_config(facts: ModelFacts) -> dict:
-    """The config keys transformers needs to build this model (`AutoConfig.for_model(type, **d)`)."""
+    """The config keys transformers needs to build this model: `AutoConfig.for_model(type, **d)`."""
     cfg = {
         "vocab_size": facts.vocab_size,
         "hidden_size": facts.hidden_size,
@@ -347,8 +332,6 @@ def to_hf_config(facts: ModelFacts) -> dict:
 
 
 # --- resolve: local folder -> catalog -> hub ---
-
-
 class ModelNotFound(Exception):
     """No local folder, catalog entry or hub config describes the model name."""
 
@@ -385,7 +368,8 @@ def _local_config(folder: Path, trust_remote_code: bool) -> dict:
 def _hub_config(name: str, revision: str, trust_remote_code: bool) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(name, revision=revision,
+                                        trust_remote_code=trust_remote_code)
     return config.to_dict()
 
 

@@ -60,6 +60,20 @@ LAYOUTS = {
 }
 
 
+# Multimodal configs that nest the language model in "text_config", and the text model's type.
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Where config.json omits tie_word_embeddings, transformers ties the head for these types only.
+TIED_BY_DEFAULT = frozenset({"gemma", "gemma2", "gemma3_text"})
+# The keys that may spell each shape field (GPT-style names too), in order of preference.
+KEY_SPELLINGS = {
+    "vocab_size": ("vocab_size", "padded_vocab_size"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_layers"),
+    "num_attention_heads": ("num_attention_heads", "n_head", "num_heads"),
+    "max_position_embeddings": ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
+}
+
+
 def layout(model_type: str, cfg: dict) -> dict:
     """The switches for `model_type`; an unknown type is read as llama-like, not exactly."""
     if model_type in LAYOUTS:
@@ -111,7 +125,7 @@ def _meta(*names: str) -> tuple[str, ...]:
 
 
 _ROWS = (
-    # family  name                                vocab   hidden inter  layers heads kv hd tied max_pos
+    # family, name, vocab, hidden, intermediate, layers, heads, kv heads, head_dim, tied, max pos
     _rows(LLAMA, "ft-tiny", 512, 128, 352, 4, 4, 2, 32, True, 512, aliases=("tiny",)),
     # Llama 2
     _rows(LLAMA, "meta-llama/Llama-2-7b-hf", 32000, 4096, 11008, 32, 32, 32, 128, False, 4096,
@@ -126,7 +140,8 @@ _ROWS = (
     _rows(LLAMA, "meta-llama/Meta-Llama-3-70B", 128256, 8192, 28672, 80, 64, 8, 128, False, 8192,
           aliases=_meta("Meta-Llama-3-70B-Instruct")),
     _rows(LLAMA, "meta-llama/Llama-3.1-8B", 128256, 4096, 14336, 32, 32, 8, 128, False, 131072,
-          aliases=_meta("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B", "Meta-Llama-3.1-8B-Instruct")),
+          aliases=_meta("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B",
+                        "Meta-Llama-3.1-8B-Instruct")),
     _rows(LLAMA, "meta-llama/Llama-3.1-70B", 128256, 8192, 28672, 80, 64, 8, 128, False, 131072,
           aliases=_meta("Llama-3.1-70B-Instruct", "Meta-Llama-3.1-70B",
                         "Meta-Llama-3.1-70B-Instruct")),
@@ -203,7 +218,8 @@ _ROWS = (
           variants=_max_pos_variant("microsoft/Phi-3-mini-128k-instruct", 131072)),
     _rows(PHI3, "microsoft/Phi-3-medium-4k-instruct", 32064, 5120, 17920, 40, 40, 10, 128, False,
           4096, variants=_max_pos_variant("microsoft/Phi-3-medium-128k-instruct", 131072)),
-    _rows(PHI3, "microsoft/Phi-3.5-mini-instruct", 32064, 3072, 8192, 32, 32, 32, 96, False, 131072),
+    _rows(PHI3, "microsoft/Phi-3.5-mini-instruct", 32064, 3072, 8192, 32, 32, 32, 96, False,
+          131072),
     _rows(PHI3, "microsoft/phi-4", 100352, 5120, 17920, 40, 40, 10, 128, False, 16384),
     # SmolLM2, Yi, StableLM
     _rows(LLAMA, "HuggingFaceTB/SmolLM2-135M", 49152, 576, 1536, 30, 9, 3, 64, True, 8192,

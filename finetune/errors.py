@@ -16,9 +16,9 @@ def dotted(path: Path) -> str:
 
 
 class FtError(Exception):
-    """An error the user can fix; `str()` is the whole message."""
+    """An error the user can fix; `str()` is the whole message. Exit code 2: the input was wrong."""
 
-    exit_code = 1
+    exit_code = 2
 
 
 @dataclass(frozen=True)

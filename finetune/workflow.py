@@ -28,7 +28,7 @@ def model_facts(model) -> object:
     try:
         return resolve(model.name, revision=model.revision, trust_remote_code=model.trust_remote_code)
     except ModelNotFound as e:
-        raise FtError(f"model.name: {e}") from None
+        raise FtError(str(e)) from None
 
 
 def compile_plan(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None) -> Plan:

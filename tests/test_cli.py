@@ -1,0 +1,91 @@
+"""The `ft` command as a user runs it: exit codes, messages without tracebacks, fast start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import MINIMAL, REPO
+
+QUICKSTART = str(REPO / "examples" / "yaml" / "quickstart.yaml")
+
+
+def ft(*args, cwd=None, env=None):
+    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=cwd or REPO,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_help_lists_the_verbs():
+    r = ft("--help")
+    assert r.returncode == 0
+    for verb in ("validate", "plan", "schema", "explain"):
+        assert verb in r.stdout
+    assert "--install-completion" in r.stdout
+
+
+def test_validate_and_plan_do_not_import_heavy_libraries():
+    code = ("import sys; from finetune.cli import app; from finetune.config import load; from finetune.workflow import compile_plan;"
+            f"compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
+            "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; print(heavy); assert not heavy")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_validate_ok_and_bad(write_yaml):
+    assert ft("validate", QUICKSTART).returncode == 0
+    bad = write_yaml(MINIMAL.replace("  lr: 2.0e-4", "  lrr: 2.0e-4").replace("format: chat", "format: chatt"))
+    r = ft("validate", str(bad))
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "2 problems" in r.stderr
+    assert f"{bad}:15" in r.stderr and "did you mean 'lr'" in r.stderr and "did you mean 'chat'" in r.stderr
+
+
+def test_validate_with_set_and_env(write_yaml):
+    path = write_yaml(MINIMAL.replace("max_steps: 1000", "max_steps: ${FT_TEST_STEPS}"))
+    assert ft("validate", str(path), env={"FT_TEST_STEPS": "10"}).returncode == 0
+    r = ft("validate", str(path), "--set", "train.lr=fast", env={"FT_TEST_STEPS": "10"})
+    assert r.returncode == 2 and "--set train.lr=fast" in r.stderr
+
+
+def test_plan_json_for_described_hardware():
+    r = ft("plan", QUICKSTART, "--hardware", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["backend"] == "single" and plan["world_size"] == 1 and plan["launch"][:3] == ["python", "-m", "finetune.train"]
+
+
+def test_plan_table_shows_decisions_memory_and_launch():
+    r = ft("plan", str(REPO / "examples" / "yaml" / "llama3.3-70b-qlora-2gpu.yaml"), "--hardware", "2xA6000-48GB")
+    assert r.returncode == 0, r.stderr
+    for needle in ("Decisions", "qlora", "fsdp", "Memory per GPU", "total", "Launch: torchrun", "--nproc-per-node=2"):
+        assert needle in r.stdout
+
+
+def test_plan_on_this_machine_probes_it():
+    r = ft("plan", QUICKSTART, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["precision"] == "fp32"  # no GPU in CI
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["plan", QUICKSTART, "--hardware", "9xPotato"], "Accepted forms"),
+    (["plan", QUICKSTART, "--set", "model.name=no-such-model-anywhere"], "model.name"),
+    (["plan", QUICKSTART, "--set", "adapter.type=lora", "--set", "model.name=meta-llama/Llama-3.1-70B", "--hardware", "cpu,host=16GB"], "does not fit"),
+    (["validate", "missing.yaml"], "config file not found"),
+    (["explain", "train.lrr"], "did you mean"),
+])
+def test_user_errors_exit_2_without_traceback(args, needle):
+    r = ft(*args, env={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_schema_and_explain():
+    r = ft("schema", "--output", "-")
+    assert r.returncode == 0 and json.loads(r.stdout)["title"] == "ft job"
+    r = ft("explain", "train.micro_batch_size")
+    assert r.returncode == 0 and "auto | int (>= 1)" in r.stdout and "largest that fits" in r.stdout
+    assert "grpo" in ft("explain", "method").stdout

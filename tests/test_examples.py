@@ -1,0 +1,63 @@
+"""Every example validates, plans to what its `# expect:` line says, and matches the committed JSON Schema."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import yaml
+
+from finetune.config import load
+from finetune.config.docs import json_schema_text, markdown_reference
+from finetune.workflow import compile_plan
+from tests.conftest import REPO
+
+EXAMPLES = sorted((REPO / "examples" / "yaml").glob("*.yaml"))
+SCHEMA_LINE = "# yaml-language-server: $schema=../../schemas/ft.schema.json"
+
+
+def test_there_are_examples_for_each_method_and_adapter():
+    configs = [load(p) for p in EXAMPLES]
+    assert {c.method.name for c in configs} == {"sft", "dpo", "grpo"}
+    assert {"full", "lora", "qlora"} <= {c.adapter.type for c in configs}
+    assert (REPO / "examples" / "yaml" / "quickstart.yaml") in EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_plans_as_its_header_says(path):
+    text = path.read_text()
+    assert text.splitlines()[0] == SCHEMA_LINE
+    hardware = re.search(r"^# ft plan \S+ --hardware (\S+)$", text, re.M)
+    expect = re.search(r"^# expect: (.+)$", text, re.M)
+    assert hardware and expect, f"{path.name} needs '# ft plan ... --hardware H' and '# expect: k=v ...' lines"
+    plan = compile_plan(path, hardware=hardware.group(1)).to_json()
+    for item in expect.group(1).split():
+        key, value = item.split("=")
+        assert str(plan[key]) == value, f"{path.name}: {key} is {plan[key]}, header expects {value}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_matches_the_json_schema(path):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(yaml.safe_load(path.read_text()), json.loads((REPO / "schemas" / "ft.schema.json").read_text()))
+
+
+def test_committed_json_schema_is_current():
+    committed = (REPO / "schemas" / "ft.schema.json").read_text()
+    assert committed == json_schema_text(), "schemas/ft.schema.json is stale: run `ft schema --markdown docs/config.md`"
+
+
+def test_committed_key_reference_is_current():
+    committed = (REPO / "docs" / "config.md").read_text()
+    assert committed == markdown_reference(), "docs/config.md is stale: run `ft schema --markdown docs/config.md`"
+
+
+def test_json_schema_rejects_what_the_loader_rejects():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(json_schema_text())
+    good = yaml.safe_load((REPO / "examples" / "yaml" / "quickstart.yaml").read_text())
+    bad = {**good, "train": {**good["train"], "lrr": 1}}
+    jsonschema.validate(good, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)

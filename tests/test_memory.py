@@ -1,0 +1,153 @@
+"""The memory estimator: arithmetic checked by hand, and activations checked against what torch saves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from finetune.catalog import from_hf_config, lookup
+from finetune.plan.memory import GiB, Setup, activation_bytes, estimate, logits_bytes, trainable_params, weight_bytes
+
+LLAMA8B = lookup("meta-llama/Llama-3.1-8B")
+
+
+def setup(**kw) -> Setup:
+    base = dict(adapter="lora", quantization="none", precision="bf16", optimizer="adamw_torch", micro_batch_size=1, seq_len=2048, gradient_checkpointing=False)
+    return Setup(**{**base, **kw})
+
+
+def test_lora_trainable_params_by_hand():
+    # per layer, r * (in + out): q 16*(4096+4096), k and v 16*(4096+1024), o like q, gate/up/down 16*(4096+14336)
+    per_layer = 16 * (8192 + 5120 + 5120 + 8192 + 3 * 18432)
+    assert trainable_params(LLAMA8B, setup()) == 32 * per_layer == 41_943_040
+    only_qv = 32 * 16 * (8192 + 5120)
+    assert trainable_params(LLAMA8B, setup(lora_targets=("q_proj", "v_proj"))) == only_qv
+    dora = trainable_params(LLAMA8B, setup(dora=True)) - 41_943_040
+    assert dora == 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)  # one magnitude per output feature
+    assert trainable_params(LLAMA8B, setup(modules_to_save=("lm_head",))) == 41_943_040 + 128256 * 4096
+
+
+def test_weight_bytes_by_dtype_and_quantization():
+    n, lin = LLAMA8B.num_params, LLAMA8B.linear_params
+    assert weight_bytes(LLAMA8B, setup(), 2) == 2 * n
+    assert weight_bytes(LLAMA8B, setup(adapter="full"), 2) == 4 * n  # fp32 master weights
+    nf4 = weight_bytes(LLAMA8B, setup(quantization="nf4", double_quant=False), 2)
+    assert nf4 == pytest.approx(lin * (0.5 + 4 / 64) + (n - lin) * 2)
+    dq = weight_bytes(LLAMA8B, setup(quantization="nf4"), 2)
+    assert (nf4 - dq) / lin * 8 == pytest.approx(0.373, abs=0.01)  # double quantization saves ~0.37 bits/param
+    int8 = weight_bytes(LLAMA8B, setup(quantization="int8"), 2)
+    assert lin + (n - lin) * 2 < int8 < lin * 1.001 + (n - lin) * 2
+
+
+def test_full_fine_tune_state_is_16_bytes_per_param_plus_compute_copy():
+    e = estimate(LLAMA8B, setup(adapter="full"))
+    n = LLAMA8B.num_params
+    assert (e.device["weights"], e.device["gradients"], e.device["optimizer"], e.device["compute copy"]) == (4 * n, 4 * n, 8 * n, 2 * n)
+    assert estimate(LLAMA8B, setup(adapter="full", optimizer="adamw_8bit")).device["optimizer"] == 2 * n
+
+
+@pytest.mark.parametrize("sharding, divided", [
+    ("zero1", {"optimizer"}),
+    ("zero2", {"optimizer", "gradients"}),
+    ("shard_grad_op", {"optimizer", "gradients", "weights"}),
+    ("zero3", {"optimizer", "gradients", "weights", "compute copy"}),
+    ("full_shard", {"optimizer", "gradients", "weights", "compute copy"}),
+])
+def test_sharding_divides_the_right_state(sharding, divided):
+    whole = estimate(LLAMA8B, setup(adapter="full")).device
+    part = estimate(LLAMA8B, setup(adapter="full", sharding=sharding, shard_size=8)).device
+    for k in ("optimizer", "gradients", "weights"):
+        assert part[k] == pytest.approx(whole[k] / 8 if k in divided else whole[k])
+    if sharding in ("zero3", "full_shard"):
+        assert part["gathered layers"] == 2 * LLAMA8B.layer_params * 2
+
+
+def test_offload_moves_bytes_to_host():
+    on_device = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8))
+    opt = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8, offload="optimizer"), processes_per_node=8)
+    assert "optimizer" not in opt.device and opt.host["offloaded optimizer"] == pytest.approx(8 * on_device.device["optimizer"], rel=1e-6)
+    everything = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8, offload="all"), processes_per_node=8)
+    assert everything.device_bytes < opt.device_bytes < on_device.device_bytes
+    assert everything.host_bytes > opt.host_bytes
+
+
+def test_checkpointing_micro_batch_and_dpo_scale_activations():
+    plain = activation_bytes(LLAMA8B, setup(), 2)
+    assert activation_bytes(LLAMA8B, setup(micro_batch_size=4), 2) == pytest.approx(4 * plain, rel=0.01)
+    assert activation_bytes(LLAMA8B, setup(gradient_checkpointing=True), 2) < plain / 8
+    assert activation_bytes(LLAMA8B, setup(method="dpo"), 2) == pytest.approx(2 * plain, rel=0.01)
+    assert activation_bytes(LLAMA8B, setup(attention="eager"), 2) > plain
+    assert logits_bytes(LLAMA8B, setup(), 2) == 2048 * 128256 * (2 + 8)
+
+
+def test_grpo_peak_is_the_larger_phase():
+    train_only = estimate(LLAMA8B, setup())
+    long_rollouts = estimate(LLAMA8B, setup(method="grpo", generation_tokens=4096, generation_batch=256))
+    assert long_rollouts.device["generation (KV cache)"] > 0 and "activations" not in long_rollouts.device
+    kv = 2 * 32 * 1024 * 2 * 4096 * 256
+    assert long_rollouts.device["generation (KV cache)"] == pytest.approx(kv + 256 * 128256 * 4)
+    assert "generation (KV cache)" not in estimate(LLAMA8B, setup(method="grpo", generation_tokens=64, generation_batch=1)).device
+    assert train_only.device_bytes < long_rollouts.device_bytes
+
+
+# ---------------------------------------------------------------- against torch
+def _tiny():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, attn_implementation="sdpa")
+    return cfg, LlamaForCausalLM(cfg)
+
+
+def _saved_for_backward(model, ids) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves during one forward with loss."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and t.numel():
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora"])
+@pytest.mark.parametrize("mb, seq", [(2, 128), (4, 256)])
+def test_activation_estimate_matches_what_torch_saves(adapter, mb, seq):
+    import torch
+
+    cfg, model = _tiny()
+    facts = from_hf_config(cfg.to_dict(), "tiny")
+    if adapter == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules="all-linear"))
+    s = Setup(adapter=adapter, quantization="none", precision="fp32", optimizer="adamw_torch", micro_batch_size=mb, seq_len=seq,
+              gradient_checkpointing=False, lora_r=8, lora_dropout=0.1, accelerator=False)
+    measured = _saved_for_backward(model, torch.randint(0, 512, (mb, seq)))
+    estimated = activation_bytes(facts, s, 4) + logits_bytes(facts, s, 4)
+    print(f"{adapter} mb={mb} seq={seq}: estimated/measured = {estimated / measured:.3f}")
+    assert 0.9 <= estimated / measured <= 1.2
+
+
+def test_checkpointed_estimate_bounds_what_torch_saves():
+    import torch
+
+    cfg, model = _tiny()
+    facts = from_hf_config(cfg.to_dict(), "tiny")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    s = Setup(adapter="full", quantization="none", precision="fp32", optimizer="adamw_torch", micro_batch_size=4, seq_len=256, gradient_checkpointing=True, accelerator=False)
+    measured = _saved_for_backward(model, torch.randint(0, 512, (4, 256)))
+    estimated = activation_bytes(facts, s, 4) + logits_bytes(facts, s, 4)
+    without = activation_bytes(facts, dataclasses.replace(s, gradient_checkpointing=False), 4) + logits_bytes(facts, s, 4)
+    assert measured <= estimated < without

@@ -1,0 +1,156 @@
+"""The planner, table-driven on described hardware: every choice, the batch arithmetic, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.catalog import lookup
+from finetune.config import loads
+from finetune.errors import PlanError
+from finetune.hardware import parse
+from finetune.plan import plan
+from finetune.plan.memory import GiB
+from tests.conftest import MINIMAL
+
+AUTO = MINIMAL.replace("adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}", "adapter: {type: auto}").replace("  lr: 2.0e-4\n", "")
+
+
+def make(overrides=(), text=AUTO, model="meta-llama/Llama-3.1-8B", hardware="1xH100-80GB"):
+    cfg = loads(text, overrides=[f"model.name={model}", *overrides], environ={})
+    return plan(cfg, parse(hardware), lookup(model))
+
+
+# (model, hardware, overrides) -> expected plan fields
+CASES = [
+    # one GPU: the adapter follows the memory
+    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", [], dict(adapter="lora", quantization="none", backend="single", sharding=None, precision="bf16", gradient_checkpointing=False)),
+    ("meta-llama/Llama-3.1-8B", "1xA10G-24GB", [], dict(adapter="qlora", quantization="nf4", backend="single", gradient_checkpointing=True)),
+    ("meta-llama/Llama-3.1-8B", "1xT4-16GB", [], dict(adapter="qlora", precision="fp16")),
+    ("meta-llama/Llama-3.1-8B", "cpu", ["data.seq_len=256"], dict(precision="fp32", backend="single")),
+    ("meta-llama/Llama-3.3-70B-Instruct", "1xH100-80GB", [], dict(adapter="qlora", backend="single", gradient_checkpointing=True)),
+    # several GPUs: DDP when a replica fits, FSDP when it does not
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", [], dict(adapter="lora", backend="ddp", sharding=None, world_size=8)),
+    ("meta-llama/Llama-3.3-70B-Instruct", "8xH100-80GB", [], dict(adapter="lora", backend="fsdp", sharding="full_shard", offload="none")),
+    ("meta-llama/Llama-3.3-70B-Instruct", "2xA6000-48GB", [], dict(adapter="qlora", backend="fsdp", world_size=2)),
+    ("meta-llama/Llama-3.3-70B-Instruct", "2x8xA100-40GB", [], dict(backend="fsdp", sharding="hybrid_shard", nodes=2, world_size=16)),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="shard_grad_op")),
+    ("meta-llama/Llama-3.1-8B", "8xA100-40GB", ["adapter.type=full", "data.seq_len=4096", "train.global_batch_size=64"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="none")),
+    ("meta-llama/Llama-3.1-8B", "2xA100-40GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="all")),
+    # explicit choices are kept
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero1")),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full", "distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero2")),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=fsdp", "distributed.sharding=full_shard"], dict(backend="fsdp", sharding="full_shard")),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=qlora"], dict(adapter="qlora", quantization="nf4", backend="ddp")),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=single"], dict(backend="single", world_size=1)),
+    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.processes_per_node=4"], dict(world_size=4)),
+    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["train.micro_batch_size=4", "train.gradient_checkpointing=true"], dict(micro_batch_size=4, gradient_checkpointing=True)),
+    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["train.precision=fp32"], dict(precision="fp32")),
+    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["quantization.type=int8"], dict(adapter="lora", quantization="int8")),
+]
+
+
+@pytest.mark.parametrize("model, hardware, overrides, expected", CASES, ids=[f"{c[0].split('/')[-1]}-{c[1]}-{'-'.join(c[2]) or 'auto'}" for c in CASES])
+def test_plan_choices(model, hardware, overrides, expected):
+    p = make(overrides, model=model, hardware=hardware)
+    got = {k: getattr(p, k) for k in expected}
+    assert got == expected, [f"{d.field}={d.value}: {d.reason}" for d in p.decisions]
+    assert p.estimate.device_bytes <= p.device_capacity_bytes
+    assert all(d.reason for d in p.decisions)
+
+
+@pytest.mark.parametrize("hardware, world", [("1xH100-80GB", 1), ("2xH100-80GB", 2), ("4xH100-80GB", 4), ("8xH100-80GB", 8), ("2x8xH100-80GB", 16), ("4x8xH100-80GB", 32)])
+@pytest.mark.parametrize("global_batch", [32, 64, 96])
+def test_global_batch_is_what_the_user_asked_at_every_world_size(hardware, world, global_batch):
+    p = make([f"train.global_batch_size={global_batch}"], hardware=hardware)
+    assert p.world_size == world
+    assert p.micro_batch_size * p.gradient_accumulation_steps * p.world_size == global_batch == p.global_batch_size
+
+
+def test_batch_in_tokens_is_rounded_to_whole_sequences_per_rank():
+    p = make(["train.global_batch_tokens=1000000", "data.seq_len=4096"], text=AUTO.replace("  global_batch_size: 32\n", ""), hardware="8xH100-80GB")
+    assert p.global_batch_size == 248 and p.global_batch_size % 8 == 0  # 1e6/4096 = 244.1 -> 31 per rank
+    assert p.micro_batch_size * p.gradient_accumulation_steps * 8 == 248
+    assert "rounded to a multiple of world size 8" in p.decision("global_batch_size").reason
+
+
+def test_lr_auto_depends_on_adapter_and_method():
+    assert make().lr == 2e-4
+    assert make(["adapter.type=full"], hardware="8xH100-80GB").lr == 2e-5
+    assert make(["train.lr=3e-4"]).lr == 3e-4
+
+
+@pytest.mark.parametrize("overrides, hardware, needle", [
+    (["train.precision=bf16"], "1xT4-16GB", "bf16 is not supported by T4"),
+    (["train.precision=fp16"], "cpu", "fp16 is not supported for training on CPU"),
+    (["distributed.sharding=hybrid_shard", "distributed.backend=fsdp"], "8xH100-80GB", "hybrid_shard shards inside a node"),
+    (["distributed.backend=fsdp", "distributed.offload=all"], "cpu:2", "has no GPU"),
+    (["distributed.processes_per_node=16"], "8xH100-80GB", "more than the 8 GPUs per node"),
+    (["distributed.nodes=4"], "8xH100-80GB", "more nodes than the hardware has"),
+    (["train.global_batch_size=30"], "8xH100-80GB", "set it to 24 or 32"),
+    (["train.micro_batch_size=3"], "8xH100-80GB", "does not divide the 4 sequences"),
+])
+def test_explicit_but_impossible_choices_explain_the_fix(overrides, hardware, needle):
+    with pytest.raises(PlanError, match=needle):
+        make(overrides, hardware=hardware)
+
+
+def test_no_fit_gives_estimate_and_options_that_really_fit():
+    overrides = ["adapter.type=full", "distributed.offload=none"]
+    with pytest.raises(PlanError) as info:
+        make(overrides, hardware="1xH100-80GB")
+    msg = str(info.value)
+    assert "does not fit: needs" in msg and "GiB per GPU" in msg and "usable of" in msg
+    assert "`adapter.type: lora`" in msg and "`adapter.type: qlora`" in msg and "offload: auto" in msg
+    assert "4 × H100-80GB per node with `distributed.backend: fsdp`" in msg
+    # the options are real: applying them plans
+    assert make(overrides + ["adapter.type=lora"], hardware="1xH100-80GB").adapter == "lora"
+    assert make(overrides + ["distributed.offload=auto"], hardware="1xH100-80GB").offload == "all"
+    assert make(overrides + ["distributed.backend=fsdp"], hardware="4xH100-80GB").backend == "fsdp"
+
+
+def test_no_fit_on_cpu_suggests_qlora():
+    with pytest.raises(PlanError, match=r"per process .* options that fit: `adapter.type: qlora` \(est\. [0-9.]+ GiB\)"):
+        make(["adapter.type=lora"], hardware="cpu,host=24GB")
+
+
+def test_plan_is_pure_and_never_probes(monkeypatch):
+    import finetune.hardware as hardware
+
+    monkeypatch.setattr(hardware, "probe", lambda: pytest.fail("plan() probed the machine"))
+    a, b = make(hardware="8xH100-80GB"), make(hardware="8xH100-80GB")
+    assert a == b
+
+
+def test_decisions_say_who_chose():
+    p = make(["train.micro_batch_size=2"])
+    assert p.decision("micro_batch_size").source == "config"
+    assert p.decision("adapter").source == "auto" and "LoRA fits" in p.decision("adapter").reason
+
+
+def test_plan_json_has_the_contract_keys():
+    j = make(hardware="2x8xA100-40GB", model="meta-llama/Llama-3.3-70B-Instruct").to_json()
+    for key in ("precision", "adapter", "quantization", "backend", "sharding", "offload", "micro_batch_size", "gradient_accumulation_steps",
+                "gradient_checkpointing", "world_size", "memory", "decisions", "launch"):
+        assert key in j
+    assert isinstance(j["offload"], bool) and j["sharding"] == "hybrid_shard"
+    assert set(j["memory"]) >= {"per_device_gib", "host_gib"} and j["memory"]["per_device_gib"] > 1
+    assert j["decisions"][0].keys() >= {"field", "value", "reason"}
+    assert j["launch"][0] == "torchrun" and "--nnodes=2" in j["launch"] and "--nproc-per-node=8" in j["launch"]
+
+
+def test_method_enters_the_estimate():
+    dpo = AUTO.replace("method: {name: sft}", "method: {name: dpo}").replace("format: chat", "format: preference").replace("  packing: true\n", "")
+    sft_full = make(["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"], hardware="8xH100-80GB")
+    dpo_full = make(["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"], text=dpo, hardware="8xH100-80GB")
+    assert "reference model" in dpo_full.estimate.device and "reference model" not in sft_full.estimate.device
+    assert dpo_full.estimate.device["activations"] == pytest.approx(2 * sft_full.estimate.device["activations"], rel=0.01)
+    dpo_lora = make(["train.micro_batch_size=1"], text=dpo)
+    assert "reference model" not in dpo_lora.estimate.device  # the base with the adapter disabled
+
+
+def test_estimate_shrinks_with_more_shards():
+    small = make(["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard", "train.micro_batch_size=1"], hardware="8xH100-80GB")
+    big = make(["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard", "train.micro_batch_size=1"], hardware="4x8xH100-80GB")
+    assert big.estimate.device["optimizer"] == pytest.approx(small.estimate.device["optimizer"] / 4)
+    assert big.estimate.device_bytes < small.estimate.device_bytes
+    assert small.estimate.device_bytes / GiB < 80
