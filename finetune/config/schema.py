@@ -205,7 +205,7 @@ class TrainSection(Section):
     epochs: Annotated[float, Field(gt=0)] | None = None
     """Passes over the data (default 1 when max_steps is not set)."""
     lr: Union[Auto, Annotated[float, Field(gt=0)]] = AUTO
-    """Peak learning rate; `auto`: 2e-4 for LoRA/QLoRA, 2e-5 for full fine-tuning (5e-6 / 1e-6 for DPO / GRPO full)."""
+    """Peak learning rate; `auto` picks a common starting point for the method and adapter (SFT: 2e-4 with an adapter, 2e-5 full; lower for DPO and GRPO), shown by `ft plan`."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate schedule after warmup."""
     warmup_steps: NonNegInt = 0
