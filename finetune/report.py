@@ -29,7 +29,7 @@ def print_plan(plan: Plan, as_json: bool = False) -> None:
         choices.add_row(d.field, _fmt(d.value), "you" if d.source == "config" else "ft", d.reason)
     console.print(choices)
 
-    memory = Table(title=f"Memory per {'process' if 'CPU only' in plan.hardware else 'GPU'}", title_justify="left")
+    memory = Table(title=f"Memory per {plan.device}", title_justify="left")
     memory.add_column("component")
     memory.add_column("GiB", justify="right")
     for name, size in sorted(e.device.items(), key=lambda kv: -kv[1]):

@@ -144,7 +144,10 @@ def test_checkpointed_estimate_bounds_what_torch_saves():
 
     cfg, model = _tiny()
     facts = from_hf_config(cfg.to_dict(), "tiny")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     s = Setup(adapter="full", quantization="none", precision="fp32", optimizer="adamw_torch", micro_batch_size=4, seq_len=256, gradient_checkpointing=True, accelerator=False)
     measured = _saved_for_backward(model, torch.randint(0, 512, (4, 256)))

@@ -24,6 +24,7 @@ class Plan:
 
     model: str
     hardware: str
+    device: str  # "GPU" or "CPU process": what one rank runs on
     method: str
     precision: str
     adapter: str
@@ -60,6 +61,7 @@ class Plan:
         return {
             "model": self.model,
             "hardware": self.hardware,
+            "device": self.device,
             "method": self.method,
             "precision": self.precision,
             "adapter": self.adapter,

@@ -68,7 +68,7 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
     attn = choose_attention(config, hardware, decisions)
     c = fit.candidate
     return Plan(
-        model=model.name, hardware=hardware.describe(), method=config.method.name, precision=precision,
+        model=model.name, hardware=hardware.describe(), device="CPU process" if hardware.is_cpu else "GPU", method=config.method.name, precision=precision,
         adapter=c.adapter, quantization=c.quantization, backend=c.backend, sharding=c.sharding, offload=c.offload,
         micro_batch_size=fit.micro_batch_size, gradient_accumulation_steps=batch // topo.world // fit.micro_batch_size,
         gradient_checkpointing=fit.checkpointing, world_size=topo.world, nodes=topo.nodes,
