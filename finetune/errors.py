@@ -66,3 +66,9 @@ class HardwareError(FtError):
     """A hardware description that cannot be read."""
 
     exit_code = 2
+
+
+class DataError(FtError):
+    """Data that cannot be read or turned into training examples; the message names the file/line or sample."""
+
+    exit_code = 2

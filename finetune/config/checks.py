@@ -145,6 +145,30 @@ def data_fits_method(c: Config) -> list[Problem]:
     return out
 
 
+FIELDS = {
+    "chat": {"messages", "system"},
+    "instruction": {"instruction", "input", "output", "system"},
+    "completion": {"text"},
+    "prompt_completion": {"prompt", "completion"},
+    "preference": {"prompt", "chosen", "rejected", "system"},
+    "prompt_only": {"prompt", "system"},
+}
+
+
+@rule("data")
+def dataset_options(c: Config) -> list[Problem]:
+    out = []
+    specs = list(enumerate(c.data.datasets))
+    for i, ds in specs:
+        here = ("data", "datasets", i)
+        for field in ds.columns:
+            if field not in FIELDS[ds.format]:
+                out.append(Problem((here + ("columns", field), here + ("format",)), f"{ds.format} data has no field {field!r}", f"map one of: {', '.join(sorted(FIELDS[ds.format]))}"))
+        if ds.samples is not None and ds.explicit("weight"):
+            out.append(Problem((here + ("samples",), here + ("weight",)), "both set how much of this source to use", "keep one: weight (a share) or samples (a count)"))
+    return out
+
+
 @rule("train", "method")
 def grpo_groups(c: Config) -> list[Problem]:
     m = c.method

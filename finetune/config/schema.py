@@ -55,7 +55,7 @@ class DatasetSpec(Section):
     path: str
     """Local file (.jsonl, .json, .csv, .parquet, .txt), glob or folder, or a hub dataset id."""
     format: DataFormat
-    """How records are read: chat (messages or ShareGPT conversations), instruction (alpaca), completion (plain text), prompt_completion, preference (prompt/chosen/rejected), prompt_only (GRPO prompts plus extra columns)."""
+    """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value), instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion` text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept for reward functions)."""
     subset: str | None = None
     """Hub dataset configuration name (e.g. `main` for gsm8k)."""
     split: str = "train"
@@ -63,11 +63,13 @@ class DatasetSpec(Section):
     revision: str | None = None
     """Hub dataset revision; unset means the default branch."""
     columns: dict[str, str] = {}
-    """Map ft's field names to this source's column names, e.g. {messages: conversations, prompt: question}."""
+    """Map ft's field names to this source's column names, e.g. {messages: conversations} or {prompt: question}."""
     weight: Annotated[float, Field(gt=0)] = 1.0
-    """Relative share of this source in the mix."""
-    max_samples: PositiveInt | None = None
-    """Use at most this many records from this source (unset: all)."""
+    """Share of this source: 1 uses every record once, 0.5 a random half, 2 every record twice."""
+    samples: PositiveInt | None = None
+    """Exact number of records to take from this source (a random subset, or repeats when larger); instead of weight."""
+    system_prompt: str | None = None
+    """System message added to conversations that have none."""
 
 
 class DataSection(Section):
@@ -80,19 +82,23 @@ class DataSection(Section):
     packing: bool = False
     """Pack several samples into each sequence; attention never crosses sample boundaries."""
     template: str = "tokenizer"
-    """Chat template: `tokenizer` (the tokenizer's own), a built-in name (chatml, llama3, mistral, gemma, qwen, phi) or a path to a Jinja file."""
-    train_on: Literal["assistant", "all", "last_assistant", "prompt_and_completion"] = "assistant"
-    """Which tokens carry loss: assistant turns with their end-of-turn token (default), every token, only the last assistant turn, or prompt and completion."""
+    """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain) or a path to a Jinja file."""
+    add_special_tokens: list[str] = []
+    """Tokens to add to the tokenizer (the model's embeddings grow and are trained)."""
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """Which tokens carry loss: every assistant turn with its end-of-turn token (default), only the last assistant turn, or all tokens (prompt included)."""
     overlong: Literal["truncate", "drop"] = "truncate"
-    """What to do with a sample longer than seq_len."""
-    validation: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    """Fraction of the data held out for evaluation (0: none)."""
+    """What to do with a sample longer than seq_len: cut it, or leave it out (both are counted in the summary)."""
+    validation: Union[Annotated[float, Field(ge=0, lt=1)], DatasetSpec] = 0.0
+    """Held-out evaluation data: a fraction of the training mix (0: none), or a dataset of its own."""
     seed: int = 42
-    """Seed for shuffling, mixing and the validation split."""
+    """Seed for shuffling, mixing and the validation split: the same config gives the same data."""
     num_proc: PositiveInt = 1
     """Processes used to tokenize."""
     skip_bad_records: bool = False
-    """Skip (and count) records that cannot be parsed instead of stopping."""
+    """Skip (and count) records that cannot be parsed or rendered instead of stopping at the first."""
+    cache_dir: str = "~/.cache/ft/data"
+    """Where tokenized data is cached, under a fingerprint of everything that changes it."""
 
 
 # ---------------------------------------------------------------- method

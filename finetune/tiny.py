@@ -1,0 +1,79 @@
+"""A tiny tokenizer and model that ft builds offline: for the quickstart and for tests.
+
+The tokenizer is a byte-level BPE trained in a fraction of a second with `tokenizers` on text this
+module generates, wrapped in `PreTrainedTokenizerFast`. It knows the special tokens of every built-in
+chat template (so each template renders to single tokens) and carries a ChatML chat template.
+The model is a `LlamaForCausalLM` built from the `ft-tiny` catalog entry (or another small spec).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+TEMPLATE_TOKENS = [
+    "<|im_start|>", "<|im_end|>",  # chatml, qwen
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",  # llama3
+    "<s>", "</s>", "[INST]", "[/INST]",  # mistral
+    "<bos>", "<start_of_turn>", "<end_of_turn>",  # gemma
+    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",  # phi3
+]
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
+    """Text the BPE is trained on: arithmetic, short English, chat role names."""
+    rng = random.Random(seed)
+    words = ("the model learns to add numbers and answer questions about text data while training on "
+             "small examples user assistant system you are a helpful what is how many please").split()
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}.")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".")
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512, extra_special: tuple[str, ...] = tuple(TEMPLATE_TOKENS)):
+    """Train the tiny tokenizer; save it to out_dir when given. Returns a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = [EOS, PAD, *extra_special]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None)
+    fast.chat_template = CHATML
+    if out_dir is not None:
+        fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def build_model(out_dir: str | Path, name: str = "ft-tiny", seed: int = 0, tokenizer=None):
+    """Save a randomly initialised tiny Llama (the catalog's `name` entry) and its tokenizer to out_dir."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.catalog import lookup
+
+    facts = lookup(name)
+    tokenizer = tokenizer or build_tokenizer(vocab_size=facts.vocab_size)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=facts.hidden_size, intermediate_size=facts.intermediate_size,
+        num_hidden_layers=facts.num_layers, num_attention_heads=facts.num_attention_heads, num_key_value_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim, max_position_embeddings=facts.max_position_embeddings, tie_word_embeddings=facts.tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    return model, tokenizer
