@@ -77,3 +77,24 @@ def build_model(out_dir: str | Path, name: str = "ft-tiny", seed: int = 0, token
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     return model, tokenizer
+
+
+def arithmetic_records(n: int, seed: int = 0, max_operand: int = 99) -> list[dict]:
+    """Chat records asking for a sum or difference: a task where learning is visible (exact match)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        op = rng.choice("+-")
+        answer = a + b if op == "+" else a - b
+        out.append({"messages": [{"role": "user", "content": f"What is {a} {op} {b}?"}, {"role": "assistant", "content": str(answer)}]})
+    return out
+
+
+def write_jsonl(records: list[dict], path: str | Path) -> Path:
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path

@@ -154,3 +154,12 @@ def test_estimate_shrinks_with_more_shards():
     assert big.estimate.device["optimizer"] == pytest.approx(small.estimate.device["optimizer"] / 4)
     assert big.estimate.device_bytes < small.estimate.device_bytes
     assert small.estimate.device_bytes / GiB < 80
+
+
+def test_added_tokens_grow_and_train_the_embeddings():
+    plain = make()
+    grown = make(["data.add_special_tokens=[<tool>, </tool>]"])
+    assert grown.decision("embeddings").value == "+2 tokens"
+    assert grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096  # embed_tokens and lm_head (untied)
+    with pytest.raises(StopIteration):
+        plain.decision("embeddings")

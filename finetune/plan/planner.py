@@ -52,8 +52,14 @@ class Fit:
     estimate: Estimate
 
 
-def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml") -> Plan:
-    """Compile `config` for `hardware`; raise PlanError when it cannot run there."""
+def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml", new_tokens: int = 0) -> Plan:
+    """Compile `config` for `hardware`; raise PlanError when it cannot run there.
+
+    new_tokens: tokens the data pipeline adds beyond data.add_special_tokens (a built-in template's
+    markers missing from the vocabulary); the embeddings grow and are trained.
+    """
+    if new_tokens or config.data.add_special_tokens:
+        config = _train_embeddings(config)
     decisions: list[Decision] = []
     topo = choose_topology(config, hardware, decisions)
     precision = choose_precision(config, hardware, decisions)
@@ -64,6 +70,9 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
 
         raise no_fit_error(config, hardware, model, topo, precision, batch)
     _record_fit(config, fit, topo, batch, decisions)
+    if new_tokens or config.data.add_special_tokens:
+        n = new_tokens + len(config.data.add_special_tokens)
+        decisions.append(Decision("embeddings", f"+{n} tokens", "new tokens need trained embedding rows: the input embeddings and output head are resized and trained in full next to the adapter"))
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     attn = choose_attention(config, hardware, decisions)
     c = fit.candidate
@@ -321,6 +330,13 @@ def choose_attention(config: Config, hw: Hardware, out: list[Decision]) -> str:
         return asked
     out.append(Decision("attn_implementation", "sdpa", "torch's scaled-dot-product attention: memory-efficient kernels with no extra install; ft train upgrades to flash_attention_2 where installed and supported"))
     return "sdpa"
+
+
+def _train_embeddings(config: Config) -> Config:
+    """The config as planned when tokens are added: embeddings and head trained next to an adapter."""
+    a = config.adapter
+    modules = list(dict.fromkeys([*a.modules_to_save, "embed_tokens", "lm_head"]))
+    return config.model_copy(update={"adapter": a.model_copy(update={"modules_to_save": modules})})
 
 
 def with_hardware(hw: Hardware, nodes: int | None = None, devices_per_node: int | None = None) -> Hardware:
