@@ -62,6 +62,19 @@ def plan(
 
 
 @app.command()
+def preprocess(
+    config: Path = typer.Argument(..., help="Job YAML file."),
+    preview: int = typer.Option(0, "--preview", "-p", metavar="N", help="Show N tokenized samples with the trained tokens highlighted."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even when a matching cache entry exists."),
+    set_: Optional[List[str]] = SetOption,
+) -> None:
+    """Tokenize, mask, pack and cache the training data once; print a summary (and a preview)."""
+    from finetune.workflow import run_preprocess
+
+    run_preprocess(config, set_ or (), preview=preview, force=force)
+
+
+@app.command()
 def schema(
     output: Path = typer.Option(Path("schemas/ft.schema.json"), "--output", "-o", help="Where to write the JSON Schema ('-' for stdout)."),
     markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the key reference as Markdown to this file."),

@@ -39,3 +39,32 @@ def compile_plan(config_path: str | os.PathLike, overrides: Iterable[str] = (), 
     config = load(config_path, overrides)
     hw = hardware_for(hardware)
     return plan(config, hw, model_facts(config.model), str(config_path))
+
+
+def run_preprocess(config_path: str | os.PathLike, overrides: Iterable[str] = (), preview: int = 0, force: bool = False):
+    """`ft preprocess`: prepare (or reuse) the cached data with a progress bar, then summarise it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+    from finetune.data.preview import print_preview, print_summary
+
+    config = load(config_path, overrides)
+    console = Console(stderr=True, highlight=False)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        prepared = prepare(config, force=force, progress=progress)
+    out = Console(highlight=False)
+    out.print(f"prepared data: {prepared.path}")
+    print_summary(prepared.summary, out)
+    if preview:
+        print_preview(prepared.train, prepared.tokenizer, preview, out)
+    return prepared

@@ -1,0 +1,134 @@
+"""Collate tokenized rows (packed or not) into padded tensors for a causal LM.
+
+Rows are `{"input_ids", "labels"}` with optional `position_ids`; packed rows (see packing.py) also
+carry `seq_lens`. Padding goes to the longest row in the batch (optionally rounded up): input_ids with
+`pad_id`, labels with -100, position_ids counting 0, 1, ... along the padding as if it were one more
+sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.errors import DataError
+
+IGNORE = -100
+MASK_IMPLS = ("sdpa", "eager")  # packed rows get a 4-D additive mask
+VARLEN_IMPLS = ("flash_attention_2",)  # packed rows rely on position_ids (varlen kernels)
+
+
+def _padded_length(rows: list[dict], pad_to_multiple_of: int | None) -> int:
+    longest = max(len(r["input_ids"]) for r in rows)
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    return longest
+
+
+def _row_positions(row: dict) -> list[int]:
+    if "position_ids" in row:
+        return list(row["position_ids"])
+    if "seq_lens" in row:
+        return [p for n in row["seq_lens"] for p in range(n)]
+    return list(range(len(row["input_ids"])))
+
+
+def _check_row(i: int, row: dict) -> None:
+    n = len(row["input_ids"])
+    if len(row["labels"]) != n:
+        raise DataError(f"batch row {i}: {n} input_ids but {len(row['labels'])} labels")
+    if "position_ids" in row and len(row["position_ids"]) != n:
+        raise DataError(f"batch row {i}: {n} input_ids but {len(row['position_ids'])} position_ids")
+    if "seq_lens" in row and sum(row["seq_lens"]) != n:
+        raise DataError(f"batch row {i}: seq_lens sum to {sum(row['seq_lens'])}, but the row has {n} tokens")
+
+
+def _flatten(rows: list[dict]) -> dict:
+    """Concatenate packed rows into one (padding-free varlen batch)."""
+    return {
+        "input_ids": [t for r in rows for t in r["input_ids"]],
+        "labels": [t for r in rows for t in r["labels"]],
+        "position_ids": [p for r in rows for p in _row_positions(r)],
+        "seq_lens": [n for r in rows for n in r["seq_lens"]],
+    }
+
+
+def _pad_tensors(rows: list[dict], pad_id: int, length: int) -> dict[str, torch.Tensor]:
+    """input_ids, labels, position_ids and a 2-D attention_mask (1 real, 0 pad), padded to `length`."""
+    batch = len(rows)
+    ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    labels = torch.full((batch, length), IGNORE, dtype=torch.long)
+    positions = torch.zeros((batch, length), dtype=torch.long)
+    mask = torch.zeros((batch, length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        ids[i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        labels[i, :n] = torch.as_tensor(row["labels"], dtype=torch.long)
+        positions[i, :n] = torch.as_tensor(_row_positions(row), dtype=torch.long)
+        positions[i, n:] = torch.arange(length - n)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "attention_mask": mask}
+
+
+def segment_ids(rows: list[dict], length: int) -> torch.Tensor:
+    """(B, T) example number of each token within its row: 0, 0, 1, 1, 1, ...; -1 on padding."""
+    seg = torch.full((len(rows), length), -1, dtype=torch.long)
+    for i, row in enumerate(rows):
+        lens = torch.as_tensor(list(row["seq_lens"]), dtype=torch.long)
+        ids = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        seg[i, : len(ids)] = ids
+    return seg
+
+
+def packed_attention_mask(segments: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, 1, T, T) additive mask: 0 where query i may see key j (same example, j <= i), the dtype's
+    minimum elsewhere. Padding is masked as key; each padding query sees only itself, so no softmax
+    row is empty (an all-masked row gives NaN)."""
+    length = segments.shape[1]
+    same = segments[:, :, None] == segments[:, None, :]
+    real = (segments >= 0)[:, :, None]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = same & real & causal
+    allowed |= torch.eye(length, dtype=torch.bool)
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None, :, :]
+
+
+def collate(rows: list[dict], pad_id: int, attn_implementation: str,
+            pad_to_multiple_of: int | None = None, mask_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Pad a batch of rows to its longest row; returns input_ids, labels, position_ids (all (B, T) long)
+    and, depending on the rows and the attention implementation, attention_mask.
+
+    - Unpacked rows (no `seq_lens`): attention_mask is 2-D (B, T), 1 on real tokens, 0 on padding.
+    - Packed rows (`seq_lens`), "sdpa" or "eager": attention_mask is a 4-D additive float mask
+      (B, 1, T, T) in `mask_dtype` that keeps attention inside each example (transformers passes a
+      4-D mask through unchanged; position_ids alone do not separate examples for these kernels).
+      A bfloat16 `mask_dtype` halves the memory; with transformers 5.24 a bf16 model accepted
+      float32 and bf16 masks alike (sdpa and eager), with the same loss.
+      Memory: B*T*T elements, e.g. 8 rows of 4096 tokens in float32 = 512 MiB, in bf16 = 256 MiB.
+    - Packed rows, "flash_attention_2": the rows are concatenated into ONE row of shape (1, N) (no
+      padding between rows; `pad_to_multiple_of` pads the end) and no attention_mask is returned: the
+      varlen kernel finds example boundaries where position_ids restart at 0. One row because
+      transformers (5.24, `_is_packed_sequence`) infers boundaries from position_ids only at batch size 1.
+    """
+    if not rows:
+        raise DataError("cannot collate an empty batch")
+    packed = ["seq_lens" in r for r in rows]
+    if any(packed) and not all(packed):
+        raise DataError("a batch mixes packed rows (with seq_lens) and unpacked rows")
+    if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+        raise DataError(f"pad_to_multiple_of must be at least 1, got {pad_to_multiple_of}")
+    for i, row in enumerate(rows):
+        _check_row(i, row)
+    if packed[0] and attn_implementation not in MASK_IMPLS + VARLEN_IMPLS:
+        raise DataError(f"packed rows are not supported with attn_implementation={attn_implementation!r}; "
+                        f"use one of {', '.join(MASK_IMPLS + VARLEN_IMPLS)} or turn packing off")
+    if packed[0] and attn_implementation in VARLEN_IMPLS:
+        rows = [_flatten(rows)]
+    length = _padded_length(rows, pad_to_multiple_of)
+    out = _pad_tensors(rows, pad_id, length)
+    if packed[0] and attn_implementation in VARLEN_IMPLS:
+        del out["attention_mask"]
+    elif packed[0]:
+        out["attention_mask"] = packed_attention_mask(segment_ids(rows, length), mask_dtype)
+    return out

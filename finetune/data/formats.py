@@ -1,0 +1,288 @@
+"""One canonical record shape per data format.
+
+    chat, instruction   {"messages": [{"role", "content"}, ...]}
+    completion          {"text": str}
+    prompt_completion   {"prompt": str, "completion": str}
+    preference          {"prompt": messages, "chosen": messages, "rejected": messages}
+    prompt_only         {"prompt": messages, "extra": JSON text of the other columns}
+
+Every shape keeps the source's `_origin` column. Roles are user, assistant, system and tool.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+from functools import partial
+
+import datasets
+
+from finetune.config.schema import DatasetSpec
+from finetune.data.sources import ORIGIN, SKIP_FIX
+from finetune.data.sources import kind as _kind
+from finetune.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "chat": ("messages", "system"),
+    "instruction": ("instruction", "input", "output", "system"),
+    "completion": ("text",),
+    "prompt_completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected", "system"),
+    "prompt_only": ("prompt", "system"),
+}
+ROLES = {
+    "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "model": "assistant",
+    "bot": "assistant", "system": "system", "tool": "tool", "function": "tool",
+}
+# Column names tried when the ft field's own name is absent and no mapping is given.
+_ALIASES = {"messages": ("conversations",)}
+# Likely source columns for each ft field, to suggest a mapping.
+_HINTS = {
+    "messages": ("conversations", "conversation", "dialog", "chat"), "instruction": ("prompt", "question", "query"),
+    "output": ("response", "answer", "completion", "target"), "input": ("context",), "text": ("content", "document"),
+    "prompt": ("question", "query", "instruction", "input"), "completion": ("response", "answer", "output"),
+    "chosen": ("accepted", "preferred"), "rejected": ("dispreferred",), "system": ("system_prompt",),
+}
+_MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+_TEXT = datasets.Value("string")
+_SHAPES = {
+    "chat": {"messages": _MESSAGES}, "instruction": {"messages": _MESSAGES}, "completion": {"text": _TEXT},
+    "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
+    "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES},
+    "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT},
+}
+
+
+class RecordError(Exception):
+    """A record that does not fit its format; the message says what is wrong, the caller adds the origin."""
+
+
+class MissingColumn(RecordError):
+    """The source lacks a column a field is read from: a mapping problem, never skipped as a bad record."""
+
+
+def features(fmt: str) -> datasets.Features:
+    """The Arrow features of normalized records of a format (with `_origin`)."""
+    return datasets.Features({**_SHAPES[fmt], ORIGIN: _TEXT})
+
+
+# ---------------------------------------------------------------- one record
+def normalize(record: dict, spec: DatasetSpec) -> dict:
+    """The canonical shape of one record of `spec.format`; raises RecordError when it does not fit."""
+    out = _NORMALIZERS[spec.format](record, spec)
+    if ORIGIN in record:
+        out[ORIGIN] = record[ORIGIN]
+    return out
+
+
+def _chat(record: dict, spec: DatasetSpec) -> dict:
+    name = _column("messages", spec, record)
+    messages = _with_system(_messages(_value(record, "messages", spec), name), _system(record, spec))
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecordError(f"'{name}' has no assistant message, so there is nothing to train on")
+    return {"messages": messages}
+
+
+def _instruction(record: dict, spec: DatasetSpec) -> dict:
+    instruction = _text(record, "instruction", spec, empty_ok=False)
+    extra = _text(record, "input", spec, required=False) or ""
+    output = _text(record, "output", spec, empty_ok=False)
+    user = instruction + ("\n\n" + extra if extra.strip() else "")
+    turns = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+    return {"messages": _with_system(turns, _system(record, spec))}
+
+
+def _completion(record: dict, spec: DatasetSpec) -> dict:
+    return {"text": _text(record, "text", spec, empty_ok=False)}
+
+
+def _prompt_completion(record: dict, spec: DatasetSpec) -> dict:
+    return {"prompt": _text(record, "prompt", spec), "completion": _text(record, "completion", spec, empty_ok=False)}
+
+
+def _preference(record: dict, spec: DatasetSpec) -> dict:
+    names = {f: _column(f, spec, record) for f in ("prompt", "chosen", "rejected")}
+    chosen_raw, rejected_raw = _value(record, "chosen", spec), _value(record, "rejected", spec)
+    if names["prompt"] in record or "prompt" in spec.columns:
+        prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user")
+    else:
+        prompt = _shared_prompt(record, spec, chosen_raw, rejected_raw, names)
+    out = {"prompt": _with_system(prompt, _system(record, spec))}
+    for field, raw in (("chosen", chosen_raw), ("rejected", rejected_raw)):
+        turns = _turns(raw, names[field], "assistant")
+        if turns[: len(prompt)] == prompt:
+            turns = turns[len(prompt):]
+        if not any(m["role"] == "assistant" for m in turns):
+            raise RecordError(f"'{names[field]}' has no assistant message after the prompt")
+        out[field] = turns
+    return out
+
+
+def _shared_prompt(record: dict, spec: DatasetSpec, chosen: object, rejected: object, names: dict) -> list[dict]:
+    """Without a prompt column, the prompt is the leading messages that chosen and rejected share."""
+    if not isinstance(chosen, list) or not isinstance(rejected, list):
+        raise MissingColumn(_missing("prompt", record, spec) + " (or give chosen and rejected as conversations that start with the prompt)")
+    a, b = _messages(chosen, names["chosen"]), _messages(rejected, names["rejected"])
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    if n == 0:
+        raise RecordError(f"no prompt column, and '{names['chosen']}' and '{names['rejected']}' share no leading messages to use as the prompt")
+    return a[:n]
+
+
+def _prompt_only(record: dict, spec: DatasetSpec) -> dict:
+    name = _column("prompt", spec, record)
+    prompt = _with_system(_turns(_value(record, "prompt", spec), name, "user"), _system(record, spec))
+    used = {_column(f, spec, record) for f in FIELDS["prompt_only"]} | {ORIGIN}
+    extra = {k: v for k, v in record.items() if k not in used}
+    return {"prompt": prompt, "extra": json.dumps(extra, ensure_ascii=False, default=str)}
+
+
+_NORMALIZERS = {
+    "chat": _chat, "instruction": _instruction, "completion": _completion,
+    "prompt_completion": _prompt_completion, "preference": _preference, "prompt_only": _prompt_only,
+}
+
+
+# ---------------------------------------------------------------- fields, messages
+def _column(field: str, spec: DatasetSpec, record: dict) -> str:
+    """The source column an ft field is read from: the mapping, the field's name, or a known alias."""
+    if field in spec.columns:
+        return spec.columns[field]
+    if field not in record:
+        return next((a for a in _ALIASES.get(field, ()) if a in record), field)
+    return field
+
+
+def _value(record: dict, field: str, spec: DatasetSpec, *, required: bool = True) -> object:
+    """The value of an ft field; None when an optional field is absent or null."""
+    name = _column(field, spec, record)
+    if name not in record:
+        if required or field in spec.columns:
+            raise MissingColumn(_missing(field, record, spec))
+        return None
+    if record[name] is None and required:
+        raise RecordError(f"'{name}' is null")
+    return record[name]
+
+
+def _missing(field: str, record: dict, spec: DatasetSpec) -> str:
+    name = _column(field, spec, record)
+    present = [k for k in record if k != ORIGIN]
+    used = {spec.columns.get(f, f) for f in FIELDS[spec.format]}
+    free = [k for k in present if k not in used]
+    guess = next((h for h in _HINTS.get(field, ()) if h in free), None)
+    guess = guess or next(iter(difflib.get_close_matches(field, free, n=1)), None) or (free[0] if len(free) == 1 else "COLUMN")
+    return (f"no column '{name}' (mapped from ft field '{field}'); columns present: {', '.join(present) or '(none)'}; "
+            f"map it with columns: {{{field}: {guess}}}")
+
+
+def _text(record: dict, field: str, spec: DatasetSpec, *, required: bool = True, empty_ok: bool = True) -> str | None:
+    value = _value(record, field, spec, required=required)
+    name = _column(field, spec, record)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RecordError(f"'{name}' must be text, got {_kind(value)}")
+    if not empty_ok and not value.strip():
+        raise RecordError(f"'{name}' is empty")
+    return value
+
+
+def _system(record: dict, spec: DatasetSpec) -> str | None:
+    """The record's system column when set, else the source's system_prompt."""
+    value = _text(record, "system", spec, required=False)
+    return value if value and value.strip() else spec.system_prompt
+
+
+def _with_system(messages: list[dict], system: str | None) -> list[dict]:
+    if system and not any(m["role"] == "system" for m in messages):
+        return [{"role": "system", "content": system}] + messages
+    return messages
+
+
+def _turns(value: object, name: str, role: str) -> list[dict]:
+    """A string becomes one message of `role`; a list is read as messages."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise RecordError(f"'{name}' is empty")
+        return [{"role": role, "content": value}]
+    return _messages(value, name)
+
+
+def _messages(value: object, name: str) -> list[dict]:
+    if isinstance(value, str) and value.lstrip().startswith("["):  # a conversation stored as JSON text (CSV)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RecordError(f"'{name}' holds text that is not a valid JSON list of messages ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, list):
+        raise RecordError(f"'{name}' must be a list of messages, got {_kind(value)}")
+    if not value:
+        raise RecordError(f"'{name}' is an empty conversation")
+    return [_message(m, f"{name}[{i}]") for i, m in enumerate(value)]
+
+
+def _message(message: object, where: str) -> dict:
+    """An OpenAI-style {role, content} or ShareGPT-style {from, value} message, detected per message."""
+    if not isinstance(message, dict):
+        raise RecordError(f"message {where} must be an object with role and content, got {_kind(message)}")
+    keys = ("role", "content") if message.get("role") is not None else ("from", "value")
+    role, content = message.get(keys[0]), message.get(keys[1])
+    if role is None:
+        present = ", ".join(k for k, v in message.items() if v is not None) or "(none)"
+        raise RecordError(f"message {where} has no role: expected role/content (OpenAI style) or from/value (ShareGPT style); keys present: {present}")
+    if not isinstance(role, str) or role.strip().lower() not in ROLES:
+        raise RecordError(f"message {where} has an unknown role {role!r}; use user, assistant, system or tool (ShareGPT: human, gpt)")
+    if content is None:
+        raise RecordError(f"message {where} ({role}) has no '{keys[1]}'")
+    if not isinstance(content, str):
+        raise RecordError(f"message {where} ({role}): '{keys[1]}' must be a string, got {_kind(content)}; ft reads text messages only")
+    return {"role": ROLES[role.strip().lower()], "content": content}
+
+
+# ---------------------------------------------------------------- a whole dataset
+def normalize_dataset(ds: datasets.Dataset, spec: DatasetSpec, *, skip_bad_records: bool = False, num_proc: int = 1, key: str = "") -> tuple[datasets.Dataset, int]:
+    """Normalize every record; returns (normalized dataset, records skipped).
+
+    A bad record raises DataError "ORIGIN: MESSAGE" naming the source (`key`, e.g. "data.datasets[0]"),
+    or with skip_bad_records is dropped and counted. A missing column always raises: it is the mapping.
+    """
+    source = f"{key} (path {spec.path}, format {spec.format})" if key else f"{spec.path} (format {spec.format})"
+    shape = datasets.Features({**features(spec.format), "_error": _TEXT})
+    fn = partial(_normalize_batch, spec=spec, skip=skip_bad_records, where=(key, source), columns=tuple(shape))
+    out = ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, features=shape,
+                 num_proc=min(num_proc, len(ds)) if num_proc > 1 and len(ds) > 1 else None, desc=f"Reading {spec.path} as {spec.format}")
+    errors = [e for e in out["_error"][:] if e] if skip_bad_records else []
+    if errors:
+        log.warning("skipped %d bad record(s) of %s; first: %s", len(errors), source, "; ".join(errors[:5]))
+        out = out.filter(lambda e: not e, input_columns="_error")
+    return out.remove_columns("_error"), len(errors)
+
+
+def _normalize_batch(batch: dict, indices: list[int], *, spec: DatasetSpec, skip: bool, where: tuple[str, str], columns: tuple) -> dict:
+    rows = []
+    for j, index in enumerate(indices):
+        record = {k: values[j] for k, values in batch.items()}
+        origin = record.get(ORIGIN) or f"{spec.path}:record {index + 1}"
+        try:
+            row = {**normalize(record, spec), "_error": ""}
+        except RecordError as e:
+            if not skip or isinstance(e, MissingColumn):
+                raise _record_error(origin, e, *where) from None
+            row = {k: [] if v is _MESSAGES else "" for k, v in _SHAPES[spec.format].items()} | {"_error": f"{origin}: {e}"}
+        row[ORIGIN] = origin
+        rows.append(row)
+    return {k: [r[k] for r in rows] for k in columns}
+
+
+def _record_error(origin: str, e: RecordError, key: str, source: str) -> DataError:
+    if isinstance(e, MissingColumn):
+        fix = f"map the column in {key + '.columns' if key else 'the source columns'}, or choose the format that matches the data"
+    else:
+        fix = SKIP_FIX
+    return DataError(f"{origin}: {e}\n    source: {source}\n    fix: {fix}")

@@ -1,0 +1,228 @@
+"""`ft preprocess`: sources -> canonical records -> tokens and loss masks -> mixed, split, packed, cached.
+
+Runs once, before any training process starts (`ft train` calls `prepare` first); concurrent callers
+of the same data wait on a file lock instead of tokenizing in parallel, so no rank ever sits in a
+collective while another tokenizes. The cache key covers everything that changes the output.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from finetune.config.schema import Config, DatasetSpec
+from finetune.errors import DataError, FtError
+
+DATA_VERSION = 1  # bump when the output of this pipeline changes for the same inputs
+TEMPLATED = ("chat", "instruction", "preference", "prompt_only")
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The prepared data: datasets on disk (memory-mapped), its summary and cache entry."""
+
+    train: object  # datasets.Dataset
+    validation: object | None
+    summary: dict
+    path: Path
+    added_tokens: tuple[str, ...]
+    tokenizer: object
+
+
+def prepare(config: Config, *, force: bool = False, progress: Progress | None = None) -> Prepared:
+    """Prepared data for `config`: from the cache when its fingerprint matches, else built (once)."""
+    from datasets import disable_progress_bars, load_from_disk
+
+    from finetune.data.cache import DataCache, fingerprint
+    from finetune.models import add_special_tokens, load_tokenizer
+
+    disable_progress_bars()
+    tokenizer = load_tokenizer(config.model)
+    jinja, template_tokens = _template(config, tokenizer)
+    added = add_special_tokens(tokenizer, [*config.data.add_special_tokens, *template_tokens])
+    key = fingerprint(fingerprint_parts(config, tokenizer, jinja))
+    cache = DataCache(config.data.cache_dir)
+    with cache.lock(key):
+        if force and cache.is_complete(key):
+            cache.remove(key)
+        if not cache.is_complete(key):
+            with cache.build(key) as tmp:
+                summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None))
+                summary["added_tokens"] = added
+                (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
+    root = cache.path(key)
+    summary = json.loads((root / "summary.json").read_text())
+    validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
+    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer)
+
+
+def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
+    """The chat template text (None when no source needs one) and built-in tokens missing from the vocabulary."""
+    from finetune.data.templates import missing_special_tokens, resolve
+
+    specs = list(config.data.datasets) + ([config.data.validation] if isinstance(config.data.validation, DatasetSpec) else [])
+    if not any(s.format in TEMPLATED for s in specs):
+        return None, []
+    return resolve(tokenizer, config.data.template), missing_special_tokens(tokenizer, config.data.template)
+
+
+def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
+    """Everything that changes the prepared data; nothing else (not the output dir, not the model weights)."""
+    from finetune.data.cache import file_digest
+    from finetune.data.sources import resolve_files
+
+    data = config.data.model_dump(mode="json", exclude={"num_proc", "cache_dir"})
+    specs = list(config.data.datasets) + ([config.data.validation] if isinstance(config.data.validation, DatasetSpec) else [])
+    files = {}
+    for spec in specs:
+        paths = resolve_files(spec.path)
+        files[spec.path] = [(str(p), file_digest(p)) for p in paths] if paths is not None else {"hub": spec.path, "subset": spec.subset, "split": spec.split, "revision": spec.revision}
+    return {
+        "version": DATA_VERSION,
+        "data": data,
+        "method": config.method.name,
+        "max_new_tokens": getattr(config.method, "max_new_tokens", 0),
+        "files": files,
+        "tokenizer": tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer),
+        "special": sorted(str(t) for t in tokenizer.all_special_tokens),
+        "template": jinja,
+    }
+
+
+def rules_for(config: Config, spec: DatasetSpec):
+    from finetune.data.tokenize import Rules
+
+    room = config.data.seq_len - getattr(config.method, "max_new_tokens", 0)
+    if spec.format == "prompt_only" and room < 1:
+        raise FtError(f"method.max_new_tokens ({config.method.max_new_tokens}) leaves no room for a prompt in data.seq_len ({config.data.seq_len}); raise seq_len or lower max_new_tokens")
+    return Rules(spec.format, config.data.train_on, config.data.seq_len, config.data.overlong, room)
+
+
+# ---------------------------------------------------------------- building
+def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Progress) -> dict:
+    """Build the prepared data into `out`; return the summary."""
+    from finetune.data.packing import efficiency, pack
+    from finetune.data.sources import mix, split_validation
+
+    data = config.data
+    counts: Counter = Counter()
+    parts = [_source(config, i, spec, tokenizer, jinja, counts, progress) for i, spec in enumerate(data.datasets)]
+    train = mix(parts, data.seed)
+    if isinstance(data.validation, DatasetSpec):
+        validation = _source(config, "validation", data.validation, tokenizer, jinja, Counter(), progress)
+    else:  # records repeated by weight/samples share an origin and stay on one side of the split
+        train, validation = split_validation(train, data.validation, data.seed)
+    train = train.remove_columns("_origin")
+    validation = validation.remove_columns("_origin") if validation is not None else None
+    lengths = train["length"][:]
+    summary = _summary(counts, train, lengths, data.seq_len)
+    if data.packing and all(s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets):
+        progress("packing", 0, 1)
+        train = pack(train, data.seq_len)
+        validation = pack(validation, data.seq_len) if validation is not None else None
+        summary["packed_rows"] = len(train)
+        summary["packing_efficiency"] = round(efficiency(train, data.seq_len, packed=True), 4)
+        progress("packing", 1, 1)
+    summary["validation_samples"] = len(validation) if validation is not None else 0
+    train.save_to_disk(str(out / "train"))
+    if validation is not None:
+        validation.save_to_disk(str(out / "validation"))
+    return summary
+
+
+def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress):
+    """One source: read, sample, normalize, tokenize, fit to seq_len."""
+    from finetune.data.formats import normalize_dataset
+    from finetune.data.sources import load_source, take
+
+    key = f"data.datasets[{index}]" if isinstance(index, int) else "data.validation"
+    data = config.data
+    try:
+        raw, stats = load_source(spec, skip_bad_records=data.skip_bad_records)
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
+    counts["read"] += stats.records_read
+    counts["skipped_unreadable"] += stats.records_skipped
+    norm, skipped = normalize_dataset(raw, spec, skip_bad_records=data.skip_bad_records, num_proc=data.num_proc, key=key)
+    counts["skipped_bad_records"] += skipped
+    norm = take(norm, spec, data.seed)
+    counts["sampled"] += len(norm)
+    return tokenize_dataset(norm, rules_for(config, spec), tokenizer, jinja, counts, progress, key, data)
+
+
+def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Progress, key: str, data):
+    """Tokenize with `datasets.map`; count what happened to each record; drop the ones that cannot train."""
+    total, done = len(ds), [0]
+
+    def batch(records: dict) -> dict:
+        n = len(records["_origin"])
+        rows = [_one({k: v[i] for k, v in records.items()}, rules, tokenizer, jinja, data.skip_bad_records, key) for i in range(n)]
+        if data.num_proc == 1:
+            done[0] += n
+            progress(f"tokenizing {key}", done[0], total)
+        columns = list(rows[0]) if rows else []
+        return {k: [r[k] for r in rows] for k in columns}
+
+    # Our own cache keys the result; fresh fingerprints stop datasets from hashing the tokenizer closure.
+    out = ds.map(batch, batched=True, batch_size=256, num_proc=data.num_proc if data.num_proc > 1 else None,
+                 remove_columns=ds.column_names, new_fingerprint=uuid.uuid4().hex)
+    status_column = out["_status"][:]  # datasets 5: [:] reads the column at once
+    statuses = Counter(status_column)
+    counts.update(statuses)
+    progress(f"tokenizing {key}", total, total)
+    keep = [i for i, s in enumerate(status_column) if s in ("kept", "truncated")]
+    kept = out.select(keep).remove_columns("_status")
+    if len(kept) == 0:
+        raise DataError(f"{key}: no training examples left ({dict(statuses)}); check the format, columns, seq_len and train_on settings")
+    return kept
+
+
+_EMPTY = {"chat": ("input_ids", "labels"), "instruction": ("input_ids", "labels"), "completion": ("input_ids", "labels"),
+          "prompt_completion": ("input_ids", "labels"), "preference": ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"),
+          "prompt_only": ("prompt_ids",)}
+
+
+def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
+    from finetune.data.tokenize import fit_length, tokenize_record
+
+    try:
+        row, status = fit_length(tokenize_record(rec, rules, tokenizer, jinja), rules)
+    except FtError as e:
+        if not skip_bad:
+            raise DataError(f"{key}: {rec.get('_origin', '?')}: {e} (set data.skip_bad_records: true to skip such records)") from None
+        row, status = None, "skipped_bad_records"
+    if row is None:
+        row = {k: [] for k in _EMPTY[rules.format]} | {"length": 0}
+        if rules.format == "prompt_only":
+            row |= {"prompt": "[]", "extra": "{}"}
+    return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
+
+
+def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
+    from finetune.data.masking import IGNORE
+
+    ordered = sorted(lengths)
+    pct = {f"p{p}": ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (50, 90, 99)} if ordered else {}
+    trained = 0
+    label_cols = [c for c in train.column_names if c.endswith("labels")]
+    for col in label_cols[:1]:
+        trained = sum(sum(1 for t in labels[1:] if t != IGNORE) for labels in train[col][:])
+    return {
+        "records_read": counts["read"],
+        "skipped_unreadable": counts["skipped_unreadable"],
+        "records_sampled": counts["sampled"],
+        "skipped_bad_records": counts["skipped_bad_records"],
+        "truncated": counts["truncated"],
+        "dropped_too_long": counts["dropped_long"],
+        "dropped_nothing_to_train": counts["dropped_untrained"],
+        "train_samples": len(train),
+        "token_lengths": {**pct, "max": ordered[-1] if ordered else 0, "mean": round(sum(ordered) / max(1, len(ordered)), 1)},
+        "tokens_per_epoch": sum(ordered),
+        "trained_tokens_per_epoch": trained,
+        "padding_efficiency": round(sum(ordered) / max(1, len(ordered) * seq_len), 4),
+    }
