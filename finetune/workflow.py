@@ -63,7 +63,7 @@ def run_preprocess(config_path: str | os.PathLike, overrides: Iterable[str] = ()
 
         prepared = prepare(config, force=force, progress=progress)
     out = Console(highlight=False)
-    out.print(f"prepared data: {prepared.path}")
+    out.print(f"{'built' if prepared.built else 'reused cached'} data: {prepared.path}")
     print_summary(prepared.summary, out)
     if preview:
         print_preview(prepared.train, prepared.tokenizer, preview, out)

@@ -140,3 +140,44 @@ def test_cli_preprocess_summary_and_preview(tmp_path, arithmetic):
     for needle in ("Prepared data", "records read", "packing efficiency", "tokens per epoch", "sample 1:", "sample 2:", "trained (highlighted)"):
         assert needle in r.stdout, r.stdout
     assert "sample 3:" not in r.stdout
+
+
+@pytest.mark.parametrize("override", [
+    "data.template=qwen", "data.seed=7", "data.packing=true", "data.overlong=drop", "data.add_special_tokens=[<tool>]",
+    "data.datasets.0.columns={messages: messages}", "data.datasets.0.system_prompt=Be brief.", "data.validation=0.1",
+])
+def test_every_input_of_the_data_changes_the_fingerprint(tmp_path, arithmetic, override):
+    from finetune.data.preprocess import prepare as run
+
+    text = job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]")
+    base = run(loads(text))
+    assert run(loads(text, overrides=[override])).path != base.path
+    assert run(loads(text, overrides=["data.num_proc=2"])).path == base.path  # speed, not content
+
+
+def test_added_special_tokens_are_reported(tmp_path, arithmetic):
+    p = prepare(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]", add_special_tokens=["<tool>", "<|im_end|>"]))
+    assert p.added_tokens == ("<tool>",) and p.summary["added_tokens"] == ["<tool>"]
+    assert len(p.tokenizer("<tool>", add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_validation_from_its_own_dataset(tmp_path, arithmetic):
+    held = write_jsonl(arithmetic_records(30, seed=9), tmp_path / "held.jsonl")
+    p = prepare(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]").replace("  datasets:", f"  validation: {{path: {held}, format: chat}}\n  datasets:"))
+    assert len(p.validation) == 30 and len(p.train) == 200
+
+
+def test_template_rejecting_a_conversation_names_the_record(tmp_path):
+    twice = write_jsonl([{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+                         {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "again"}, {"role": "assistant", "content": "b"}]}], tmp_path / "t.jsonl")
+    with pytest.raises(DataError, match=r"t.jsonl:2"):
+        prepare(job(tmp_path, f"[{{path: {twice}, format: chat}}]", template="mistral"))
+
+
+def test_concurrent_preprocess_builds_once(tmp_path, arithmetic):
+    path = tmp_path / "job.yaml"
+    path.write_text(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]"))
+    procs = [subprocess.Popen([sys.executable, "-m", "finetune", "preprocess", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sum("built data" in o for o in outs) == 1 and sum("reused cached data" in o for o in outs) == 1

@@ -32,6 +32,7 @@ class Prepared:
     path: Path
     added_tokens: tuple[str, ...]
     tokenizer: object
+    built: bool  # False when a complete cache entry was reused
 
 
 def prepare(config: Config, *, force: bool = False, progress: Progress | None = None) -> Prepared:
@@ -50,7 +51,8 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     with cache.lock(key):
         if force and cache.is_complete(key):
             cache.remove(key)
-        if not cache.is_complete(key):
+        built = not cache.is_complete(key)
+        if built:
             with cache.build(key) as tmp:
                 summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None))
                 summary["added_tokens"] = added
@@ -58,7 +60,7 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     root = cache.path(key)
     summary = json.loads((root / "summary.json").read_text())
     validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
-    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer)
+    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, built)
 
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
