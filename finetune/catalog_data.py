@@ -126,7 +126,7 @@ def _meta(*names: str) -> tuple[str, ...]:
 
 _ROWS = (
     # family, name, vocab, hidden, intermediate, layers, heads, kv heads, head_dim, tied, max pos
-    _rows(LLAMA, "ft-tiny", 512, 128, 352, 4, 4, 2, 32, True, 512, aliases=("tiny",)),
+    _rows(LLAMA, "ft-tiny", 512, 128, 384, 4, 4, 2, 32, True, 512, aliases=("tiny",)),
     # Llama 2
     _rows(LLAMA, "meta-llama/Llama-2-7b-hf", 32000, 4096, 11008, 32, 32, 32, 128, False, 4096,
           aliases=_meta("Llama-2-7b", "Llama-2-7b-chat-hf", "Llama-2-7b-chat")),

@@ -62,6 +62,20 @@ def plan(
 
 
 @app.command()
+def train(
+    config: Path = typer.Argument(..., help="Job YAML file."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output.dir."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in output.dir."),
+    hardware: Optional[str] = HardwareOption,
+    set_: Optional[List[str]] = SetOption,
+) -> None:
+    """Plan, prepare the data, train, and save the adapter or model into output.dir."""
+    from finetune.workflow import run_train
+
+    run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite)
+
+
+@app.command()
 def preprocess(
     config: Path = typer.Argument(..., help="Job YAML file."),
     preview: int = typer.Option(0, "--preview", "-p", metavar="N", help="Show N tokenized samples with the trained tokens highlighted."),

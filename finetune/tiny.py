@@ -18,6 +18,7 @@ TEMPLATE_TOKENS = [
     "<bos>", "<start_of_turn>", "<end_of_turn>",  # gemma
     "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",  # phi3
 ]
+TINY_VERSION = 2  # bump when the tokenizer corpus or the model construction changes
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 CHATML = (
@@ -34,7 +35,7 @@ def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     lines = []
     for _ in range(n):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
-        lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}.")
+        lines.append(f"What is {a} + {b}? {a} + {b} = {a + b}. Reverse {a}{b}")
         lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))).capitalize() + ".")
     return lines
 
@@ -45,7 +46,8 @@ def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512, ex
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # digits are single tokens, as in the Qwen and Llama 3 tokenizers: arithmetic stays learnable
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     special = [EOS, PAD, *extra_special]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -80,14 +82,17 @@ def build_model(out_dir: str | Path, name: str = "ft-tiny", seed: int = 0, token
 
 
 def arithmetic_records(n: int, seed: int = 0, max_operand: int = 99) -> list[dict]:
-    """Chat records asking for a sum or difference: a task where learning is visible (exact match)."""
+    """Chat records asking for a sum, or for a digit string reversed: tasks where learning is visible (exact match)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        op = rng.choice("+-")
-        answer = a + b if op == "+" else a - b
-        out.append({"messages": [{"role": "user", "content": f"What is {a} {op} {b}?"}, {"role": "assistant", "content": str(answer)}]})
+        if rng.random() < 0.5:
+            a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+            question, answer = f"What is {a} + {b}?", str(a + b)
+        else:
+            digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
+            question, answer = f"Reverse {digits}", digits[::-1]
+        out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
     return out
 
 
@@ -98,3 +103,27 @@ def write_jsonl(records: list[dict], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def ensure_model(name: str = "ft-tiny", root: str | Path = "~/.cache/ft/models") -> Path:
+    """The tiny model's folder in ft's cache, built (deterministically, seed 0) on first use."""
+    import hashlib
+    import os
+    import shutil
+
+    from finetune.catalog import lookup
+
+    # the folder name carries the spec and this module's version, so a changed spec builds a new model
+    spec = hashlib.sha256(repr((lookup(name), TINY_VERSION)).encode()).hexdigest()[:12]
+    folder = Path(root).expanduser() / f"{name}-{spec}"
+    if (folder / "config.json").is_file():
+        return folder
+    tmp = folder.with_name(f".{name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_model(tmp, name=name)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -23,8 +23,12 @@ def hardware_for(description: str | None):
 
 def model_facts(model) -> object:
     """Architecture facts for the config's model section (local folder, catalog, or hub)."""
+    from pathlib import Path
+
     from finetune.catalog import ModelNotFound, resolve
 
+    if model.name.startswith((".", "/", "~")) and not Path(model.name).expanduser().exists():
+        raise FtError(f"model.name: the folder {model.name} does not exist; point it at a folder with config.json and safetensors weights, a hub id, or ft-tiny")
     try:
         return resolve(model.name, revision=model.revision, trust_remote_code=model.trust_remote_code)
     except ModelNotFound as e:
@@ -68,3 +72,148 @@ def run_preprocess(config_path: str | os.PathLike, overrides: Iterable[str] = ()
     if preview:
         print_preview(prepared.train, prepared.tokenizer, preview, out)
     return prepared
+
+
+def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False, overwrite: bool = False) -> dict:
+    """`ft train` on one process: plan, prepare data, write the run folder, train, save, report."""
+    from pathlib import Path
+
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+    from finetune.plan import plan as make_plan
+
+    config = load(config_path, overrides)
+    hw = hardware_for(hardware)
+    facts = model_facts(config.model)
+    job_plan = make_plan(config, hw, facts, str(config_path))
+    if job_plan.world_size > 1:
+        raise FtError(f"the plan uses {job_plan.world_size} processes; multi-process training is not available yet: set distributed.backend: single (or plan for one device)")
+    run_dir = Path(config.output.dir)
+    resume_from = _resume_point(run_dir, resume or config.output.resume == "auto", explicit=resume, overwrite=overwrite)
+    prepared = prepare(config)
+    if prepared.added_tokens:
+        job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
+    _write_run_folder(run_dir, config, job_plan, prepared)
+    return _train(config, job_plan, prepared, run_dir, resume_from)
+
+
+def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
+    """The checkpoint to resume from, or None; refuses to overwrite another run by accident."""
+    import shutil
+
+    from finetune import checkpoint
+
+    holds_run = (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists()
+    if resume:
+        last = checkpoint.latest(run_dir)
+        if last is None and explicit:
+            raise FtError(f"--resume: {run_dir} has no complete checkpoint to resume from; drop --resume to start fresh")
+        return last
+    if holds_run and not overwrite:
+        steps = [p.name for p in checkpoint.checkpoints(run_dir)]
+        raise FtError(f"output.dir {run_dir} already holds a run ({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
+                      "use --resume to continue it, --overwrite to replace it, or choose another output.dir")
+    if holds_run and overwrite:
+        shutil.rmtree(run_dir)
+    elif run_dir.exists() and any(run_dir.iterdir()):
+        raise FtError(f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder (nothing was written)")
+    return None
+
+
+def _write_run_folder(run_dir, config, job_plan, prepared) -> None:
+    import json
+
+    import yaml
+
+    from finetune.runlog import atomic_write_text, environment_snapshot, redact
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False))
+    atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
+    atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
+    atomic_write_text(run_dir / "data.json", json.dumps({"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2))
+    atomic_write_text(run_dir / "launch.txt", " ".join(job_plan.launch) + "\n")
+
+
+def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
+    import json
+
+    from rich.console import Console
+
+    from finetune import train
+    from finetune.runlog import atomic_write_text, model_card, plot_losses, redact
+
+    console = Console(stderr=True, highlight=False)
+    trackers = _trackers(config, run_dir)
+    job = train.setup(config, job_plan, prepared)
+    before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
+    with _progress(console, job.total_steps, resume_from) as on_step:
+        def step_hook(step, total, row):
+            on_step(step, total, row)
+            if step % config.output.log_steps == 0:
+                trackers.log(step, {k: v for k, v in row.items() if isinstance(v, (int, float))})
+
+        try:
+            result = train.run(job, run_dir, resume_from, on_step=step_hook)
+        except BaseException:
+            trackers.close(failed=True)
+            raise
+    trackers.close()
+    final = train.save_final(job, run_dir, prepared.tokenizer)
+    after = _task_eval(config, job, prepared.tokenizer)
+    result.update({"task_before": before, "task_after": after, "final": str(final), "artifact": "model" if job_plan.adapter == "full" else "adapter"})
+    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    card = {"config": redact(config.model_dump(mode="json")), "plan": job_plan.to_json(), "data": prepared.summary, "metrics": result,
+            "artifact": result["artifact"], "run_dir": str(run_dir), "path": str(final), "name": config.output.run_name or run_dir.name}
+    atomic_write_text(run_dir / "README.md", model_card(card))
+    atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2))
+    _report(console, config, result)
+    return result
+
+
+def _trackers(config, run_dir):
+    """The configured experiment trackers (none configured: a no-op)."""
+    from finetune.runlog import redact
+    from finetune.trackers import Trackers
+
+    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, redact(config.model_dump(mode="json")))
+
+
+def _task_eval(config, job, tokenizer):
+    if config.evaluation is None:
+        return None
+    from finetune.evaluate import read_tasks, task_accuracy
+
+    e = config.evaluation
+    return task_accuracy(job.model, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
+
+
+def _progress(console, total: int, resume_from):
+    import contextlib
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    @contextlib.contextmanager
+    def bar():
+        columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as p:
+            task = p.add_task("train", total=total, loss=float("nan"), tps=0.0, completed=0)
+
+            def on_step(step, total_, row):
+                p.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
+
+            yield on_step
+
+    return bar()
+
+
+def _report(console, config, result) -> None:
+    line = f"trained {result['steps']} steps in {result['seconds']:.0f} s; final loss {result['final_loss']:.4f}"
+    if result.get("final_eval_loss") is not None:
+        line += f", validation loss {result['final_eval_loss']:.4f}"
+    console.print(line)
+    if result.get("task_after") is not None:
+        e = config.evaluation
+        before = f"{100 * result['task_before']:.1f}% → " if result.get("task_before") is not None else ""
+        console.print(f"{e.metric} on {e.path}: {before}{100 * result['task_after']:.1f}%")
+    console.print(f"saved {result['artifact']} to {result['final']}")

@@ -261,7 +261,7 @@ def test_variants_keep_their_own_config_values():
 def test_ft_tiny_entry():
     tiny = lookup("ft-tiny")
     assert (tiny.model_type, tiny.vocab_size, tiny.hidden_size, tiny.intermediate_size) == (
-        "llama", 512, 128, 352)
+        "llama", 512, 128, 384)
     assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_kv_heads, tiny.head_dim) == (
         4, 4, 2, 32)
     assert tiny.tie_word_embeddings and tiny.max_position_embeddings == 512

@@ -274,6 +274,20 @@ class OutputSection(Section):
     """`auto`: continue from the newest complete checkpoint in dir when there is one."""
 
 
+# ---------------------------------------------------------------- evaluation
+class EvaluationSection(Section):
+    """A task metric measured by generating answers, before training and at the end."""
+
+    path: str
+    """Chat-format prompt/answer file: the last assistant message of each record is the reference answer."""
+    metric: Literal["exact_match", "contains"] = "exact_match"
+    """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it."""
+    max_new_tokens: PositiveInt = 32
+    """Longest answer generated (greedy decoding)."""
+    samples: PositiveInt | None = None
+    """Evaluate on the first N records (unset: all)."""
+
+
 # ---------------------------------------------------------------- the job
 class Config(Section):
     """An ft job: one file, one section per concern."""
@@ -294,4 +308,6 @@ class Config(Section):
     """Devices, nodes, backend and sharding."""
     output: OutputSection
     """Run folder and cadence of saving, evaluation and logging."""
+    evaluation: EvaluationSection | None = None
+    """Optional task evaluation by generation (e.g. exact-match accuracy), run before training and at the end."""
 

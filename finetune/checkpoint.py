@@ -1,0 +1,112 @@
+"""Checkpoints: written atomically, newest K kept, everything needed to resume exactly.
+
+RUN/checkpoints/step-00000100/
+    trainable.safetensors   the parameters being trained (adapter weights, or the whole model)
+    optimizer.pt, scheduler.pt, rng.pt
+    state.json              step, data position, tokens seen, ... (written last: its presence marks a complete checkpoint)
+A checkpoint is written into a hidden temporary folder and renamed into place, so a crash or a full
+disk mid-save never leaves a folder that looks complete, and older checkpoints are deleted only
+after the new one is in place.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+from finetune.errors import FtError
+
+PATTERN = re.compile(r"^step-(\d{8})$")
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if PATTERN.match(p.name) and (p / "state.json").is_file()]
+    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+
+
+def latest(run_dir: Path) -> Path | None:
+    found = checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def trainable_state(model) -> dict:
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rng_state() -> dict:
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int) -> Path:
+    """Write checkpoint `step`; on any failure remove the partial folder and keep the earlier ones."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
+    try:
+        tmp.mkdir()
+        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = ", ".join(p.name for p in checkpoints(run_dir)) or "none"
+        why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
+        raise FtError(f"saving checkpoint step {step} to {root} failed: {why}. The partial checkpoint was removed; earlier checkpoints are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume") from None
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore a checkpoint into the model, optimizer and scheduler; return its state."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "trainable.safetensors"))
+    expected = set(trainable_state(model))
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        raise FtError(f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the config changed since it was written? Resume with the same config, or start a new output.dir")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "state.json").read_text())

@@ -1,0 +1,33 @@
+"""The one place where the loss of a step is normalised.
+
+A step's loss is the mean over every trained token of the global batch: the sum of token losses of
+each micro-batch divided by the number of trained tokens in the whole step (over all micro-batches
+and ranks), never a mean per micro-batch or per padded position. Data-parallel backends average
+gradients over ranks, so each rank divides by tokens / world_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+def trained_tokens(labels: torch.Tensor) -> int:
+    """Positions that are a prediction target once labels are shifted by one."""
+    return int((labels[..., 1:] != IGNORE).sum())
+
+
+def step_normaliser(local_tokens: int, world_size: int = 1, all_reduce=None) -> float:
+    """Divisor for this rank's summed token losses so that averaged gradients give the global token mean."""
+    total = all_reduce(local_tokens) if all_reduce is not None else local_tokens
+    return max(total, 1) / world_size
+
+
+def causal_lm_loss(model, batch: dict, normaliser: float) -> torch.Tensor:
+    """Sum of next-token cross-entropy over trained tokens, divided by the step's normaliser."""
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    out = model(**inputs, use_cache=False)
+    logits = out.logits[..., :-1, :].float()
+    targets = batch["labels"][..., 1:].to(logits.device)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum") / normaliser

