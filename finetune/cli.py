@@ -75,6 +75,25 @@ def train(
     run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite)
 
 
+@app.command("merge-lora")
+def merge_lora(
+    source: Path = typer.Argument(..., help="A run folder (RUN with RUN/final) or a peft adapter folder."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged model (sharded safetensors + tokenizer)."),
+    base: Optional[str] = typer.Option(None, "--base", help="Base model (default: the run's model.name or the adapter's base)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto | bf16 | fp16 | fp32 (a QLoRA base is dequantized first)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB."),
+    check_inputs: int = typer.Option(4, "--check-inputs", help="Random inputs on which merged and base+adapter logits are compared."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the base model's own Python code."),
+) -> None:
+    """Merge a LoRA adapter into its base model and report the largest logit difference."""
+    from finetune.merge import merge_lora as merge
+
+    report = merge(source, out, base=base, dtype=dtype, max_shard_size=max_shard_size, check_inputs=check_inputs,
+                   overwrite=overwrite, trust_remote_code=trust_remote_code)
+    typer.echo(str(report))
+
+
 @app.command()
 def preprocess(
     config: Path = typer.Argument(..., help="Job YAML file."),
