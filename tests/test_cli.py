@@ -22,7 +22,7 @@ def ft(*args, cwd=None, env=None):
 def test_help_lists_the_verbs():
     r = ft("--help")
     assert r.returncode == 0
-    for verb in ("validate", "plan", "schema", "explain"):
+    for verb in ("train", "preprocess", "merge-lora", "validate", "plan", "schema", "explain"):
         assert verb in r.stdout
     assert "--install-completion" in r.stdout
 

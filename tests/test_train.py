@@ -229,3 +229,18 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert last is not None
     state = json.loads((last / "state.json").read_text())
     assert 3 <= state["step"] < 2000 and state["position"] == state["step"] * 8
+
+
+def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    train(tmp_path, job_text(tmp_path, "lora", steps=4))
+    out = tmp_path / "merged"
+    r = subprocess.run([sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "ft_merge.json").read_text())
+    assert report["max_abs_logit_diff"] < 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(str(out))
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    again = subprocess.run([sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert again.returncode == 2 and "Traceback" not in again.stderr
