@@ -69,6 +69,10 @@ def load_model(model: ModelSection, plan, tokenizer=None):
 
     if torch.cuda.is_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}
+    if plan.attn_implementation == "sdpa_varlen":
+        from finetune.attention import register
+
+        register()
     path = model_path(model)
     try:
         net = AutoModelForCausalLM.from_pretrained(path, revision=model.revision, **kwargs)

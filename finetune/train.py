@@ -109,7 +109,7 @@ def train_step(job: Job) -> dict:
     loss_total, tokens = 0.0, 0
     for batch in batches:
         tokens += batch.pop("num_tokens", 0)
-        batch = {k: v.to(job.device) for k, v in batch.items()}
+        batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with autocast(job):
             loss, _ = job.method.loss(job.model, batch, normaliser)
         (job.scaler.scale(loss) if job.scaler else loss).backward()

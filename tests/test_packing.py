@@ -177,7 +177,8 @@ def test_collate_packed_flash_is_one_padding_free_row():
     rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, -100], "position_ids": [0, 1, 0], "seq_lens": [2, 1]},
             {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1], "seq_lens": [2]}]
     out = collate(rows, pad_id=0, attn_implementation="flash_attention_2", pad_to_multiple_of=4)
-    assert set(out) == {"input_ids", "labels", "position_ids"}
+    assert set(out) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert out["cu_seq_lens_q"].tolist() == [0, 2, 3, 5, 8] and out["max_length_q"] == 3
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
     assert out["labels"].tolist() == [[-100, 2, -100, -100, 5, -100, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 0, 0, 1, 0, 1, 2]]
@@ -244,6 +245,26 @@ def test_packed_logits_equal_separate_runs(attn, packed_rows):
                 torch.testing.assert_close(packed[r, start:start + n], alone, atol=1e-5, rtol=1e-5)
                 start += n
     assert not torch.allclose(packed[0, :31], leaky[0, :31], atol=1e-3)  # the check can see leaks
+
+
+def test_sdpa_varlen_packed_logits_equal_separate_runs(packed_rows):
+    from finetune.attention import register
+
+    examples, rows = packed_rows
+    register()
+    model = tiny_llama("sdpa_varlen")
+    batch = collate(rows, pad_id=0, attn_implementation="sdpa_varlen")
+    assert batch["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows))  # no padding at all
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    bins = best_fit_decreasing([len(e["input_ids"]) for e in examples], 32)
+    with torch.no_grad():
+        packed = model(**inputs).logits[0]
+        start = 0
+        for row, members in zip(rows, bins):
+            for i, n in zip(members, row["seq_lens"]):
+                alone = model(input_ids=torch.tensor([examples[i]["input_ids"]])).logits[0]
+                torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+                start += n
 
 
 def test_packed_loss_is_token_weighted_mean_of_example_losses(packed_rows):

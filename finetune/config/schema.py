@@ -39,8 +39,8 @@ class ModelSection(Section):
     """Tokenizer to use when it is not the model's own (hub id or folder). Leave unset to use the model's."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
-    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel. `auto`: flash-attention when installed and supported, otherwise sdpa."""
+    attn_implementation: Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel. `auto`: sdpa, or with packing ft's padding-free `sdpa_varlen` (one causal attention per sample); set flash_attention_2 where flash-attn is installed."""
     trust_remote_code: bool = False
     """Run Python code shipped with the model's repository. Off unless you trust its author."""
 

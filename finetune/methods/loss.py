@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 IGNORE = -100
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def trained_tokens(labels: torch.Tensor) -> int:
@@ -26,7 +27,7 @@ def step_normaliser(local_tokens: int, world_size: int = 1, all_reduce=None) -> 
 
 def causal_lm_loss(model, batch: dict, normaliser: float) -> torch.Tensor:
     """Sum of next-token cross-entropy over trained tokens, divided by the step's normaliser."""
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     out = model(**inputs, use_cache=False)
     logits = out.logits[..., :-1, :].float()
     targets = batch["labels"][..., 1:].to(logits.device)

@@ -328,7 +328,10 @@ def choose_attention(config: Config, hw: Hardware, out: list[Decision]) -> str:
     if asked != "auto":
         out.append(Decision("attn_implementation", asked, "as set in the config", "config"))
         return asked
-    out.append(Decision("attn_implementation", "sdpa", "torch's scaled-dot-product attention: memory-efficient kernels with no extra install; ft train upgrades to flash_attention_2 where installed and supported"))
+    if config.data.packing:
+        out.append(Decision("attn_implementation", "sdpa_varlen", "packed rows: ft's padding-free SDPA runs one causal attention per sample, so samples never see each other and no T×T mask is built"))
+        return "sdpa_varlen"
+    out.append(Decision("attn_implementation", "sdpa", "torch's scaled-dot-product attention: memory-efficient kernels with no extra install"))
     return "sdpa"
 
 
