@@ -167,7 +167,7 @@ def main() -> None:
             tps = tokens / cpu
             mfu = 4 * params * tps / (peak * 1e9)
             print(f"{name:<24} {tps:9,.0f} real tokens per CPU-second   {tps / base:5.2f}x hand loop   MFU {100 * mfu:4.1f}%")
-        print(f"MFU: 4N FLOPs per token (forward 2N + input gradients 2N; frozen weights need no weight gradients; LoRA and attention FLOPs not counted)")
+        print("MFU: 4N FLOPs per token (forward 2N + input gradients 2N; frozen weights need no weight gradients; LoRA and attention FLOPs not counted)")
         print(f"     against the fp32 matmul peak measured here: {peak:,.1f} GFLOP/s (1 thread, 1024x1024, best of 5)")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable
 
@@ -147,7 +148,7 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
     trackers = _trackers(config, run_dir)
     job = train.setup(config, job_plan, prepared)
     before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
-    with _progress(console, job.total_steps, resume_from) as on_step:
+    with _progress(console, job.total_steps) as on_step:
         def step_hook(step, total, row):
             on_step(step, total, row)
             if step % config.output.log_steps == 0:
@@ -188,23 +189,16 @@ def _task_eval(config, job, tokenizer):
     return task_accuracy(job.model, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
 
 
-def _progress(console, total: int, resume_from):
-    import contextlib
-
+@contextlib.contextmanager
+def _progress(console, total: int):
+    """A progress bar with loss, tokens/s and ETA; yields the per-step callback."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    @contextlib.contextmanager
-    def bar():
-        columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"), TimeElapsedColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=console, transient=False) as p:
-            task = p.add_task("train", total=total, loss=float("nan"), tps=0.0, completed=0)
-
-            def on_step(step, total_, row):
-                p.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
-
-            yield on_step
-
-    return bar()
+    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
+        yield lambda step, _total, row: bar.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
 
 
 def _report(console, config, result) -> None:

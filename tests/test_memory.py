@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from finetune.catalog import from_hf_config, lookup
-from finetune.plan.memory import GiB, Setup, activation_bytes, estimate, logits_bytes, trainable_params, weight_bytes
+from finetune.plan.memory import Setup, activation_bytes, estimate, logits_bytes, trainable_params, weight_bytes
 
 LLAMA8B = lookup("meta-llama/Llama-3.1-8B")
 

@@ -88,34 +88,41 @@ def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
         assert all("lora_" in n for n in changed) and sum(numel[n] for n in trainable) < 0.2 * sum(numel.values())
 
 
-def test_run_folder_and_reloaded_adapter_give_the_same_outputs(tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
+def test_run_folder_holds_what_is_needed_to_understand_and_repeat_the_run(tmp_path):
     result = train(tmp_path, job_text(tmp_path, "lora", steps=8))
     run_dir = tmp_path / "run"
-    for name in ("config.yaml", "plan.json", "environment.json", "data.json", "metrics.jsonl", "loss.png", "README.md", "launch.txt", "final/adapter_config.json", "final/adapter_model.safetensors", "final/tokenizer.json"):
+    for name in ("config.yaml", "plan.json", "environment.json", "data.json", "metrics.jsonl", "loss.png", "README.md", "launch.txt", "result.json",
+                 "final/adapter_config.json", "final/adapter_model.safetensors", "final/tokenizer.json"):
         assert (run_dir / name).exists(), name
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 9))
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "memory_gib"} <= set(rows[0])
     assert json.loads((run_dir / "plan.json").read_text())["adapter"] == "lora"
-    # reload base + adapter in a fresh process's way and compare with the trained model's logits
-    from finetune.tiny import ensure_model
-
-    config, p, prepared, job = setup_job(tmp_path, job_text(tmp_path, "lora", steps=8, out="other"))
-    base = AutoModelForCausalLM.from_pretrained(str(ensure_model()))
-    reloaded = PeftModel.from_pretrained(base, str(run_dir / "final")).eval()
-    ids = torch.tensor([prepared.tokenizer("What is 12 + 30?")["input_ids"]])
-    trained_state = torch.load  # noqa: F841 (keeps the import list honest)
-    from safetensors.torch import load_file
-
-    weights = load_file(str(run_dir / "final" / "adapter_model.safetensors"))
-    assert all(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)  # trained, not the zero init
-    with torch.no_grad():
-        assert torch.isfinite(reloaded(ids).logits).all()
+    assert json.loads((run_dir / "environment.json").read_text())["packages"]["torch"] == torch.__version__
+    assert "PeftModel.from_pretrained" in (run_dir / "README.md").read_text()
     assert result["artifact"] == "adapter"
+
+
+def test_saved_adapter_reloads_with_the_trained_outputs(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from finetune.tiny import ensure_model
+    from finetune.train import run, save_final
+
+    config, p, prepared, job = setup_job(tmp_path, job_text(tmp_path, "lora", steps=6))
+    (tmp_path / "run").mkdir()
+    run(job, tmp_path / "run")
+    final = save_final(job, tmp_path / "run", prepared.tokenizer)
+    ids = torch.tensor([prepared.tokenizer("What is 12 + 30?")["input_ids"]])
+    job.model.eval()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(ensure_model())), str(final)).eval()
+    untrained = AutoModelForCausalLM.from_pretrained(str(ensure_model())).eval()
+    with torch.no_grad():
+        trained, again, base = job.model(ids).logits, reloaded(ids).logits, untrained(ids).logits
+    torch.testing.assert_close(again, trained, atol=1e-5, rtol=1e-5)
+    assert (trained - base).abs().max() > 1e-3  # the adapter changed the outputs
 
 
 def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):

@@ -5,9 +5,8 @@ python tests/scripts/memory_probe.py full|lora  -> prints one JSON line: measure
 import json, os, resource, sys, tempfile
 from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
-from finetune.tiny import build_tokenizer, arithmetic_records, write_jsonl
+from finetune.tiny import build_tokenizer, write_jsonl
 from finetune.config import loads
 from finetune.hardware import parse
 from finetune.plan import plan
