@@ -54,11 +54,26 @@ def torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def load_model(model: ModelSection, plan, tokenizer=None):
+def runtime_attention(model: ModelSection, planned: str) -> str:
+    """The attention kernel to run: the plan's, upgraded to flash-attention 2 when ft chose it (model.attn_implementation
+    auto), flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either."""
+    import importlib.util
+
+    import torch
+
+    if model.attn_implementation != "auto" or planned not in ("sdpa", "sdpa_varlen"):
+        return planned
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return planned
+
+
+def load_model(model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None):
     """The model as the plan says: dtype, attention kernel, 4/8-bit base, resized embeddings, checkpointing."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"attn_implementation": plan.attn_implementation, "use_safetensors": True, "trust_remote_code": model.trust_remote_code}
+    attn = attn_implementation or plan.attn_implementation
+    kwargs = {"attn_implementation": attn, "use_safetensors": True, "trust_remote_code": model.trust_remote_code}
     if plan.adapter == "full":
         kwargs["dtype"] = torch_dtype("fp32")  # fp32 master weights; autocast computes in plan.precision
     else:
@@ -69,7 +84,7 @@ def load_model(model: ModelSection, plan, tokenizer=None):
 
     if torch.cuda.is_available():
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    if plan.attn_implementation == "sdpa_varlen":
+    if attn == "sdpa_varlen":
         from finetune.attention import register
 
         register()

@@ -75,17 +75,18 @@ class SignalStop:
 def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
     from finetune.adapters import apply_adapter
     from finetune.methods.sft import SFT
-    from finetune.models import load_model
+    from finetune.models import load_model, runtime_attention
     from finetune.optim import build_optimizer, build_scheduler
 
     torch.manual_seed(config.train.seed)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = apply_adapter(load_model(config.model, plan, prepared.tokenizer), config.adapter, plan)
+    attn = runtime_attention(config.model, plan.attn_implementation)
+    model = apply_adapter(load_model(config.model, plan, prepared.tokenizer, attn), config.adapter, plan)
     if plan.quantization == "none":
         model.to(device)
     model.train()
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer.pad_token_id is not None else prepared.tokenizer.eos_token_id
-    method = SFT(pad, plan.attn_implementation, plan.micro_batch_size)
+    method = SFT(pad, attn, plan.micro_batch_size)
     total = steps_for(len(prepared.train), plan.global_batch_size, config.train.max_steps, config.train.epochs)
     optimizer = build_optimizer(model, config.train, plan.lr)
     scheduler = build_scheduler(optimizer, config.train, total)

@@ -19,7 +19,8 @@ from tests.conftest import REPO
 
 def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra="", data=None, out="run", lr=None):
     data = data or write_jsonl(arithmetic_records(256, seed=5), tmp_path / "arith.jsonl")
-    adapter_yaml = {"full": "{type: full}", "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}", "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}"}[adapter]
+    adapter_yaml = {"full": "{type: full}", "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}", "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
+                    "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}"}[adapter]
     return f"""
 model: {{name: ft-tiny}}
 data:
@@ -63,7 +64,7 @@ def setup_job(tmp_path, text):
     return config, p, prepared, setup(config, p, prepared)
 
 
-@pytest.mark.parametrize("adapter", ["full", "lora", "qlora"])
+@pytest.mark.parametrize("adapter", ["full", "lora", "qlora", "int8"])
 def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
     from finetune.train import run
 
@@ -251,3 +252,13 @@ def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
     assert not any("lora" in n for n, _ in merged.named_parameters())
     again = subprocess.run([sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert again.returncode == 2 and "Traceback" not in again.stderr
+
+
+def test_configured_tracker_receives_the_training_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train(tmp_path, job_text(tmp_path, "full", steps=3).replace("save_steps: 0}", "save_steps: 0, trackers: [tensorboard]}"))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
