@@ -76,7 +76,7 @@ def build_model(out_dir: str | Path, name: str = "ft-tiny", seed: int = 0, token
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
-    model.save_pretrained(str(out_dir), safe_serialization=True)
+    model.save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return model, tokenizer
 

@@ -19,6 +19,8 @@ import torch
 from finetune import checkpoint
 from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
+from finetune.distributed import ddp
+from finetune.distributed.runtime import Runtime, start
 from finetune.errors import FtError
 from finetune.methods.loss import step_normaliser
 from finetune.plan.plan import Plan
@@ -48,6 +50,12 @@ class Job:
     total_steps: int
     device: torch.device
     scaler: object | None
+    runtime: Runtime
+
+    @property
+    def inner(self):
+        """The model without its data-parallel wrapper (for saving, generation)."""
+        return ddp.unwrap(self.model)
 
 
 class SignalStop:
@@ -78,21 +86,26 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     from finetune.models import load_model, runtime_attention
     from finetune.optim import build_optimizer, build_scheduler
 
+    if plan.backend not in ("single", "ddp"):
+        raise FtError(f"distributed.backend: {plan.backend} is planned, but ft runs single-process and DDP jobs so far; set distributed.backend: ddp (or single)")
+    runtime = start(config.distributed.timeout_minutes) if plan.world_size > 1 else Runtime()
     torch.manual_seed(config.train.seed)
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation)
     model = apply_adapter(load_model(config.model, plan, prepared.tokenizer, attn), config.adapter, plan)
     if plan.quantization == "none":
         model.to(device)
     model.train()
+    if plan.backend == "ddp":
+        model = ddp.wrap(model, device)
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer.pad_token_id is not None else prepared.tokenizer.eos_token_id
     method = SFT(pad, attn, plan.micro_batch_size)
     total = steps_for(len(prepared.train), plan.global_batch_size, config.train.max_steps, config.train.epochs)
     optimizer = build_optimizer(model, config.train, plan.lr)
     scheduler = build_scheduler(optimizer, config.train, total)
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    stream = Stream(len(prepared.train), plan.global_batch_size, config.train.seed)
-    return Job(config, plan, model, method, optimizer, scheduler, prepared.train, prepared.validation, stream, total, device, scaler)
+    stream = Stream(len(prepared.train), plan.global_batch_size, config.train.seed, runtime.rank, runtime.world_size)
+    return Job(config, plan, model, method, optimizer, scheduler, prepared.train, prepared.validation, stream, total, device, scaler, runtime)
 
 
 def autocast(job: Job):
@@ -105,15 +118,17 @@ def autocast(job: Job):
 
 def train_step(job: Job) -> dict:
     """One optimizer step over the global batch; returns its metrics."""
+    rt = job.runtime
     batches = job.method.micro_batches(job.train, job.stream.next_step())
-    normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches))
+    normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches), rt.world_size, rt.sum)
     loss_total, tokens = 0.0, 0
-    for batch in batches:
+    for i, batch in enumerate(batches):
         tokens += batch.pop("num_tokens", 0)
         batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with autocast(job):
-            loss, _ = job.method.loss(job.model, batch, normaliser)
-        (job.scaler.scale(loss) if job.scaler else loss).backward()
+        with ddp.accumulating(job.model, last=i == len(batches) - 1):
+            with autocast(job):
+                loss, _ = job.method.loss(job.model, batch, normaliser)
+            (job.scaler.scale(loss) if job.scaler else loss).backward()
         loss_total += float(loss.detach())
     if job.scaler:
         job.scaler.unscale_(job.optimizer)
@@ -127,7 +142,8 @@ def train_step(job: Job) -> dict:
         job.optimizer.step()
     job.scheduler.step()
     job.optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": job.scheduler.get_last_lr()[0], "tokens": tokens}
+    loss_total = rt.sum(loss_total) / rt.world_size  # each rank's share is scaled by world size (see methods/loss.py)
+    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": job.scheduler.get_last_lr()[0], "tokens": int(rt.sum(tokens))}
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -139,8 +155,13 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
-    state = {"position": job.stream.position, **extra}
-    return checkpoint.save(run_dir, step, job.model, job.optimizer, job.scheduler, state, job.config.output.keep_checkpoints)
+    """Rank 0 writes (DDP replicas are identical); every rank waits until the checkpoint is complete."""
+    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    if job.runtime.is_main:
+        state = {"position": job.stream.position, **extra}
+        path = checkpoint.save(run_dir, step, job.inner, job.optimizer, job.scheduler, state, job.config.output.keep_checkpoints)
+    job.runtime.barrier()
+    return path
 
 
 def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, stop: SignalStop | None = None) -> dict:
@@ -151,13 +172,14 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        state = checkpoint.load(resume_from, job.model, job.optimizer, job.scheduler)
+        state = checkpoint.load(resume_from, job.inner, job.optimizer, job.scheduler)
         start, job.stream.position = state["step"], state["position"]
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None) if job.runtime.is_main else _NoMetrics()
     stop = stop or SignalStop()
     last = {}
     with stop:
         for step in range(start + 1, job.total_steps + 1):
+            _injected_failure(job.runtime.rank, step)
             t0 = time.perf_counter()
             last = train_step(job)
             seconds = time.perf_counter() - t0
@@ -172,10 +194,11 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
                 on_step(step, job.total_steps, row)
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
                 save_checkpoint(job, run_dir, step, state)
-            if stop.signum:
+            if job.runtime.any(bool(stop.signum)):  # every rank stops after the same step
                 path = save_checkpoint(job, run_dir, step, state)
                 metrics.close()
-                raise Stopped(f"stopped by {signal.Signals(stop.signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", stop.signum)
+                signum = stop.signum or signal.SIGTERM
+                raise Stopped(f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", signum)
     result = {"steps": job.total_steps, "final_loss": last.get("loss"), "seconds": state["seconds"], "tokens": state["tokens"]}
     if job.validation is not None:
         result["final_eval_loss"] = validation_loss(job.model, job.method, job.validation, job.device, lambda: autocast(job))
@@ -185,11 +208,32 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
 
 
 def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
-    """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final."""
+    """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final (rank 0 writes)."""
     final = run_dir / "final"
-    job.model.save_pretrained(str(final), safe_serialization=True)
-    tokenizer.save_pretrained(str(final))
+    if job.runtime.is_main:
+        job.inner.save_pretrained(str(final))
+        tokenizer.save_pretrained(str(final))
+    job.runtime.barrier()
     return final
+
+
+def _injected_failure(rank: int, step: int) -> None:
+    """Fault injection for tests of failure handling: FT_TEST_FAIL=RANK:STEP makes that rank raise at that step."""
+    import os
+
+    spec = os.environ.get("FT_TEST_FAIL")
+    if spec and spec == f"{rank}:{step}":
+        raise RuntimeError(f"injected failure on rank {rank} at step {step} (FT_TEST_FAIL)")
+
+
+class _NoMetrics:
+    """What ranks other than 0 log to."""
+
+    def log(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

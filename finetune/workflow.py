@@ -83,19 +83,54 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     from finetune.data.preprocess import prepare
     from finetune.plan import plan as make_plan
 
+    from finetune import checkpoint
+    from finetune.distributed.runtime import launched
+
     config = load(config_path, overrides)
     hw = hardware_for(hardware)
     facts = model_facts(config.model)
     job_plan = make_plan(config, hw, facts, str(config_path))
-    if job_plan.world_size > 1:
-        raise FtError(f"the plan uses {job_plan.world_size} processes; multi-process training is not available yet: set distributed.backend: single (or plan for one device)")
     run_dir = Path(config.output.dir)
-    resume_from = _resume_point(run_dir, resume or config.output.resume == "auto", explicit=resume, overwrite=overwrite)
-    prepared = prepare(config)
-    if prepared.added_tokens:
-        job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
+    resuming = resume or config.output.resume == "auto"
+    if launched():  # a rank started by the launch below: the launcher checked the folder and prepared the data
+        prepared = prepare(config)
+        job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
+        return _train(config, job_plan, prepared, run_dir, checkpoint.latest(run_dir) if resuming else None)
+    resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
+    prepared = prepare(config)  # once, before any rank starts
+    job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
     _write_run_folder(run_dir, config, job_plan, prepared)
+    if job_plan.world_size > 1:
+        return _launch(config_path, overrides, hardware, job_plan, resume_from is not None)
     return _train(config, job_plan, prepared, run_dir, resume_from)
+
+
+def _replan(config, hw, facts, config_path, prepared, job_plan):
+    """Plan again when the data pipeline added tokens (the embeddings grow and are trained)."""
+    if not prepared.added_tokens:
+        return job_plan
+    from finetune.plan import plan as make_plan
+
+    return make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
+
+
+def _launch(config_path, overrides, hardware, job_plan, resume: bool) -> dict:
+    """Start the ranks with torchrun on this node and wait; a failing rank ends the job with its error."""
+    import subprocess
+    import sys
+
+    argv = [str(config_path), *(f"--set={o}" for o in overrides), *([f"--hardware={hardware}"] if hardware else []), *(["--resume"] if resume else [])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={job_plan.nodes}", f"--nproc-per-node={job_plan.processes_per_node}"]
+    cmd += ["--standalone"] if job_plan.nodes == 1 else []
+    cmd += ["-m", "finetune.train", *argv]
+    env = dict(os.environ)
+    if "cpu" in job_plan.device.lower():
+        env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
+    sys.stderr.write("launching: " + " ".join(cmd) + "\n")
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+        raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {' '.join(cmd)}")
+    return {"steps": None, "launched": cmd}
 
 
 def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
@@ -145,10 +180,11 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
     from finetune.runlog import atomic_write_text, model_card, plot_losses, redact
 
     console = Console(stderr=True, highlight=False)
-    trackers = _trackers(config, run_dir)
     job = train.setup(config, job_plan, prepared)
+    main = job.runtime.is_main
+    trackers = _trackers(config, run_dir, job.runtime.rank)
     before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
-    with _progress(console, job.total_steps) as on_step:
+    with (_progress(console, job.total_steps) if main else contextlib.nullcontext(lambda *a: None)) as on_step:
         def step_hook(step, total, row):
             on_step(step, total, row)
             if step % config.output.log_steps == 0:
@@ -161,6 +197,8 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
             raise
     trackers.close()
     final = train.save_final(job, run_dir, prepared.tokenizer)
+    if not main:
+        return result
     after = _task_eval(config, job, prepared.tokenizer)
     result.update({"task_before": before, "task_after": after, "final": str(final), "artifact": "model" if job_plan.adapter == "full" else "adapter"})
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -172,12 +210,12 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
     return result
 
 
-def _trackers(config, run_dir):
-    """The configured experiment trackers (none configured: a no-op)."""
+def _trackers(config, run_dir, rank: int = 0):
+    """The configured experiment trackers (none configured, or not rank 0: a no-op)."""
     from finetune.runlog import redact
     from finetune.trackers import Trackers
 
-    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, redact(config.model_dump(mode="json")))
+    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, redact(config.model_dump(mode="json")), rank=rank)
 
 
 def _task_eval(config, job, tokenizer):
@@ -186,7 +224,9 @@ def _task_eval(config, job, tokenizer):
     from finetune.evaluate import read_tasks, task_accuracy
 
     e = config.evaluation
-    return task_accuracy(job.model, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
+    if not job.runtime.is_main:
+        return None
+    return task_accuracy(job.inner, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
 
 
 @contextlib.contextmanager
