@@ -67,12 +67,35 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output.dir."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in output.dir."),
     hardware: Optional[str] = HardwareOption,
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Nodes in the job (default: the hardware's, or SLURM's)."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 (default: SLURM_NODEID or 0)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0 (default: SLURM's first node)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Port on node 0 for the rendezvous (default 29500)."),
     set_: Optional[List[str]] = SetOption,
 ) -> None:
-    """Plan, prepare the data, train, and save the adapter or model into output.dir."""
-    from finetune.workflow import run_train
+    """Plan, prepare the data, train (launching every rank of this node), and save the adapter or model into output.dir."""
+    from finetune.workflow import NodeRole, run_train
 
-    run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite)
+    role = NodeRole.from_env(nnodes, node_rank, master_addr, master_port)
+    run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite, role=role)
+
+
+@app.command()
+def launch(
+    config: Path = typer.Argument(..., help="Job YAML file."),
+    slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script for a SLURM cluster."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the script (default: OUTPUT_DIR/job.sbatch)."),
+    hardware: Optional[str] = HardwareOption,
+    time_limit: str = typer.Option("24:00:00", "--time", help="SLURM time limit."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition."),
+    set_: Optional[List[str]] = SetOption,
+) -> None:
+    """Write what runs the job on a cluster (an sbatch script with --slurm), planned for --hardware."""
+    from finetune.workflow import write_launch_script
+
+    if not slurm:
+        raise FtError("ft launch needs a scheduler: --slurm (for one machine, ft train launches the ranks itself)")
+    typer.echo(f"wrote {write_launch_script(config, set_ or (), hardware, out, time_limit, partition)}")
 
 
 @app.command("merge-lora")

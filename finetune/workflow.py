@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass
 from typing import Iterable
 
 from finetune.errors import FtError, HardwareError
@@ -75,8 +76,28 @@ def run_preprocess(config_path: str | os.PathLike, overrides: Iterable[str] = ()
     return prepared
 
 
-def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False, overwrite: bool = False) -> dict:
-    """`ft train` on one process: plan, prepare data, write the run folder, train, save, report."""
+@dataclass(frozen=True)
+class NodeRole:
+    """This node's place in a multi-node job (flags of `ft train`, or SLURM's variables)."""
+
+    nnodes: int | None = None
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+
+    @classmethod
+    def from_env(cls, nnodes=None, node_rank=None, master_addr=None, master_port=None) -> "NodeRole":
+        from finetune.hardware import launch_env
+
+        env = launch_env()
+        slurm = env.launcher == "slurm"
+        return cls(nnodes or (env.nnodes if slurm else None), node_rank if node_rank is not None else (env.node_rank if slurm else 0),
+                   master_addr or (env.master_addr if slurm else None), master_port or env.master_port or 29500)
+
+
+def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False,
+              overwrite: bool = False, role: NodeRole | None = None) -> dict:
+    """`ft train`: plan, prepare data once, write the run folder, then train here or launch the ranks."""
     from pathlib import Path
 
     from finetune.config import load
@@ -86,8 +107,13 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     from finetune import checkpoint
     from finetune.distributed.runtime import launched
 
+    role = role or NodeRole()
     config = load(config_path, overrides)
     hw = hardware_for(hardware)
+    if role.nnodes and role.nnodes != hw.nodes:
+        from finetune.plan.planner import with_hardware
+
+        hw = with_hardware(hw, nodes=role.nnodes)
     facts = model_facts(config.model)
     job_plan = make_plan(config, hw, facts, str(config_path))
     run_dir = Path(config.output.dir)
@@ -96,12 +122,16 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
         prepared = prepare(config)
         job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
         return _train(config, job_plan, prepared, run_dir, checkpoint.latest(run_dir) if resuming else None)
-    resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
-    prepared = prepare(config)  # once, before any rank starts
+    if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
+        resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
+    else:
+        resume_from = checkpoint.latest(run_dir) if resuming else None
+    prepared = prepare(config)  # once per node, before any rank starts
     job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-    _write_run_folder(run_dir, config, job_plan, prepared)
+    if role.node_rank == 0:
+        _write_run_folder(run_dir, config, job_plan, prepared)
     if job_plan.world_size > 1:
-        return _launch(config_path, overrides, hardware, job_plan, resume_from is not None)
+        return _launch(config_path, overrides, hardware, job_plan, resume_from is not None, role)
     return _train(config, job_plan, prepared, run_dir, resume_from)
 
 
@@ -114,14 +144,20 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
     return make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
 
 
-def _launch(config_path, overrides, hardware, job_plan, resume: bool) -> dict:
-    """Start the ranks with torchrun on this node and wait; a failing rank ends the job with its error."""
+def _launch(config_path, overrides, hardware, job_plan, resume: bool, role: NodeRole) -> dict:
+    """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error."""
     import subprocess
     import sys
 
     argv = [str(config_path), *(f"--set={o}" for o in overrides), *([f"--hardware={hardware}"] if hardware else []), *(["--resume"] if resume else [])]
+    argv += [f"--nnodes={job_plan.nodes}"] if job_plan.nodes > 1 else []
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={job_plan.nodes}", f"--nproc-per-node={job_plan.processes_per_node}"]
-    cmd += ["--standalone"] if job_plan.nodes == 1 else []
+    if job_plan.nodes == 1:
+        cmd.append("--standalone")
+    elif role.master_addr is None:
+        raise FtError(f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and --master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)")
+    else:
+        cmd += [f"--node-rank={role.node_rank}", f"--master-addr={role.master_addr}", f"--master-port={role.master_port}"]
     cmd += ["-m", "finetune.train", *argv]
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
@@ -251,3 +287,21 @@ def _report(console, config, result) -> None:
         before = f"{100 * result['task_before']:.1f}% → " if result.get("task_before") is not None else ""
         console.print(f"{e.metric} on {e.path}: {before}{100 * result['task_after']:.1f}%")
     console.print(f"saved {result['artifact']} to {result['final']}")
+
+
+def write_launch_script(config_path, overrides, hardware, out, time_limit: str, partition: str | None):
+    """`ft launch --slurm`: plan for the cluster's hardware and write the sbatch script."""
+    from pathlib import Path
+
+    from finetune.config import load
+    from finetune.distributed.slurm import sbatch_script
+    from finetune.runlog import atomic_write_text
+
+    job_plan = compile_plan(config_path, overrides, hardware)
+    config = load(config_path, overrides)
+    out = Path(out) if out else Path(config.output.dir) / "job.sbatch"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    name = config.output.run_name or Path(config.output.dir).name
+    atomic_write_text(out, sbatch_script(str(config_path), job_plan, config.output.dir, f"ft-{name}", time_limit, partition, tuple(overrides)))
+    out.chmod(0o755)
+    return out

@@ -71,3 +71,39 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert "injected failure on rank 1 at step 3" in r.stderr + r.stdout
     assert "a rank exited with code" in r.stderr
     assert time.time() - start < 240
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_train_together(tmp_path):
+    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
+    assert one.returncode == 0, one.stderr[-3000:]
+    config, port = job(tmp_path, "nodes"), str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "finetune", "train", config, "--hardware", "2x1xcpu", "--nnodes", "2", "--node-rank", str(r),
+                               "--master-addr", "127.0.0.1", "--master-port", port], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "--node-rank=1" in outs[1][1] and "--master-addr=127.0.0.1" in outs[0][1]
+    plan = json.loads((tmp_path / "nodes" / "plan.json").read_text())
+    assert (plan["nodes"], plan["world_size"], plan["backend"]) == (2, 2, "ddp")
+    assert losses(tmp_path / "nodes") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
+
+
+def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
+    script = tmp_path / "job.sbatch"
+    r = subprocess.run([sys.executable, "-m", "finetune", "launch", str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"), "--slurm",
+                        "--hardware", "2x8xA100-40GB", "--out", str(script), "--partition", "gpu"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    text = script.read_text()
+    for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "--signal=TERM@120",
+                   "srun --kill-on-bad-exit=1", '--node-rank "$SLURM_NODEID"', "output.resume=auto"):
+        assert needle in text, needle
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
+    assert "HF_TOKEN=" not in text
