@@ -92,10 +92,49 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, kee
     return final
 
 
-def load(path: Path, model, optimizer, scheduler) -> dict:
+def save_sharded(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int, runtime) -> Path:
+    """A sharded (FSDP) checkpoint: every rank writes its shards and RNG state into one temporary folder,
+    rank 0 adds the rest and renames it into place once all ranks are done."""
+    import torch
+
+    from finetune.distributed import fsdp
+
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    if runtime.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    runtime.barrier()
+    try:
+        fsdp.save_sharded(tmp / "dcp", model, optimizer)
+        torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
+    except OSError as e:
+        raise FtError(f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {e}; earlier checkpoints are intact") from None
+    runtime.barrier()
+    if runtime.is_main:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "sharded": True}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    runtime.barrier()
+    return final
+
+
+def load(path: Path, model, optimizer, scheduler, rank: int = 0) -> dict:
     """Restore a checkpoint into the model, optimizer and scheduler; return its state."""
     import torch
     from safetensors.torch import load_file
+
+    if (path / "dcp").is_dir():
+        from finetune.distributed import fsdp
+
+        fsdp.load_sharded(path / "dcp", model, optimizer)
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        set_rng_state(torch.load(path / f"rng-{rank}.pt", weights_only=False))
+        return json.loads((path / "state.json").read_text())
 
     weights = load_file(str(path / "trainable.safetensors"))
     expected = set(trainable_state(model))

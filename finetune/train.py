@@ -19,7 +19,7 @@ import torch
 from finetune import checkpoint
 from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
-from finetune.distributed import ddp
+from finetune.distributed import ddp, fsdp
 from finetune.distributed.runtime import Runtime, start
 from finetune.errors import FtError
 from finetune.methods.loss import step_normaliser
@@ -86,8 +86,8 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     from finetune.models import load_model, runtime_attention
     from finetune.optim import build_optimizer, build_scheduler
 
-    if plan.backend not in ("single", "ddp"):
-        raise FtError(f"distributed.backend: {plan.backend} is planned, but ft runs single-process and DDP jobs so far; set distributed.backend: ddp (or single)")
+    if plan.backend == "deepspeed":
+        raise FtError("distributed.backend: deepspeed is planned, but ft runs single-process, DDP and FSDP jobs so far; set distributed.backend: fsdp (or ddp)")
     runtime = start(config.distributed.timeout_minutes) if plan.world_size > 1 else Runtime()
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
@@ -98,6 +98,8 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     model.train()
     if plan.backend == "ddp":
         model = ddp.wrap(model, device)
+    elif plan.backend == "fsdp":
+        model = fsdp.wrap(model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all")
     pad = prepared.tokenizer.pad_token_id if prepared.tokenizer.pad_token_id is not None else prepared.tokenizer.eos_token_id
     method = SFT(pad, attn, plan.micro_batch_size)
     total = steps_for(len(prepared.train), plan.global_batch_size, config.train.max_steps, config.train.epochs)
@@ -106,6 +108,11 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
     stream = Stream(len(prepared.train), plan.global_batch_size, config.train.seed, runtime.rank, runtime.world_size)
     return Job(config, plan, model, method, optimizer, scheduler, prepared.train, prepared.validation, stream, total, device, scaler, runtime)
+
+
+def accumulating(model, last: bool):
+    """Gradient synchronisation only after the last micro-batch of a step, whatever wraps the model."""
+    return fsdp.accumulating(model, last) if fsdp.is_sharded(model) else ddp.accumulating(model, last)
 
 
 def autocast(job: Job):
@@ -125,7 +132,7 @@ def train_step(job: Job) -> dict:
     for i, batch in enumerate(batches):
         tokens += batch.pop("num_tokens", 0)
         batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with ddp.accumulating(job.model, last=i == len(batches) - 1):
+        with accumulating(job.model, last=i == len(batches) - 1):
             with autocast(job):
                 loss, _ = job.method.loss(job.model, batch, normaliser)
             (job.scaler.scale(loss) if job.scaler else loss).backward()
@@ -135,6 +142,7 @@ def train_step(job: Job) -> dict:
     params = [p for p in job.model.parameters() if p.requires_grad]
     clip = job.config.train.max_grad_norm
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a sharded norm
     if job.scaler:
         job.scaler.step(job.optimizer)
         job.scaler.update()
@@ -155,11 +163,14 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
-    """Rank 0 writes (DDP replicas are identical); every rank waits until the checkpoint is complete."""
+    """Sharded models: every rank writes its shards; otherwise rank 0 writes (replicas are identical)."""
+    state = {"position": job.stream.position, **extra}
+    keep = job.config.output.keep_checkpoints
+    if fsdp.is_sharded(job.model):
+        return checkpoint.save_sharded(run_dir, step, job.model, job.optimizer, job.scheduler, state, keep, job.runtime)
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     if job.runtime.is_main:
-        state = {"position": job.stream.position, **extra}
-        path = checkpoint.save(run_dir, step, job.inner, job.optimizer, job.scheduler, state, job.config.output.keep_checkpoints)
+        path = checkpoint.save(run_dir, step, job.inner, job.optimizer, job.scheduler, state, keep)
     job.runtime.barrier()
     return path
 
@@ -172,7 +183,7 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        state = checkpoint.load(resume_from, job.inner, job.optimizer, job.scheduler)
+        state = checkpoint.load(resume_from, job.inner, job.optimizer, job.scheduler, job.runtime.rank)
         start, job.stream.position = state["step"], state["position"]
     metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None) if job.runtime.is_main else _NoMetrics()
     stop = stop or SignalStop()
@@ -194,8 +205,10 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
                 on_step(step, job.total_steps, row)
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
                 save_checkpoint(job, run_dir, step, state)
+            if _injected_stop(step):
+                stop.signum = signal.SIGTERM
             if job.runtime.any(bool(stop.signum)):  # every rank stops after the same step
-                path = save_checkpoint(job, run_dir, step, state)
+                path = save_checkpoint(job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name})
                 metrics.close()
                 signum = stop.signum or signal.SIGTERM
                 raise Stopped(f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", signum)
@@ -210,8 +223,9 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
 def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final (rank 0 writes)."""
     final = run_dir / "final"
+    state = fsdp.full_state_dict(job.model, trainable_only=False) if fsdp.is_sharded(job.model) else None  # a collective
     if job.runtime.is_main:
-        job.inner.save_pretrained(str(final))
+        job.inner.save_pretrained(str(final), **({"state_dict": state} if state is not None else {}))
         tokenizer.save_pretrained(str(final))
     job.runtime.barrier()
     return final
@@ -224,6 +238,13 @@ def _injected_failure(rank: int, step: int) -> None:
     spec = os.environ.get("FT_TEST_FAIL")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (FT_TEST_FAIL)")
+
+
+def _injected_stop(step: int) -> bool:
+    """For tests of preemption: FT_TEST_STOP_AT=STEP acts as if SIGTERM arrived during that step."""
+    import os
+
+    return os.environ.get("FT_TEST_STOP_AT") == str(step)
 
 
 class _NoMetrics:

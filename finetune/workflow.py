@@ -146,7 +146,6 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
 
 def _launch(config_path, overrides, hardware, job_plan, resume: bool, role: NodeRole) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error."""
-    import subprocess
     import sys
 
     argv = [str(config_path), *(f"--set={o}" for o in overrides), *([f"--hardware={hardware}"] if hardware else []), *(["--resume"] if resume else [])]
@@ -163,10 +162,42 @@ def _launch(config_path, overrides, hardware, job_plan, resume: bool, role: Node
     if "cpu" in job_plan.device.lower():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
     sys.stderr.write("launching: " + " ".join(cmd) + "\n")
-    code = subprocess.run(cmd, env=env).returncode
+    code = _run_forwarding_signals(cmd, env)
     if code:
+        _raise_if_stopped(job_plan, config_path, overrides)
         raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {' '.join(cmd)}")
     return {"steps": None, "launched": cmd}
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """Run torchrun; SIGTERM/SIGINT sent to ft reach it (and through it every rank, which checkpoints and stops)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, env=env)
+    old = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _raise_if_stopped(job_plan, config_path, overrides) -> None:
+    """The ranks stopped on a signal after checkpointing: say so, with the command that resumes."""
+    import json
+    import signal
+    from pathlib import Path
+
+    from finetune import checkpoint
+    from finetune.config import load
+    from finetune.train import Stopped
+
+    last = checkpoint.latest(Path(load(config_path, overrides).output.dir))
+    state = json.loads((last / "state.json").read_text()) if last else {}
+    if state.get("stopped_by"):
+        signum = signal.Signals[state["stopped_by"]]
+        raise Stopped(f"stopped by {signum.name} after step {state['step']}; checkpoint saved to {last}. Resume with: ft train CONFIG --resume", signum)
 
 
 def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
@@ -260,8 +291,10 @@ def _task_eval(config, job, tokenizer):
     from finetune.evaluate import read_tasks, task_accuracy
 
     e = config.evaluation
-    if not job.runtime.is_main:
-        return None
+    from finetune.distributed import fsdp
+
+    if not job.runtime.is_main and not fsdp.is_sharded(job.model):
+        return None  # a sharded model generates on every rank (its forward needs them all); others: rank 0 alone
     return task_accuracy(job.inner, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
 
 

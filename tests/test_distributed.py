@@ -107,3 +107,44 @@ def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
         assert needle in text, needle
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
     assert "HF_TOKEN=" not in text
+
+
+def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path):
+    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
+    assert one.returncode == 0, one.stderr[-3000:]
+    fsdp = job(tmp_path, "fsdp")
+    sharded = ["--hardware", "cpu:2", "--set", "distributed.backend=fsdp", "--set", "distributed.sharding=full_shard", "--set", "output.save_steps=3"]
+    stopped = ft_train(fsdp, *sharded, env={"FT_TEST_STOP_AT": "4"})
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "Resume with: ft train CONFIG --resume" in stopped.stderr
+    ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000004"
+    assert (ckpt / "dcp").is_dir() and (ckpt / "rng-1.pt").exists()  # sharded: every rank wrote its part
+    resumed = ft_train(fsdp, *sharded, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    plan = json.loads((tmp_path / "fsdp" / "plan.json").read_text())
+    assert (plan["backend"], plan["sharding"], plan["world_size"]) == ("fsdp", "full_shard", 2)
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one" / "final"))
+    b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp" / "final"))  # gathered from the shards
+
+    assert max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())) < 1e-4
+
+
+def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    lora = ["--set", "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}", "--set", "train.lr=0.02"]
+    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu", *lora)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu:2", "--set", "distributed.backend=fsdp", *lora)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "fsdp" / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].numel() > 0  # not the empty or mis-shaped tensors of a bad sharded save
+        torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
+    assert any(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k)
