@@ -4,7 +4,7 @@ Same model (a small Llama built here), same tokenized data, micro-batch, seq_len
 settings; one thread; CPU time per real (non-padding) token, so the figures are ratios, not absolute
 speeds. Also prints model FLOP utilisation against this machine's measured fp32 matmul peak.
 
-    python bench/train_bench.py [--steps 30] [--micro 8] [--seq-len 512]
+    python bench/train_bench.py [--steps 40] [--micro 8] [--seq-len 512]
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def matmul_peak_gflops(n: int = 1024, reps: int = 10, trials: int = 5) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -155,10 +155,12 @@ def main() -> None:
         data = tmp / "chat.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(2000)))
         plain, packed = (job(tmp, data, p, args.micro, args.seq_len, args.steps, args.batch) for p in (False, True))
+        masked = packed.replace(f"name: {tmp / 'model'}}}", f"name: {tmp / 'model'}, attn_implementation: sdpa}}")
         results = interleaved({
             "hand loop (no packing)": hand_stepper(plain, args.micro, args.batch),
             "ft (no packing)": ft_stepper(plain),
             "ft (packing)": ft_stepper(packed),
+            "ft (packing, 4-D mask)": ft_stepper(masked),
         }, args.steps)
         peak = matmul_peak_gflops()
         print(f"model: {params:,} parameters, LoRA r=16 on all linear layers, fp32, 1 thread; {args.steps} steps of {args.batch} rows (micro-batch {args.micro}), seq_len {args.seq_len}")
