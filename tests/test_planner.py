@@ -163,3 +163,19 @@ def test_added_tokens_grow_and_train_the_embeddings():
     assert grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096  # embed_tokens and lm_head (untied)
     with pytest.raises(StopIteration):
         plain.decision("embeddings")
+
+
+def test_communication_estimate_by_backend():
+    from finetune.plan.comm import step_traffic
+
+    n, t = 8_030_261_248, 41_943_040
+    ddp = step_traffic("ddp", None, 1, 8, t, n, 2, 4)
+    assert ddp == {"all-reduce gradients": pytest.approx(2 * 7 / 8 * 4 * t)}
+    full = step_traffic("fsdp", "full_shard", 1, 8, n, n, 2, 4)
+    grad_op = step_traffic("fsdp", "shard_grad_op", 1, 8, n, n, 2, 4)
+    assert full["all-gather parameters"] == pytest.approx(2 * grad_op["all-gather parameters"]) == pytest.approx(2 * 4 * 7 / 8 * 2 * n)
+    hybrid = step_traffic("fsdp", "hybrid_shard", 2, 8, n, n, 2, 4)
+    assert "all-reduce gradient shards across nodes" in hybrid and step_traffic("single", None, 1, 1, t, n, 2, 4) == {}
+    p = make(["adapter.type=full"], hardware="2x8xH100-80GB")
+    j = p.to_json()["communication"]
+    assert j["seconds_per_step_estimate"] > 0 and j["per_rank_gib_per_step"]

@@ -65,7 +65,10 @@ def test_cache_is_reused_and_invalidated_by_what_changes_the_data(tmp_path, arit
     assert prepare(text).path != first.path
 
 
-def test_mixed_formats_weights_and_validation(tmp_path, arithmetic):
+def test_mixed_formats_weights_and_validation(tmp_path):
+    # distinct records only: two generated records with the same text may legitimately fall on both sides
+    records = list({json.dumps(r): r for r in arithmetic_records(260, seed=3)}.values())[:200]
+    arithmetic = write_jsonl(records, tmp_path / "arith.jsonl")
     alpaca = write_jsonl([{"instruction": f"Repeat {i}", "input": "", "output": f"{i}"} for i in range(50)], tmp_path / "alpaca.jsonl")
     text = job(tmp_path, f"[{{path: {arithmetic}, format: chat, weight: 0.5}}, {{path: {alpaca}, format: instruction, samples: 80}}]", validation=0.1)
     p = prepare(text)

@@ -47,6 +47,8 @@ class Plan:
     host_capacity_bytes: int  # usable host RAM per node
     decisions: tuple[Decision, ...]
     launch: tuple[str, ...]
+    communication: dict  # bytes each rank sends per optimizer step, by collective (see plan/comm.py)
+    communication_seconds: float
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -92,4 +94,6 @@ class Plan:
             },
             "decisions": [{"field": d.field, "value": d.value, "reason": d.reason, "source": d.source} for d in self.decisions],
             "launch": list(self.launch),
+            "communication": {"per_rank_gib_per_step": {k: round(v / GiB, 3) for k, v in self.communication.items()},
+                              "seconds_per_step_estimate": round(self.communication_seconds, 3)},
         }

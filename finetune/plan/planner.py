@@ -17,6 +17,7 @@ from finetune.config.schema import Config, DPOMethod, GRPOMethod
 from finetune.distributed.launch import launch_command
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.plan.comm import seconds, step_traffic
 from finetune.plan.memory import GiB, Estimate, Setup, estimate
 from finetune.plan.plan import Decision, Plan
 
@@ -76,15 +77,19 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     attn = choose_attention(config, hardware, decisions)
     c = fit.candidate
+    accumulation = batch // topo.world // fit.micro_batch_size
+    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
+    traffic = step_traffic(c.backend, c.sharding, topo.nodes, topo.processes_per_node, fit.estimate.trainable_params, model.num_params, stored, accumulation)
     return Plan(
         model=model.name, hardware=hardware.describe(), device="CPU process" if hardware.is_cpu else "GPU", method=config.method.name, precision=precision,
         adapter=c.adapter, quantization=c.quantization, backend=c.backend, sharding=c.sharding, offload=c.offload,
-        micro_batch_size=fit.micro_batch_size, gradient_accumulation_steps=batch // topo.world // fit.micro_batch_size,
+        micro_batch_size=fit.micro_batch_size, gradient_accumulation_steps=accumulation,
         gradient_checkpointing=fit.checkpointing, world_size=topo.world, nodes=topo.nodes,
         processes_per_node=topo.processes_per_node, global_batch_size=batch, seq_len=config.data.seq_len, lr=lr,
         attn_implementation=attn, estimate=fit.estimate, device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware), decisions=tuple(decisions),
         launch=tuple(launch_command(config_path, topo.nodes, topo.processes_per_node, hardware.launch.master_addr)),
+        communication=traffic, communication_seconds=seconds(traffic, topo.nodes, c.sharding),
     )
 
 
