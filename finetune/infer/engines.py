@@ -1,0 +1,155 @@
+"""Generation engines: transformers' `generate` on left-padded batches (any device), or vLLM (GPUs).
+
+An engine takes a batch of prompt token ids and the batch's number, and returns (text, generated
+tokens) per prompt. Sampling is seeded per batch from (seed, batch number), so a batch's output does not
+depend on which process generated it, nor on what that process generated before.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from finetune.errors import FtError
+
+ENGINES = ("auto", "transformers", "vllm")
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: greedy when temperature is 0, and when they stop."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filtering
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # texts that end a completion (not included in it)
+
+    def check(self) -> None:
+        problems = [f"{name} {value}: {rule}" for name, value, ok, rule in (
+            ("--max-new-tokens", self.max_new_tokens, self.max_new_tokens >= 1, "must be at least 1"),
+            ("--temperature", self.temperature, self.temperature >= 0, "must be 0 (greedy) or more"),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("--top-k", self.top_k, self.top_k >= 0, "must be 0 (off) or more"),
+        ) if not ok]
+        if problems:
+            raise FtError("; ".join(problems))
+
+
+def batch_seed(seed: int, number: int) -> int:
+    """The sampling seed of batch `number`: the same whichever process generates it."""
+    return (seed * 1_000_003 + number) % 2**63
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """EOS plus the end-of-turn tokens of common chat templates that the tokenizer knows."""
+    vocab = tokenizer.get_vocab()
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return ids + [vocab[t] for t in END_OF_TURN if t in vocab and vocab[t] not in ids]
+
+
+def choose(engine: str, tensor_parallel: int) -> str:
+    """The engine to run: `auto` is vLLM on GPUs where it is installed, transformers otherwise."""
+    import torch
+
+    if engine not in ENGINES:
+        raise FtError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if engine == "vllm" and not has_vllm:
+        raise FtError("--engine vllm: vLLM is not installed.\n    fix: pip install vllm (Linux with a CUDA GPU), or use --engine transformers")
+    if engine == "vllm" and not torch.cuda.is_available():
+        raise FtError("--engine vllm: vLLM needs a GPU, and none is visible.\n    fix: use --engine transformers")
+    chosen = engine if engine != "auto" else ("vllm" if has_vllm and torch.cuda.is_available() else "transformers")
+    if tensor_parallel > 1 and chosen != "vllm":
+        raise FtError(f"--tensor-parallel {tensor_parallel}: splitting a model over GPUs needs vLLM.\n    fix: pip install vllm and use --engine vllm, or --tensor-parallel 1")
+    return chosen
+
+
+class TransformersEngine:
+    """Batched `model.generate` with left padding and an attention mask."""
+
+    name = "transformers"
+
+    def __init__(self, model, tokenizer, sampling: Sampling, device):
+        self.model, self.tokenizer, self.sampling, self.device = model, tokenizer, sampling, device
+        self.stop = stop_ids(tokenizer)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
+
+    def generate(self, batch: list[list[int]], number: int) -> list[tuple[str, int]]:
+        import torch
+
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.tensor([[self.pad] * (width - len(ids)) + ids for ids in batch], device=self.device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=self.device)
+        extra = {"stop_strings": list(self.sampling.stop), "tokenizer": self.tokenizer} if self.sampling.stop else {}
+        torch.manual_seed(batch_seed(self.sampling.seed, number))
+        with torch.no_grad():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra)
+        return [self._finish(row.tolist()) for row in out[:, width:]]
+
+    def _config(self):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if s.temperature > 0 else {}
+        return GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=s.temperature > 0, num_beams=1, use_cache=True,
+                                pad_token_id=self.pad, eos_token_id=self.stop, **sampled)
+
+    def _finish(self, row: list[int]) -> tuple[str, int]:
+        """(text up to the first stop token or stop text, tokens generated including the stop token)."""
+        end = next((i for i, t in enumerate(row) if t in self.stop or t == self.pad), len(row))
+        count = end + (1 if end < len(row) and row[end] in self.stop else 0)
+        return cut_at_stop(self.tokenizer.decode(row[:end], skip_special_tokens=True), self.sampling.stop), count
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    """The text before the earliest stop text."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return text[:min(cuts)] if cuts else text
+
+
+class VllmEngine:
+    """vLLM's offline `LLM.generate`; a LoRA adapter is served on its base; `tensor_parallel` GPUs per model."""
+
+    name = "vllm"
+
+    def __init__(self, source, tokenizer, sampling: Sampling, tensor_parallel: int, dtype: str):
+        from vllm import LLM
+
+        self.sampling, self.stop = sampling, stop_ids(tokenizer)
+        kwargs = {"model": source.model, "tokenizer": tokenizer.name_or_path, "tensor_parallel_size": tensor_parallel,
+                  "seed": sampling.seed, "trust_remote_code": source.trust_remote_code,
+                  "dtype": {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]}
+        self.lora = None
+        if source.adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            kwargs.update(enable_lora=True, max_lora_rank=_vllm_rank(Path(source.adapter)))
+            self.lora = LoRARequest("ft-adapter", 1, str(source.adapter))
+        self.llm = LLM(**kwargs)
+
+    def generate(self, batch: list[list[int]], number: int) -> list[tuple[str, int]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = self.sampling
+        top_k = {"top_k": s.top_k} if s.top_k else {}
+        params = [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens, stop=list(s.stop) or None,
+                                 stop_token_ids=self.stop, seed=batch_seed(s.seed, number) + j, skip_special_tokens=True, **top_k)
+                  for j in range(len(batch))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, lora_request=self.lora, use_tqdm=False)
+        return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+
+
+def _vllm_rank(adapter: Path) -> int:
+    """The adapter's rank rounded up to a size vLLM serves; adapters vLLM cannot serve are an FtError."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    if cfg.get("use_dora") or cfg.get("modules_to_save"):
+        what = "DoRA" if cfg.get("use_dora") else f"modules trained in full ({', '.join(cfg['modules_to_save'])})"
+        raise FtError(f"{adapter}: vLLM cannot serve an adapter with {what}.\n    fix: merge it first (ft merge-lora {adapter} --out MERGED) and generate from MERGED, or use --engine transformers")
+    rank = int(cfg.get("r") or 8)
+    return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)

@@ -1,0 +1,131 @@
+"""One process of `ft generate`: its share of the planned batches, appended to its part file.
+
+    python -m finetune.infer.worker OUT.parts ATTEMPT      (started by torchrun; rank from RANK/WORLD_SIZE)
+
+Processes do not talk to each other: the plan fixes who does which batch, and the launcher merges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from finetune.errors import FtError
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, on_rows=None) -> None:
+    """Generate this rank's batches of attempt `attempt`; `on_rows(rows, tokens)` after each batch."""
+    from finetune.infer.batches import deal
+    from finetune.infer.generate import GenerateJob
+    from finetune.infer.store import PartWriter, write_stats
+
+    job = GenerateJob.from_json(json.loads((parts / "job.json").read_text()))
+    plan = json.loads((parts / f"plan-{attempt}.json").read_text())
+    mine = deal(plan["todo"], rank, world)
+    if job.engine == "vllm" and world > 1:
+        _own_gpus(local_rank, job.tensor_parallel)
+    prompts, tokenizer, jinja = _inputs(job, plan["keys"])
+    engine = _engine(job, tokenizer, local_rank) if mine else None
+    skip, writer = set(plan["skip"]), PartWriter(parts, attempt, rank)
+    start, rows, tokens = time.time(), 0, 0
+    try:
+        for done, b in enumerate(mine, 1):
+            batch = plan["batches"][b]
+            outputs = engine.generate([_encode(prompts[i], tokenizer, jinja) for i in batch], b)
+            items = [(prompts[i].id, n, _row(job, prompts[i], text)) for i, (text, n) in zip(batch, outputs) if i not in skip]
+            writer.write(items)
+            rows, tokens = rows + len(items), tokens + sum(n for _, n, _ in items)
+            _injected_crash(rank, done, writer)
+            if on_rows is not None:
+                on_rows(len(items), sum(n for _, n, _ in items))
+    finally:
+        writer.close()
+    write_stats(parts, attempt, rank, rows, tokens, start, time.time())
+
+
+def _inputs(job, keys: list[str]):
+    from finetune.infer.prompts import read_prompts, template_for
+    from finetune.infer.source import load_tokenizer
+    from finetune.infer.store import id_key
+
+    prompts = read_prompts(job.prompts).prompts
+    if [id_key(p.id) for p in prompts] != keys:
+        raise FtError(f"{job.prompts.path} changed after the job was planned.\n    fix: run the command again (it plans anew and keeps the rows already written)")
+    tokenizer = load_tokenizer(job.source)
+    return prompts, tokenizer, template_for(tokenizer, job.template)
+
+
+def _encode(prompt, tokenizer, jinja):
+    from finetune.infer.prompts import encode
+
+    return encode(prompt, tokenizer, jinja)
+
+
+def _row(job, prompt, text: str) -> str:
+    from finetune.infer.store import row_text
+
+    return row_text(prompt.fields, job.prompts.id_field, prompt.id, job.output_field, text)
+
+
+def _engine(job, tokenizer, local_rank: int):
+    import torch
+
+    from finetune.infer import engines
+
+    if job.engine == "vllm":
+        return engines.VllmEngine(job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype)
+    from transformers.utils import logging
+
+    from finetune.infer.source import load_model, torch_dtype
+
+    logging.disable_progress_bar()
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    model = load_model(job.source, tokenizer, torch_dtype(job.dtype, device), device)
+    return engines.TransformersEngine(model, tokenizer, job.sampling, device)
+
+
+def _own_gpus(local_rank: int, tensor_parallel: int) -> None:
+    """Give this process its own group of GPUs for vLLM, and hide torchrun's variables from vLLM's own workers."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * tensor_parallel:(local_rank + 1) * tensor_parallel])
+    for name in _LAUNCHER_VARS + tuple(k for k in os.environ if k.startswith("TORCHELASTIC_")):
+        os.environ.pop(name, None)
+
+
+def _gpu_count() -> int:
+    """GPUs on the machine, counted without initialising CUDA in this process (so CUDA_VISIBLE_DEVICES still applies)."""
+    import subprocess
+
+    try:
+        listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        raise FtError("cannot count the GPUs (nvidia-smi failed).\n    fix: set CUDA_VISIBLE_DEVICES to the GPUs to use") from None
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+
+
+def _injected_crash(rank: int, batches_done: int, writer) -> None:
+    """For tests of resume: FT_TEST_CRASH=RANK:BATCHES makes that rank die after that many batches, leaving half a line."""
+    if os.environ.get("FT_TEST_CRASH") == f"{rank}:{batches_done}":
+        writer.cut_short()
+        os._exit(137)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    try:
+        run(Path(args[0]), int(args[1]), rank, world, local)
+    except FtError as e:
+        sys.stderr.write(f"error (process {rank}): {e}\n")
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()
