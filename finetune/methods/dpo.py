@@ -1,0 +1,150 @@
+"""Direct preference optimisation: micro-batches of (chosen, rejected) pairs, and the DPO loss.
+
+Each micro-batch stacks the chosen sequences over the rejected ones, so one forward pass scores both.
+A sequence's log-probability is the sum over its trained (completion) tokens. The reference is the
+base with the adapter disabled (LoRA/QLoRA: no second copy), a frozen copy (full fine-tuning), or
+log-probs computed once before training (`precomputed`). Losses, with Δ = (π_c − ref_c) − (π_r − ref_r):
+  sigmoid  −(1−ε)·log σ(βΔ) − ε·log σ(−βΔ)         (ε: label_smoothing; DPO, conservative DPO)
+  hinge    max(0, 1 − βΔ)                           (SLiC)
+  ipo      (Δ_c/n_c − Δ_r/n_r − 1/(2β))²             (IPO, log-ratios averaged over completion tokens)
+The step's loss is the mean over its pairs (the normaliser counts pairs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data.collate import collate
+from finetune.methods.loss import IGNORE, MODEL_INPUTS
+
+
+def token_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probabilities of the next tokens (B, T-1) and the mask of trained positions."""
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
+    targets = batch["labels"][:, 1:].to(logits.device)
+    mask = targets != IGNORE
+    logps = -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none").view_as(targets)
+    return logps * mask, mask
+
+
+def pair_losses(kind: str, beta: float, smoothing: float, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens):
+    """Per-pair DPO losses from summed sequence log-probs (see the module docstring)."""
+    c, r = chosen - ref_chosen, rejected - ref_rejected
+    if kind == "sigmoid":
+        return -(1 - smoothing) * F.logsigmoid(beta * (c - r)) - smoothing * F.logsigmoid(-beta * (c - r))
+    if kind == "hinge":
+        return torch.relu(1 - beta * (c - r))
+    if kind == "ipo":
+        return (c / chosen_tokens.clamp(min=1) - r / rejected_tokens.clamp(min=1) - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss {kind!r}")
+
+
+class DPO:
+    """Batches and loss for DPO; `reference` gives the reference log-probs of a micro-batch."""
+
+    name = "dpo"
+    validates = True
+
+    def __init__(self, section, pad_id: int, micro_batch_size: int, reference):
+        self.beta, self.kind, self.smoothing = section.beta, section.loss, section.label_smoothing
+        self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, reference
+
+    def rows_per_step(self, global_batch: int) -> int:
+        return global_batch
+
+    def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
+        rows = dataset.select(indices)[:]
+        out = []
+        for i in range(0, len(indices), self.micro):
+            chosen = [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["chosen_input_ids"][i:i + self.micro], rows["chosen_labels"][i:i + self.micro])]
+            rejected = [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["rejected_input_ids"][i:i + self.micro], rows["rejected_labels"][i:i + self.micro])]
+            batch = collate(chosen + rejected, self.pad_id, "sdpa")
+            batch.update(rows=torch.tensor(indices[i:i + self.micro]), num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected))
+            out.append(batch)
+        return out
+
+    def tokens(self, batch: dict) -> int:
+        return len(batch["rows"])  # the step's loss is a mean over pairs
+
+    def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, mask = token_logps(model, batch)
+        return logps.sum(-1), mask.sum(-1)
+
+    def policy_score(self, model, batch: dict) -> torch.Tensor:
+        """What the reference model is asked for: summed log-probs of each sequence."""
+        return self.sequence_logps(model, batch)[0]
+
+    def loss(self, model, batch: dict, normaliser: float):
+        logps, counts = self.sequence_logps(model, batch)
+        chosen, rejected = logps.chunk(2)
+        with torch.no_grad():
+            ref_chosen, ref_rejected = self.reference(model, batch, self).to(logps.device).chunk(2)
+        n_c, n_r = counts.chunk(2)
+        losses = pair_losses(self.kind, self.beta, self.smoothing, chosen, rejected, ref_chosen, ref_rejected, n_c, n_r)
+        rc, rr = self.beta * (chosen - ref_chosen).detach(), self.beta * (rejected - ref_rejected).detach()
+        metrics = {"rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(), "rewards/margin": (rc - rr).mean().item(),
+                   "rewards/accuracy": (rc > rr).float().mean().item(), "logps/chosen": chosen.detach().mean().item(),
+                   "logps/rejected": rejected.detach().mean().item()}
+        return losses.sum() / normaliser, metrics
+
+
+class AdapterDisabled:
+    """Reference = the model with its LoRA adapter switched off (peft), in the same forward machinery.
+    References (here and below) serve DPO and GRPO: each asks `method.policy_score(model, batch)`."""
+
+    def __init__(self, peft_model):
+        self.peft_model = peft_model
+
+    def __call__(self, model, batch: dict, method) -> torch.Tensor:
+        with self.peft_model.disable_adapter():
+            return method.policy_score(model, batch)
+
+
+class FrozenCopy:
+    """Reference = a separate frozen copy of the starting model (full fine-tuning)."""
+
+    def __init__(self, model):
+        self.model = model.eval().requires_grad_(False)
+
+    def __call__(self, model, batch: dict, method) -> torch.Tensor:
+        return method.policy_score(self.model, batch)
+
+
+class Precomputed:
+    """Reference log-probs of every row, computed once before training by the starting model."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # (rows, 2): chosen, rejected
+
+    def __call__(self, model, batch: dict, method) -> torch.Tensor:
+        rows = self.table[batch["rows"]]
+        return torch.cat([rows[:, 0], rows[:, 1]])
+
+
+@torch.no_grad()
+def precompute(model, method: DPO, dataset, runtime, device, autocast) -> Precomputed:
+    """Each rank scores a share of the rows (the same number of forward passes on every rank, as sharded
+    models need), then a sum over ranks gives every rank the whole table."""
+    n, world = len(dataset), runtime.world_size
+    table = torch.zeros(n, 2, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    per_rank = -(-n // world)
+    own = range(runtime.rank * per_rank, min(n, (runtime.rank + 1) * per_rank))
+    mine = list(own) + [0] * (per_rank - len(own))  # padded: the same number of passes on every rank
+    seen = set()
+    for batch in method.micro_batches(dataset, mine):
+        rows = batch["rows"]
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with autocast():
+            logps = method.sequence_logps(model, batch)[0].double().cpu()
+        for j, row in enumerate(rows.tolist()):
+            if row in own and row not in seen:
+                seen.add(row)
+                table[row] = torch.stack([logps[j], logps[j + len(rows)]])
+    model.train(was_training)
+    if world > 1:
+        torch.distributed.all_reduce(table)
+    return Precomputed(table.float())

@@ -1,0 +1,93 @@
+"""GRPO reward functions: built-ins, user functions, and the weighted sum with clear errors.
+
+A reward function is called once per rollout as
+    fn(completions, prompts=..., **columns, **args) -> list of numbers, one per completion
+where `completions` are the generated texts, `prompts` the prompt conversations (one per completion),
+`columns` every extra column of the prompt_only dataset (each a list aligned with `completions`), and
+`args` the function's `args` from the YAML. Built-ins:
+  exact_match(column, extract=None)   1.0 when the answer equals the row's `column` (both stripped; with
+                                      `extract`, a regex applied to both: its first group, or the match)
+  regex(pattern)                      1.0 when `pattern` is found in the completion
+  length_penalty(limit)               0 up to `limit` characters, then −(length − limit) / limit
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from finetune.errors import FtError
+
+
+def _extract(text: str, pattern: str | None) -> str | None:
+    if pattern is None:
+        return text.strip()
+    m = re.search(pattern, text)
+    if m is None:
+        return None
+    return (m.group(1) if m.groups() else m.group(0)).strip()
+
+
+def exact_match(completions, column: str = "answer", extract: str | None = None, **columns):
+    if column not in columns:
+        raise KeyError(f"the dataset has no column {column!r} (it has: {', '.join(sorted(k for k in columns if k != 'prompts')) or 'none'})")
+    out = []
+    for text, reference in zip(completions, columns[column]):
+        got, want = _extract(text, extract), _extract(str(reference), extract)
+        out.append(1.0 if got is not None and got == want else 0.0)
+    return out
+
+
+def regex(completions, pattern: str, **_):
+    compiled = re.compile(pattern, re.MULTILINE)
+    return [1.0 if compiled.search(text) else 0.0 for text in completions]
+
+
+def length_penalty(completions, limit: int = 200, **_):
+    return [0.0 if len(t) <= limit else -(len(t) - limit) / limit for t in completions]
+
+
+BUILT_IN = {"exact_match": exact_match, "regex": regex, "length_penalty": length_penalty}
+
+
+class Reward:
+    """One configured reward: its name, function, weight and YAML args."""
+
+    def __init__(self, spec, index: int):
+        from finetune.userfn import load_function
+
+        self.key = f"method.rewards[{index}].function"
+        self.name = spec.function
+        self.fn = BUILT_IN.get(spec.function) or load_function(spec.function, self.key)
+        self.weight, self.args = spec.weight, dict(spec.args)
+
+    def __call__(self, completions: list[str], prompts: list, columns: dict[str, list], origins: list[str]) -> list[float]:
+        try:
+            values = self.fn(completions, prompts=prompts, **columns, **self.args)
+        except Exception as e:
+            raise FtError(f"{self.key}: reward {self.name!r} raised {type(e).__name__}: {e} — on a rollout of {len(completions)} completions "
+                          f"whose first prompt is {origins[0]}; first completion: {completions[0][:80]!r}") from None
+        return self._checked(values, completions, origins)
+
+    def _checked(self, values, completions, origins) -> list[float]:
+        if not hasattr(values, "__len__") or isinstance(values, (str, bytes, dict)):
+            raise FtError(f"{self.key}: reward {self.name!r} returned {type(values).__name__}; it must return a list of numbers, one per completion ({len(completions)})")
+        values = list(values)
+        if len(values) != len(completions):
+            raise FtError(f"{self.key}: reward {self.name!r} returned {len(values)} values for {len(completions)} completions; return one number per completion, in order")
+        out = []
+        for i, v in enumerate(values):
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                f = math.nan
+            if math.isnan(f) or math.isinf(f):
+                raise FtError(f"{self.key}: reward {self.name!r} gave {v!r} for completion {i} (prompt {origins[i]}, completion {completions[i][:80]!r}); "
+                              "every reward must be a finite number")
+            out.append(f)
+        return out
+
+
+def load_rewards(specs) -> list[Reward]:
+    """Every configured reward, loaded now so that a bad name stops the job before any GPU time is spent."""
+    return [Reward(s, i) for i, s in enumerate(specs)]
