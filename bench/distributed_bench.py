@@ -1,4 +1,4 @@
-"""Tokens/s of the tiny model on 1 process and on 2 processes (DDP, FSDP), CPU/gloo, plus the planner's
+"""Tokens/s of the tiny model on 1 process and on 2 processes (DDP, FSDP, DeepSpeed ZeRO-1/2/3), CPU/gloo, plus the planner's
 communication estimate for realistic multi-GPU jobs.
 
     python bench/distributed_bench.py [--steps 30]
@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(tmp: Path, name: str, hardware: str, backend: str, steps: int) -> float:
+def run(tmp: Path, name: str, hardware: str, backend: str, steps: int, sharding: str = "auto") -> float:
     from finetune.tiny import arithmetic_records, write_jsonl
 
     data = write_jsonl(arithmetic_records(2000, seed=1), tmp / "data.jsonl")
@@ -32,7 +32,7 @@ model: {{name: ft-tiny}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / 'cache'}}}
 adapter: {{type: full}}
 train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-3}}
-distributed: {{backend: {backend}}}
+distributed: {{backend: {backend}, sharding: {sharding}}}
 output: {{dir: {tmp / name}, log_steps: 1, save_steps: 0}}
 """)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -64,10 +64,17 @@ def main() -> None:
         results = {"1 process": run(tmp, "one", "cpu", "auto", args.steps),
                    "2 processes, DDP": run(tmp, "ddp", "cpu:2", "ddp", args.steps),
                    "2 processes, FSDP": run(tmp, "fsdp", "cpu:2", "fsdp", args.steps)}
+        try:
+            import deepspeed  # noqa: F401
+
+            for stage in ("zero1", "zero2", "zero3"):
+                results[f"2 processes, {stage}"] = run(tmp, stage, "cpu:2", "deepspeed", args.steps, stage)
+        except ImportError:
+            print("deepspeed is not installed: DeepSpeed runs skipped")
     base = results["1 process"]
     print(f"ft-tiny, full fine-tuning, global batch 64, micro-batch 32, seq_len 64, {args.steps} steps, CPU/gloo")
     for name, tps in results.items():
-        print(f"  {name:<20} {tps:9,.0f} tokens/s   {tps / base:4.2f}x")
+        print(f"  {name:<22} {tps:9,.0f} tokens/s   {tps / base:4.2f}x")
     communication()
 
 

@@ -92,12 +92,10 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, kee
     return final
 
 
-def save_sharded(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int, runtime) -> Path:
-    """A sharded (FSDP) checkpoint: every rank writes its shards and RNG state into one temporary folder,
-    rank 0 adds the rest and renames it into place once all ranks are done."""
+def save_sharded(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> Path:
+    """A sharded (FSDP, DeepSpeed) checkpoint: every rank writes its shards and RNG state into one temporary
+    folder, rank 0 adds the rest and renames it into place once all ranks are done."""
     import torch
-
-    from finetune.distributed import fsdp
 
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
@@ -106,13 +104,13 @@ def save_sharded(run_dir: Path, step: int, model, optimizer, scheduler, state: d
         tmp.mkdir(parents=True)
     runtime.barrier()
     try:
-        fsdp.save_sharded(tmp / "dcp", model, optimizer)
+        engine.save_shards(tmp)
         torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
     except OSError as e:
         raise FtError(f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {e}; earlier checkpoints are intact") from None
     runtime.barrier()
     if runtime.is_main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step, "sharded": True}, indent=2))
         if final.exists():
             shutil.rmtree(final)
@@ -123,15 +121,21 @@ def save_sharded(run_dir: Path, step: int, model, optimizer, scheduler, state: d
     return final
 
 
-def load(path: Path, model, optimizer, scheduler, rank: int = 0) -> dict:
-    """Restore a checkpoint into the model, optimizer and scheduler; return its state."""
+def is_sharded(path: Path) -> bool:
+    return (path / "dcp").is_dir() or (path / "deepspeed").is_dir()
+
+
+def load(path: Path, engine, rank: int = 0) -> dict:
+    """Restore a checkpoint into the engine's model, optimizer and scheduler; return its state."""
     import torch
     from safetensors.torch import load_file
 
-    if (path / "dcp").is_dir():
-        from finetune.distributed import fsdp
-
-        fsdp.load_sharded(path / "dcp", model, optimizer)
+    if is_sharded(path) != engine.sharded:
+        raise FtError(f"checkpoint {path} was written by a {'sharded' if is_sharded(path) else 'single-copy'} backend and this job's backend is "
+                      f"{'sharded' if engine.sharded else 'not'}; resume with the distributed settings it was written with, or consolidate it first (ft consolidate)")
+    model, optimizer, scheduler = engine.inner, engine.optimizer, engine.scheduler
+    if is_sharded(path):
+        engine.load_shards(path)
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
         set_rng_state(torch.load(path / f"rng-{rank}.pt", weights_only=False))
         return json.loads((path / "state.json").read_text())

@@ -1,66 +1,58 @@
-"""Evaluation during training: validation loss, and a task metric by greedy generation."""
+"""Evaluation during training: validation loss, and a task metric by greedy generation (shared with `ft eval`)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import torch
 
 
-@torch.no_grad()
 def validation_loss(model, method, dataset, device, autocast, batch_rows: int = 32) -> float:
-    """Mean next-token loss over every trained token of the validation set."""
+    """Mean next-token loss over every trained token of the validation set (for DPO: mean loss per pair)."""
+    return validation_metrics(model, method, dataset, device, autocast, batch_rows)["eval_loss"]
+
+
+@torch.no_grad()
+def validation_metrics(model, method, dataset, device, autocast, batch_rows: int = 32) -> dict[str, float]:
+    """eval_loss, plus the method's own metrics (e.g. DPO's reward accuracy) as eval_NAME, each weighted like the loss."""
     was_training = model.training
     model.eval()
-    total, tokens = 0.0, 0
+    total, tokens, sums = 0.0, 0, {}
     for start in range(0, len(dataset), batch_rows):
         for batch in method.micro_batches(dataset, list(range(start, min(start + batch_rows, len(dataset))))):
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             n = method.tokens(batch)
             with autocast():
-                loss, _ = method.loss(model, batch, 1.0)
+                loss, metrics = method.loss(model, batch, 1.0)
             total, tokens = total + float(loss), tokens + n
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v * n
     model.train(was_training)
-    return total / max(tokens, 1)
-
-
-def read_tasks(path: str | Path, samples: int | None) -> list[tuple[list[dict], str]]:
-    """(prompt messages, reference answer) pairs from a chat-format jsonl file."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            messages = json.loads(line)["messages"]
-            out.append((messages[:-1], messages[-1]["content"]))
-    return out[:samples] if samples else out
+    return {"eval_loss": total / max(tokens, 1), **{f"eval_{k}": v / max(tokens, 1) for k, v in sums.items()}}
 
 
 @torch.no_grad()
-def task_accuracy(model, tokenizer, tasks, metric: str, max_new_tokens: int, device, batch_size: int = 32) -> float:
-    """Fraction of prompts whose greedy answer matches the reference (exact_match or contains)."""
+def task_score(model, tokenizer, jinja: str | None, section, device, batch_size: int = 32) -> float:
+    """Mean score of the `evaluation:` section's metric over its prompt/answer file, answers generated greedily.
+
+    Prompts are rendered with `jinja` (the job's chat template) and generated in length-sorted batches by
+    the same engine and scored by the same metrics as `ft eval`.
+    """
+    from finetune.infer.batches import plan
+    from finetune.infer.engines import Sampling, TransformersEngine
+    from finetune.infer.prompts import PromptSpec, columns, encode, read_prompts
+    from finetune.infer.scoring import Scorer, from_section
+
+    scorer = Scorer(from_section(section))
+    prompts = read_prompts(PromptSpec(section.path, samples=section.samples)).prompts
+    ids = [encode(p, tokenizer, jinja) for p in prompts]
+    engine = TransformersEngine(model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device)
     was_training = model.training
     model.eval()
-    hits = 0
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for start in range(0, len(tasks), batch_size):
-        chunk = tasks[start:start + batch_size]
-        prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m, _ in chunk]
-        enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        width = max(len(e) for e in enc)
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in enc], device=device)  # left padding
-        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc], device=device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=_stop_ids(tokenizer))
-        for row, (_, reference) in zip(out[:, width:], chunk):
-            answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-            hits += answer == reference.strip() if metric == "exact_match" else reference.strip() in answer
-    model.train(was_training)
-    return hits / max(len(tasks), 1)
-
-
-def _stop_ids(tokenizer) -> list[int]:
-    """EOS plus the end-of-turn tokens of common chat templates that the tokenizer knows."""
-    vocab = tokenizer.get_vocab()
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return ids + [vocab[t] for t in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>") if t in vocab and vocab[t] not in ids]
-
+    texts = [""] * len(prompts)
+    try:
+        for number, batch in enumerate(plan([len(i) for i in ids], batch_size)):
+            for i, (text, _) in zip(batch, engine.generate([ids[i] for i in batch], number)):
+                texts[i] = text
+    finally:
+        model.train(was_training)
+    scores = scorer(texts, [p.reference for p in prompts], columns(prompts), [p.origin for p in prompts])
+    return sum(scores) / max(len(scores), 1)

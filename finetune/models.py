@@ -111,5 +111,5 @@ def quantization_config(plan):
     compute = torch_dtype(plan.precision)
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    kwargs = {"bnb_4bit_quant_storage": compute} if plan.backend == "fsdp" else {}  # FSDP shards one dtype
+    kwargs = {"bnb_4bit_quant_storage": compute} if plan.backend == "fsdp" or plan.sharding == "zero3" else {}  # sharding flattens one dtype
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute, **kwargs)

@@ -96,6 +96,29 @@ def arithmetic_records(n: int, seed: int = 0, max_operand: int = 99) -> list[dic
     return out
 
 
+def _wrong(answer: str, rng: random.Random) -> str:
+    """A plausible wrong answer: one digit changed."""
+    i = rng.randrange(len(answer))
+    digit = rng.choice([d for d in "0123456789" if d != answer[i]])
+    return answer[:i] + digit + answer[i + 1:]
+
+
+def preference_records(n: int, seed: int = 0) -> list[dict]:
+    """Preference pairs on the arithmetic tasks: the right answer chosen, a one-digit-wrong answer rejected."""
+    rng = random.Random(seed + 1)
+    out = []
+    for rec in arithmetic_records(n, seed):
+        prompt, answer = rec["messages"][0]["content"], rec["messages"][1]["content"]
+        out.append({"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": answer}],
+                    "rejected": [{"role": "assistant", "content": _wrong(answer, rng)}]})
+    return out
+
+
+def prompt_records(n: int, seed: int = 0) -> list[dict]:
+    """Prompt-only arithmetic tasks with their answer in a column of its own (for GRPO rewards)."""
+    return [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in arithmetic_records(n, seed)]
+
+
 def write_jsonl(records: list[dict], path: str | Path) -> Path:
     import json
 

@@ -19,8 +19,7 @@ import torch
 from finetune import checkpoint
 from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
-from finetune.distributed import ddp, fsdp
-from finetune.distributed.runtime import Runtime, start
+from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
 from finetune.errors import FtError
 from finetune.methods.loss import step_normaliser
 from finetune.plan.plan import Plan
@@ -40,22 +39,24 @@ class Job:
 
     config: Config
     plan: Plan
-    model: object
+    engine: object  # the wrapped model with its optimizer and schedule (distributed/engine.py)
     method: object
-    optimizer: object
-    scheduler: object
     train: object
     validation: object | None
     stream: Stream
     total_steps: int
     device: torch.device
-    scaler: object | None
     runtime: Runtime
+
+    @property
+    def model(self):
+        """The model as the backend wrapped it: what forward passes run on."""
+        return self.engine.model
 
     @property
     def inner(self):
         """The model without its data-parallel wrapper (for saving, generation)."""
-        return ddp.unwrap(self.model)
+        return self.engine.inner
 
 
 class SignalStop:
@@ -82,13 +83,12 @@ class SignalStop:
 
 def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
     from finetune.adapters import apply_adapter
-    from finetune.methods.sft import SFT
+    from finetune import methods
+    from finetune.distributed import engine
     from finetune.models import load_model, runtime_attention
-    from finetune.optim import build_optimizer, build_scheduler
 
-    if plan.backend == "deepspeed":
-        raise FtError("distributed.backend: deepspeed is planned, but ft runs single-process, DDP and FSDP jobs so far; set distributed.backend: fsdp (or ddp)")
-    runtime = start(config.distributed.timeout_minutes) if plan.world_size > 1 else Runtime()
+    with activity("joining the process group"):
+        runtime = start(config.distributed.timeout_minutes, needs_group=True) if needs_launcher(plan.backend, plan.world_size) else Runtime()
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation)
@@ -96,62 +96,56 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     if plan.quantization == "none":
         model.to(device)
     model.train()
-    if plan.backend == "ddp":
-        model = ddp.wrap(model, device)
-    elif plan.backend == "fsdp":
-        model = fsdp.wrap(model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all")
-    pad = prepared.tokenizer.pad_token_id if prepared.tokenizer.pad_token_id is not None else prepared.tokenizer.eos_token_id
-    method = SFT(pad, attn, plan.micro_batch_size)
-    total = steps_for(len(prepared.train), plan.global_batch_size, config.train.max_steps, config.train.epochs)
-    optimizer = build_optimizer(model, config.train, plan.lr)
-    scheduler = build_scheduler(optimizer, config.train, total)
-    scaler = torch.amp.GradScaler(device.type) if plan.precision == "fp16" else None
-    stream = Stream(len(prepared.train), plan.global_batch_size, config.train.seed, runtime.rank, runtime.world_size)
-    return Job(config, plan, model, method, optimizer, scheduler, prepared.train, prepared.validation, stream, total, device, scaler, runtime)
+    rows = methods.rows_per_step(config.method, plan.global_batch_size)
+    total = steps_for(len(prepared.train), rows, config.train.max_steps, config.train.epochs)
+    with activity(f"wrapping the model ({plan.backend})"):
+        wrapped = engine.build(model, plan, config.train, config.distributed, device, total)
+    with activity(f"setting up {config.method.name}"):
+        method = methods.build(config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device))
+    stream = Stream(len(prepared.train), rows, config.train.seed, runtime.rank, runtime.world_size)
+    validation = prepared.validation if getattr(method, "validates", True) else None
+    return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime)
 
 
-def accumulating(model, last: bool):
-    """Gradient synchronisation only after the last micro-batch of a step, whatever wraps the model."""
-    return fsdp.accumulating(model, last) if fsdp.is_sharded(model) else ddp.accumulating(model, last)
+def autocast_for(precision: str, device: torch.device):
+    """Mixed precision for the forward pass: fp32 weights (full) or a half-precision base, computing in the plan's precision."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def autocast(job: Job):
-    """Mixed precision for the forward pass: fp32 weights (full) or a half-precision base, computing in the plan's precision."""
-    if job.plan.precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if job.plan.precision == "bf16" else torch.float16
-    return torch.autocast(job.device.type, dtype=dtype)
+    return autocast_for(job.plan.precision, job.device)
 
 
 def train_step(job: Job) -> dict:
     """One optimizer step over the global batch; returns its metrics."""
     rt = job.runtime
     batches = job.method.micro_batches(job.train, job.stream.next_step())
-    normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches), rt.world_size, rt.sum)
-    loss_total, tokens = 0.0, 0
+    with activity("summing the step's trained tokens over ranks"):
+        normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches), rt.world_size, rt.sum)
+    loss_total, tokens, reported = 0.0, 0, [batches[0].pop("metrics", {})]  # the rollout's metrics (GRPO)
     for i, batch in enumerate(batches):
         tokens += batch.pop("num_tokens", 0)
         batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with accumulating(job.model, last=i == len(batches) - 1):
+        with activity(f"forward/backward of micro-batch {i + 1} of {len(batches)}"), job.engine.accumulating(last=i == len(batches) - 1):
             with autocast(job):
-                loss, _ = job.method.loss(job.model, batch, normaliser)
-            (job.scaler.scale(loss) if job.scaler else loss).backward()
+                loss, metrics = job.method.loss(job.model, batch, normaliser)
+            job.engine.backward(loss)
         loss_total += float(loss.detach())
-    if job.scaler:
-        job.scaler.unscale_(job.optimizer)
-    params = [p for p in job.model.parameters() if p.requires_grad]
-    clip = job.config.train.max_grad_norm
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP: a sharded norm
-    if job.scaler:
-        job.scaler.step(job.optimizer)
-        job.scaler.update()
-    else:
-        job.optimizer.step()
-    job.scheduler.step()
-    job.optimizer.zero_grad(set_to_none=True)
-    loss_total = rt.sum(loss_total) / rt.world_size  # each rank's share is scaled by world size (see methods/loss.py)
-    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": job.scheduler.get_last_lr()[0], "tokens": int(rt.sum(tokens))}
+        reported.append(metrics)
+    with activity("optimizer step (gradient reduction, clipping, update)"):
+        grad_norm = job.engine.step()
+        loss_total = rt.sum(loss_total) / rt.world_size  # each rank's share is scaled by world size (see methods/loss.py)
+    with activity("averaging the method's metrics over ranks"):
+        extra = rt.mean(_mean_metrics(reported))
+    return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": int(rt.sum(tokens)), **extra}
+
+
+def _mean_metrics(reported: list[dict]) -> dict:
+    """Each metric averaged over the micro-batches that report it."""
+    keys = dict.fromkeys(k for m in reported for k in m)
+    return {k: sum(m[k] for m in reported if k in m) / sum(k in m for m in reported) for k in keys}
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -166,56 +160,64 @@ def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
     """Sharded models: every rank writes its shards; otherwise rank 0 writes (replicas are identical)."""
     state = {"position": job.stream.position, **extra}
     keep = job.config.output.keep_checkpoints
-    if fsdp.is_sharded(job.model):
-        return checkpoint.save_sharded(run_dir, step, job.model, job.optimizer, job.scheduler, state, keep, job.runtime)
+    e = job.engine
+    if e.sharded:
+        return checkpoint.save_sharded(run_dir, step, e, state, keep, job.runtime)
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     if job.runtime.is_main:
-        path = checkpoint.save(run_dir, step, job.inner, job.optimizer, job.scheduler, state, keep)
+        path = checkpoint.save(run_dir, step, e.inner, e.optimizer, e.scheduler, state, keep)
     job.runtime.barrier()
     return path
 
 
 def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, stop: SignalStop | None = None) -> dict:
     """Train from step 0 or from a checkpoint; save checkpoints, the final weights; return a summary."""
-    from finetune.evaluate import validation_loss
+    from finetune.evaluate import validation_metrics
     from finetune.runlog import MetricsWriter
 
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        state = checkpoint.load(resume_from, job.inner, job.optimizer, job.scheduler, job.runtime.rank)
+        state = checkpoint.load(resume_from, job.engine, job.runtime.rank)
         start, job.stream.position = state["step"], state["position"]
     metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None) if job.runtime.is_main else _NoMetrics()
     stop = stop or SignalStop()
     last = {}
     with stop:
         for step in range(start + 1, job.total_steps + 1):
-            _injected_failure(job.runtime.rank, step)
             t0 = time.perf_counter()
-            last = train_step(job)
+            with activity(f"step {step} of {job.total_steps}"):
+                _injected_failure(job.runtime.rank, step)
+                last = train_step(job)
             seconds = time.perf_counter() - t0
             state["tokens"] += last["tokens"]
             state["seconds"] += seconds
             row = {**last, "tokens_per_s": last["tokens"] / max(seconds, 1e-9), "epoch": job.stream.epoch, "memory_gib": peak_memory_gib(job.device)}
             if step % out.log_steps == 0 or step == job.total_steps:
                 metrics.log(step, **row)
-            if job.validation is not None and out.eval_steps and step % out.eval_steps == 0:
-                metrics.log(step, eval_loss=validation_loss(job.model, job.method, job.validation, job.device, lambda: autocast(job)))
+            if job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps:  # the last: below
+                with activity(f"validation at step {step}"):
+                    metrics.log(step, **validation_metrics(job.model, job.method, job.validation, job.device, lambda: autocast(job)))
             if on_step is not None:
                 on_step(step, job.total_steps, row)
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
-                save_checkpoint(job, run_dir, step, state)
+                with activity(f"saving the checkpoint of step {step}"):
+                    save_checkpoint(job, run_dir, step, state)
             if _injected_stop(step):
                 stop.signum = signal.SIGTERM
-            if job.runtime.any(bool(stop.signum)):  # every rank stops after the same step
+            with activity(f"agreeing after step {step} whether to stop"):
+                stopping = job.runtime.any(bool(stop.signum))
+            if stopping:  # every rank stops after the same step
                 path = save_checkpoint(job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name})
                 metrics.close()
                 signum = stop.signum or signal.SIGTERM
                 raise Stopped(f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", signum)
     result = {"steps": job.total_steps, "final_loss": last.get("loss"), "seconds": state["seconds"], "tokens": state["tokens"]}
     if job.validation is not None:
-        result["final_eval_loss"] = validation_loss(job.model, job.method, job.validation, job.device, lambda: autocast(job))
-        metrics.log(job.total_steps, eval_loss=result["final_eval_loss"])
+        final = validation_metrics(job.model, job.method, job.validation, job.device, lambda: autocast(job))
+        result["final_eval_loss"] = final["eval_loss"]
+        result.update({f"final_{k}": v for k, v in final.items() if k != "eval_loss"})
+        metrics.log(job.total_steps, **final)
     metrics.close()
     return result
 
@@ -223,7 +225,8 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
 def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final (rank 0 writes)."""
     final = run_dir / "final"
-    state = fsdp.full_state_dict(job.model, trainable_only=False) if fsdp.is_sharded(job.model) else None  # a collective
+    with activity("gathering the final weights"):
+        state = job.engine.full_state_dict(trainable_only=job.plan.adapter != "full")  # a collective where sharded
     if job.runtime.is_main:
         job.inner.save_pretrained(str(final), **({"state_dict": state} if state is not None else {}))
         tokenizer.save_pretrained(str(final))
@@ -232,12 +235,16 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
 
 
 def _injected_failure(rank: int, step: int) -> None:
-    """Fault injection for tests of failure handling: FT_TEST_FAIL=RANK:STEP makes that rank raise at that step."""
+    """Fault injection for tests of failure handling: FT_TEST_FAIL=RANK:STEP makes that rank raise at that step,
+    FT_TEST_HANG=RANK:STEP:SECONDS makes it sleep there (its peers' collectives time out)."""
     import os
 
     spec = os.environ.get("FT_TEST_FAIL")
     if spec and spec == f"{rank}:{step}":
         raise RuntimeError(f"injected failure on rank {rank} at step {step} (FT_TEST_FAIL)")
+    hang = os.environ.get("FT_TEST_HANG", "").split(":")  # RANK:STEP:SECONDS: that rank stops responding for a while
+    if len(hang) == 3 and hang[:2] == [str(rank), str(step)]:
+        time.sleep(float(hang[2]))
 
 
 def _injected_stop(step: int) -> bool:

@@ -105,7 +105,7 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     from finetune.plan import plan as make_plan
 
     from finetune import checkpoint
-    from finetune.distributed.runtime import launched
+    from finetune.distributed.runtime import launched, needs_launcher
 
     role = role or NodeRole()
     config = load(config_path, overrides)
@@ -130,7 +130,7 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
     if role.node_rank == 0:
         _write_run_folder(run_dir, config, job_plan, prepared)
-    if job_plan.world_size > 1:
+    if needs_launcher(job_plan.backend, job_plan.world_size):
         return _launch(config_path, overrides, hardware, job_plan, resume_from is not None, role)
     return _train(config, job_plan, prepared, run_dir, resume_from)
 
@@ -231,22 +231,34 @@ def _write_run_folder(run_dir, config, job_plan, prepared) -> None:
     from finetune.runlog import atomic_write_text, environment_snapshot, redact
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False))
+    # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every derived value.
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact(config.model_dump(mode="json", exclude_unset=True)), sort_keys=False))
     atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
     atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
     atomic_write_text(run_dir / "data.json", json.dumps({"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2))
     atomic_write_text(run_dir / "launch.txt", " ".join(job_plan.launch) + "\n")
+    if job_plan.backend == "deepspeed":  # what the ranks pass to deepspeed.initialize, for the record and for re-use
+        from finetune.distributed import deepspeed
+
+        atomic_write_text(run_dir / deepspeed.FILE, json.dumps(deepspeed.config_for(job_plan, config.train, config.distributed), indent=2))
 
 
 def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
-    import json
-
     from rich.console import Console
+
+    from finetune.distributed.runtime import explained_failures
+
+    console = Console(stderr=True, highlight=False)
+    with explained_failures(config.distributed.timeout_minutes):
+        return _train_explained(config, job_plan, prepared, run_dir, resume_from, console)
+
+
+def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) -> dict:
+    import json
 
     from finetune import train
     from finetune.runlog import atomic_write_text, model_card, plot_losses, redact
 
-    console = Console(stderr=True, highlight=False)
     job = train.setup(config, job_plan, prepared)
     main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)
@@ -256,6 +268,7 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
             on_step(step, total, row)
             if step % config.output.log_steps == 0:
                 trackers.log(step, {k: v for k, v in row.items() if isinstance(v, (int, float))})
+            _periodic_eval(config, job, prepared.tokenizer, run_dir, trackers, step, total)
 
         try:
             result = train.run(job, run_dir, resume_from, on_step=step_hook)
@@ -264,9 +277,9 @@ def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
             raise
     trackers.close()
     final = train.save_final(job, run_dir, prepared.tokenizer)
+    after = _task_eval(config, job, prepared.tokenizer)  # before the return of other ranks: a sharded model generates on all
     if not main:
         return result
-    after = _task_eval(config, job, prepared.tokenizer)
     result.update({"task_before": before, "task_after": after, "final": str(final), "artifact": "model" if job_plan.adapter == "full" else "adapter"})
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
     card = {"config": redact(config.model_dump(mode="json")), "plan": job_plan.to_json(), "data": prepared.summary, "metrics": result,
@@ -288,14 +301,27 @@ def _trackers(config, run_dir, rank: int = 0):
 def _task_eval(config, job, tokenizer):
     if config.evaluation is None:
         return None
-    from finetune.evaluate import read_tasks, task_accuracy
+    from finetune.evaluate import task_score
+    from finetune.infer.prompts import template_for
 
     e = config.evaluation
-    from finetune.distributed import fsdp
-
-    if not job.runtime.is_main and not fsdp.is_sharded(job.model):
+    if not job.runtime.is_main and not job.engine.gathers_parameters:
         return None  # a sharded model generates on every rank (its forward needs them all); others: rank 0 alone
-    return task_accuracy(job.inner, tokenizer, read_tasks(e.path, e.samples), e.metric, e.max_new_tokens, job.device)
+    return task_score(job.inner, tokenizer, template_for(tokenizer, config.data.template), e, job.device)
+
+
+def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:
+    """evaluation.every_steps: the task metric during training, into metrics.jsonl and the trackers."""
+    every = config.evaluation.every_steps if config.evaluation is not None else 0
+    if not every or step % every or step >= total:
+        return
+    from finetune.runlog import MetricsWriter
+
+    score = _task_eval(config, job, tokenizer)
+    if score is not None and job.runtime.is_main:
+        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+            metrics.log(step, **{f"eval_{config.evaluation.metric}": score})
+        trackers.log(step, {f"eval_{config.evaluation.metric}": score})
 
 
 @contextlib.contextmanager

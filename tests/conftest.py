@@ -46,3 +46,31 @@ def write_yaml(tmp_path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def one_process(tmp_path_factory):
+    """The run multi-process tests compare with (tests/test_distributed.py `job`): full fine-tuning in one
+    process, 6 steps, a checkpoint at step 3 (saving changes nothing in the trajectory)."""
+    from tests.test_distributed import ft_train, job
+
+    tmp = tmp_path_factory.mktemp("reference")
+    r = ft_train(job(tmp, "one"), "--hardware", "cpu", "--set", "output.save_steps=3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "one"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped where no CUDA GPU is present (CI, this project's CPU machines)."""
+    import importlib.util
+
+    has_gpu = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)

@@ -51,15 +51,13 @@ def losses(run_dir) -> list[float]:
     return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_path):
-    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_path, one_process):
     two = ft_train(job(tmp_path, "two"), "--hardware", "cpu:2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert "torch.distributed.run" in two.stderr and "--nproc-per-node=2" in two.stderr
-    p1, p2 = (json.loads((tmp_path / n / "plan.json").read_text()) for n in ("one", "two"))
+    p1, p2 = (json.loads((run / "plan.json").read_text()) for run in (one_process, tmp_path / "two"))
     assert (p1["backend"], p1["gradient_accumulation_steps"], p2["backend"], p2["world_size"], p2["gradient_accumulation_steps"]) == ("single", 2, "ddp", 2, 1)
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    a, b = losses(one_process), losses(tmp_path / "two")
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
@@ -109,9 +107,7 @@ def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
     assert "HF_TOKEN=" not in text
 
 
-def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path):
-    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process):
     fsdp = job(tmp_path, "fsdp")
     sharded = ["--hardware", "cpu:2", "--set", "distributed.backend=fsdp", "--set", "distributed.sharding=full_shard", "--set", "output.save_steps=3"]
     stopped = ft_train(fsdp, *sharded, env={"FT_TEST_STOP_AT": "4"})
@@ -123,13 +119,19 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     plan = json.loads((tmp_path / "fsdp" / "plan.json").read_text())
     assert (plan["backend"], plan["sharding"], plan["world_size"]) == ("fsdp", "full_shard", 2)
-    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
     from transformers import AutoModelForCausalLM
 
-    a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "one" / "final"))
+    a = AutoModelForCausalLM.from_pretrained(str(one_process / "final"))
     b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp" / "final"))  # gathered from the shards
 
     assert max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters())) < 1e-4
+    from finetune.consolidate import consolidate
+
+    c1 = AutoModelForCausalLM.from_pretrained(str(consolidate(one_process, step=3, out=tmp_path / "c1")))
+    c2 = AutoModelForCausalLM.from_pretrained(str(consolidate(tmp_path / "fsdp", step=3)))  # DCP shards of 2 ranks, read by one process
+    assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), c2.parameters())) < 1e-4
+    assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
 
 
 def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
@@ -148,3 +150,21 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
         assert a[k].shape == b[k].shape and a[k].numel() > 0  # not the empty or mis-shaped tensors of a bad sharded save
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
     assert any(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k)
+
+
+def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_activity(tmp_path):
+    start = time.time()
+    r = ft_train(job(tmp_path, "hang", steps=20), "--hardware", "cpu:2", "--set", "distributed.timeout_minutes=0.1",
+                 env={"FT_TEST_HANG": "1:3:9"}, timeout=240)
+    out = " ".join((r.stderr + r.stdout).split())  # messages are wrapped to the terminal's width
+    assert r.returncode != 0, out[-3000:]
+    assert "rank 0 waited 0.1 min for the other ranks during step 3 of 20: summing the step's trained tokens over ranks" in out, out[-3000:]
+    assert time.time() - start < 90  # the timeout ended it, not the test's own limit
+
+
+def test_fsdp_on_one_process_runs_under_torchrun_and_matches_a_plain_process(tmp_path, one_process):
+    """What the planner picks for one GPU that only fits with FSDP offload: FSDP2 needs a process group even of one."""
+    fsdp = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu", "--set", "distributed.backend=fsdp")
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert "--nproc-per-node=1" in fsdp.stderr
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)

@@ -36,6 +36,8 @@ CASES = [
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="shard_grad_op")),
     ("meta-llama/Llama-3.1-8B", "8xA100-40GB", ["adapter.type=full", "data.seq_len=4096", "train.global_batch_size=64"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="none")),
     ("meta-llama/Llama-3.1-8B", "2xA100-40GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="all")),
+    # across nodes the communication estimate picks the sharding: hybrid_shard keeps all-gathers inside each node
+    ("meta-llama/Llama-3.1-8B", "2x8xH100-80GB", ["adapter.type=full"], dict(backend="fsdp", sharding="hybrid_shard", nodes=2)),
     # explicit choices are kept
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero1")),
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full", "distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero2")),
@@ -179,3 +181,10 @@ def test_communication_estimate_by_backend():
     p = make(["adapter.type=full"], hardware="2x8xH100-80GB")
     j = p.to_json()["communication"]
     assert j["seconds_per_step_estimate"] > 0 and j["per_rank_gib_per_step"]
+
+
+def test_across_nodes_the_chosen_sharding_has_the_least_estimated_communication():
+    chosen = make(["adapter.type=full"], model="meta-llama/Llama-3.1-8B", hardware="2x8xH100-80GB")
+    for sharding in ("shard_grad_op", "full_shard"):
+        other = make(["adapter.type=full", "distributed.backend=fsdp", f"distributed.sharding={sharding}"], model="meta-llama/Llama-3.1-8B", hardware="2x8xH100-80GB")
+        assert chosen.communication_seconds < other.communication_seconds, sharding

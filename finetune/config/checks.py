@@ -131,7 +131,7 @@ def deepspeed_config_needs_deepspeed(c: Config) -> list[Problem]:
 _FORMATS = {
     "sft": {"chat", "instruction", "completion", "prompt_completion"},
     "dpo": {"preference"},
-    "grpo": {"prompt_only", "chat", "instruction", "prompt_completion"},
+    "grpo": {"prompt_only"},
 }
 
 
@@ -197,3 +197,26 @@ def precision_vs_compute_dtype(c: Config) -> list[Problem]:
         return []
     return [Problem((("quantization", "compute_dtype"), ("train", "precision")), f"computing in {q} while training in {p} mixes two half-precision formats", f"set quantization.compute_dtype: {p} (or auto)")]
 
+
+
+@rule("evaluation")
+def evaluation_metric_options(c: Config) -> list[Problem]:
+    e = c.evaluation
+    if e is None:
+        return []
+    out = []
+    for key, metric in (("pattern", "regex"), ("function", "function")):
+        keys = (("evaluation", key), ("evaluation", "metric"))
+        if e.metric == metric and getattr(e, key) is None:
+            example = "'####\\s*(-?\\d+)'" if key == "pattern" else "my_metrics.py:score"
+            out.append(Problem(keys, f"metric {metric} needs evaluation.{key}", f"set evaluation.{key}, e.g. {example}"))
+        elif e.metric != metric and getattr(e, key) is not None:
+            out.append(Problem(keys, f"evaluation.{key} is used by metric {metric} only, so it has no effect with {e.metric}", f"remove evaluation.{key}, or set evaluation.metric: {metric}"))
+    if e.pattern is not None:
+        import re
+
+        try:
+            re.compile(e.pattern)
+        except re.error as err:
+            out.append(Problem((("evaluation", "pattern"),), f"not a regular expression ({err})", "correct the pattern (Python re syntax); in YAML, single quotes keep backslashes as written"))
+    return out

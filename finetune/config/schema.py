@@ -246,7 +246,7 @@ class DistributedSection(Section):
     """Nodes to use; `auto`: all the hardware has."""
     processes_per_node: Union[Auto, PositiveInt] = AUTO
     """Processes per node; `auto`: one per GPU (one on a CPU-only machine)."""
-    timeout_minutes: PositiveInt = 30
+    timeout_minutes: Annotated[float, Field(gt=0)] = 30
     """Time a collective may wait before the job fails with a message naming the rank."""
     deepspeed_config: str | None = None
     """Your own DeepSpeed JSON file, used as is instead of the one ft writes."""
@@ -276,16 +276,22 @@ class OutputSection(Section):
 
 # ---------------------------------------------------------------- evaluation
 class EvaluationSection(Section):
-    """A task metric measured by generating answers, before training and at the end."""
+    """A task metric measured by generating answers: before training, every `every_steps` steps, and at the end. `ft eval RUN` measures it again."""
 
     path: str
-    """Chat-format prompt/answer file: the last assistant message of each record is the reference answer."""
-    metric: Literal["exact_match", "contains"] = "exact_match"
-    """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it."""
+    """Prompt/answer file (.jsonl, .json, .csv, .parquet): a conversation's last assistant message is its reference answer, else an `answer` column."""
+    metric: Literal["exact_match", "contains", "regex", "function"] = "exact_match"
+    """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it; `regex`: what `pattern` extracts from the answer equals the reference; `function`: the mean of your `function`'s scores."""
+    pattern: str | None = None
+    """For metric regex: the pattern that extracts the answer (its first group when it has groups, else the whole match), e.g. '####\\s*(-?\\d+)'. A reference it matches is extracted the same way."""
+    function: str | None = None
+    """For metric function: `module:function` or `path/to/file.py:function`, called as fn(completions, **columns) with each input column as a list (and `reference`), returning one number per completion."""
     max_new_tokens: PositiveInt = 32
     """Longest answer generated (greedy decoding)."""
     samples: PositiveInt | None = None
     """Evaluate on the first N records (unset: all)."""
+    every_steps: NonNegInt = 0
+    """Also evaluate every N optimiser steps during training, logged to metrics.jsonl as eval_METRIC (0: only before training and at the end)."""
 
 
 # ---------------------------------------------------------------- the job

@@ -40,12 +40,9 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     from datasets import disable_progress_bars, load_from_disk
 
     from finetune.data.cache import DataCache, fingerprint
-    from finetune.models import add_special_tokens, load_tokenizer
 
     disable_progress_bars()
-    tokenizer = load_tokenizer(config.model)
-    jinja, template_tokens = _template(config, tokenizer)
-    added = add_special_tokens(tokenizer, [*config.data.add_special_tokens, *template_tokens])
+    tokenizer, jinja, added = training_tokenizer(config)
     key = fingerprint(fingerprint_parts(config, tokenizer, jinja))
     cache = DataCache(config.data.cache_dir)
     with cache.lock(key):
@@ -61,6 +58,16 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     summary = json.loads((root / "summary.json").read_text())
     validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
     return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, built)
+
+
+def training_tokenizer(config: Config):
+    """The tokenizer training uses (with the tokens the config and the template add), the template, and the added tokens."""
+    from finetune.models import add_special_tokens, load_tokenizer
+
+    tokenizer = load_tokenizer(config.model)
+    jinja, template_tokens = _template(config, tokenizer)
+    added = add_special_tokens(tokenizer, [*config.data.add_special_tokens, *template_tokens])
+    return tokenizer, jinja, added
 
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:

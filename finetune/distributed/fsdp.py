@@ -39,20 +39,51 @@ def wrap(model, precision: str, sharding: str, nodes: int, per_node: int, device
     reshard = sharding != "shard_grad_op"
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard, **kwargs)
+    fully_shard(runner(model), reshard_after_forward=reshard, **kwargs)
     return model
+
+
+def runner(model):
+    """The module whose forward both training and generate() go through, made FSDP's root: the transformers
+    model itself (under a peft wrapper, whose generate() bypasses the wrapper's own forward)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def root(model):
+    """The outermost FSDP unit, or None for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
 def accumulating(model, last: bool):
     """Reduce-scatter gradients only after the last micro-batch of a step."""
-    if not hasattr(model, "set_requires_gradient_sync"):
-        return contextlib.nullcontext()
-    model.set_requires_gradient_sync(last)
+    unit = root(model)
+    if unit is not None:
+        unit.set_requires_gradient_sync(last)
     return contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def unsharded(model, reshard_after_forward: bool):
+    """Every FSDP unit all-gathered once and kept whole until the block ends (no collectives inside it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+
 def is_sharded(model) -> bool:
-    return hasattr(model, "set_requires_gradient_sync")
+    return root(model) is not None
 
 
 def full_state_dict(model, trainable_only: bool) -> dict:

@@ -2,15 +2,44 @@
 
 A single-process job gets a `Runtime` with world size 1 whose operations do nothing, so the training
 loop calls the same functions whatever the backend.
+
+Every collective has the job's timeout (distributed.timeout_minutes). Each rank records what it is
+doing (`activity`); a collective that times out, or whose peer went away, becomes an error that names
+this rank, the collective, and that activity, instead of a hang or a bare backend message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
+
+from finetune.errors import FtError
+
+_doing = ["setting up"]
+_failed_during: list[str] = []  # what the rank was doing when an error first left an activity
+
+
+@contextlib.contextmanager
+def activity(what: str):
+    """Record what this rank is doing, for the message of a collective that fails during it."""
+    _doing.append(what)
+    try:
+        yield
+    except BaseException:
+        if not _failed_during:
+            _failed_during.append(doing())
+        raise
+    finally:
+        _doing.pop()
+
+
+def doing() -> str:
+    """What this rank is doing, outermost first (e.g. "step 12 of 100: forward/backward of micro-batch 2 of 4")."""
+    return ": ".join(_doing[1:]) or _doing[0]
 
 
 @dataclass(frozen=True)
@@ -31,6 +60,14 @@ class Runtime:
         torch.distributed.all_reduce(t)
         return float(t.item())
 
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value averaged over ranks (every rank reports the same keys), in one collective."""
+        if self.world_size == 1 or not values:
+            return dict(values)
+        t = torch.tensor(list(values.values()), dtype=torch.float64)
+        torch.distributed.all_reduce(t)
+        return {k: float(v) / self.world_size for k, v in zip(values, t.tolist())}
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on one (e.g. a stop signal received by one rank)."""
         return self.sum(1.0 if flag else 0.0) > 0
@@ -45,9 +82,10 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def start(timeout_minutes: int) -> Runtime:
-    """Join the process group torchrun set up (gloo on CPU, nccl on GPUs); a single process gets a no-op Runtime."""
-    if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
+def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
+    """Join the process group torchrun set up (gloo on CPU, nccl on GPUs). A single process gets a no-op Runtime,
+    with a process group of one where the backend needs one (FSDP2, DeepSpeed)."""
+    if not launched() or (int(os.environ["WORLD_SIZE"]) == 1 and not needs_group):
         return Runtime()
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -55,9 +93,39 @@ def start(timeout_minutes: int) -> Runtime:
         torch.cuda.set_device(local)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # NCCL: a timed-out collective fails instead of hanging
     return Runtime(rank, local, world)
 
 
+def needs_launcher(backend: str, world_size: int) -> bool:
+    """Started through torchrun: several ranks, or a backend that needs a process group even for one."""
+    return world_size > 1 or backend in ("fsdp", "deepspeed")
+
+
 def stop(runtime: Runtime) -> None:
-    if runtime.world_size > 1 and torch.distributed.is_initialized():
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+_TIMEOUT = ("timed out", "timeout", "deadline")
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused", "peer")
+
+
+@contextlib.contextmanager
+def explained_failures(timeout_minutes: float):
+    """Turn a failed collective into an FtError naming this rank, the collective's timeout and what the rank was doing."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.distributed's backend errors are RuntimeErrors
+        text = str(e).lower()
+        if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            raise
+        rank, during = torch.distributed.get_rank(), (_failed_during or [doing()])[0]
+        if any(k in text for k in _TIMEOUT):
+            raise FtError(f"rank {rank} waited {timeout_minutes:g} min for the other ranks during {during} and gave up: another rank is "
+                          "stuck or died (its output above says which), or a step takes longer than distributed.timeout_minutes; "
+                          f"raise it if the job is only slow. ({str(e).strip().splitlines()[0][:200]})") from None
+        if any(k in text for k in _PEER_GONE):
+            raise FtError(f"rank {rank} lost its connection to another rank during {during}: that rank exited or crashed "
+                          f"(its error is above). ({str(e).strip().splitlines()[0][:200]})") from None
+        raise

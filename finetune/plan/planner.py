@@ -1,9 +1,10 @@
 """plan(config, hardware, model) -> Plan: a pure function; every `auto` becomes a Decision with a reason.
 
 Order of choices: topology (nodes, processes) -> precision -> global batch -> the first setup that fits,
-searching adapter/quantization (least compromise first: LoRA before QLoRA), then backend/sharding/offload
-(least communication first: DDP, FSDP shard_grad_op, hybrid, full shard, then host offload), then
-gradient checkpointing (only when needed) and the largest micro-batch that divides the per-rank batch.
+searching adapter/quantization (least compromise first: LoRA before QLoRA; host offload only when nothing
+else fits), then gradient checkpointing (only when needed) and the largest micro-batch that divides the
+per-rank batch, then the backend: DDP where a replica fits, else the sharding with the least estimated
+communication per step (plan/comm.py; across nodes, hybrid_shard keeps the all-gathers inside nodes).
 Explicit choices are kept and checked. When nothing fits, PlanError gives the estimate and the
 concrete changes that would fit (see `finetune.plan.advice`).
 """
@@ -78,8 +79,7 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
     attn = choose_attention(config, hardware, decisions)
     c = fit.candidate
     accumulation = batch // topo.world // fit.micro_batch_size
-    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
-    traffic = step_traffic(c.backend, c.sharding, topo.nodes, topo.processes_per_node, fit.estimate.trainable_params, model.num_params, stored, accumulation)
+    traffic = _traffic(fit, topo, model, precision, batch)
     return Plan(
         model=model.name, hardware=hardware.describe(), device="CPU process" if hardware.is_cpu else "GPU", method=config.method.name, precision=precision,
         adapter=c.adapter, quantization=c.quantization, backend=c.backend, sharding=c.sharding, offload=c.offload,
@@ -88,7 +88,7 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
         processes_per_node=topo.processes_per_node, global_batch_size=batch, seq_len=config.data.seq_len, lr=lr,
         attn_implementation=attn, estimate=fit.estimate, device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware), decisions=tuple(decisions),
-        launch=tuple(launch_command(config_path, topo.nodes, topo.processes_per_node, hardware.launch.master_addr)),
+        launch=tuple(launch_command(config_path, topo.nodes, topo.processes_per_node, hardware.launch.master_addr, backend=c.backend)),
         communication=traffic, communication_seconds=seconds(traffic, topo.nodes, c.sharding),
     )
 
@@ -148,12 +148,24 @@ def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> 
 
 # ---------------------------------------------------------------- the search
 def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Fit | None:
-    """The first candidate (in preference order) with a micro-batch and checkpointing setting that fit."""
-    for cand in candidates(config, hw, topo):
-        fit = fit_candidate(config, hw, m, topo, precision, batch, cand)
-        if fit is not None:
-            return fit
+    """In the most preferred group of candidates (same adapter and quantization, with or without host offload)
+    where something fits: DDP before sharding, then the least estimated communication per step (ties: the
+    order of `candidates`). Each candidate's own fit already avoids checkpointing where it can."""
+    from itertools import groupby
+
+    backends = {"single": 0, "ddp": 0}
+    for _, group in groupby(candidates(config, hw, topo), key=lambda c: (c.offload != "none", c.adapter, c.quantization)):
+        fits = [f for f in (fit_candidate(config, hw, m, topo, precision, batch, c) for c in group) if f is not None]
+        if fits:
+            return min(fits, key=lambda f: (backends.get(f.candidate.backend, 1), seconds(_traffic(f, topo, m, precision, batch), topo.nodes, f.candidate.sharding)))
     return None
+
+
+def _traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int) -> dict[str, float]:
+    c = fit.candidate
+    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
+    accumulation = batch // topo.world // fit.micro_batch_size
+    return step_traffic(c.backend, c.sharding, topo.nodes, topo.processes_per_node, fit.estimate.trainable_params, m.num_params, stored, accumulation)
 
 
 def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
@@ -288,8 +300,8 @@ def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, out: list[
     out.append(_choice("micro_batch_size", fit.micro_batch_size, t.micro_batch_size, f"largest divisor of the {per_rank} sequences per rank that fits ({gib})"))
     out.append(Decision("gradient_accumulation_steps", per_rank // fit.micro_batch_size, f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × {topo.world} ranks"))
     out.append(_choice("gradient_checkpointing", fit.checkpointing, t.gradient_checkpointing, "on: without it even micro-batch 1 does not fit (costs ~30% more compute)" if fit.checkpointing else "off: activations fit without recomputation"))
-    if c.quantization == "nf4" and c.backend == "fsdp":
-        out.append(Decision("quant_storage", "bf16", "FSDP shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container (FSDP-QLoRA)"))
+    if c.quantization == "nf4" and (c.backend == "fsdp" or c.sharding == "zero3"):
+        out.append(Decision("quant_storage", "bf16", f"{'FSDP' if c.backend == 'fsdp' else 'ZeRO-3'} shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container"))
 
 
 def _choice(field: str, value, asked, reason: str) -> Decision:

@@ -1,0 +1,112 @@
+"""`ft consolidate RUN`: what RUN/final would hold, written from a checkpoint, in one process, no GPU needed.
+
+The model is built as the run built it (from RUN/config.yaml and RUN/plan.json; a quantized base is
+loaded unquantized, which leaves the adapter's shapes unchanged), the checkpoint's trained tensors are
+loaded into it — a single-copy checkpoint, FSDP's DCP shards or DeepSpeed ZeRO partitions, written by
+any number of ranks — and the adapter (peft format) or the whole model (safetensors) is saved with the
+tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+from finetune import checkpoint
+from finetune.errors import FtError
+
+
+def consolidate(run_dir: str | Path, step: int | None = None, out: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write the consolidated adapter or model of checkpoint `step` (default: the newest); return its folder."""
+    import torch
+
+    run_dir = Path(run_dir)
+    ckpt = _checkpoint(run_dir, step)
+    out = Path(out) if out is not None else run_dir / "consolidated" / ckpt.name
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FtError(f"--out {out} is not empty; choose another folder or pass --overwrite")
+    config, plan = _run(run_dir)
+    model, tokenizer = _model(config, plan)
+    trained = trained_tensors(ckpt, model)
+    params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
+    covered = {id(params[n]) for n in trained if n in params}
+    missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered)[:3]
+    extra = sorted(n for n in trained if n not in params or not params[n].requires_grad)[:3]
+    if missing or extra:
+        raise FtError(f"checkpoint {ckpt} does not match the model of {run_dir / 'config.yaml'} (missing {missing}, unexpected {extra}); was the run folder's config edited?")
+    with torch.no_grad():
+        for name, value in trained.items():
+            params[name].copy_(value)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "consolidated.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": _format(ckpt)}, indent=2))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def _checkpoint(run_dir: Path, step: int | None) -> Path:
+    if not (run_dir / "plan.json").is_file():
+        raise FtError(f"{run_dir} is not an ft run folder (no plan.json); give the output.dir of a run")
+    if step is None:
+        found = checkpoint.latest(run_dir)
+        if found is None:
+            raise FtError(f"{run_dir} has no complete checkpoint (checkpoints/step-*/state.json); its final weights, if training finished, are in {run_dir / 'final'}")
+        return found
+    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    if not (path / "state.json").is_file():
+        have = ", ".join(str(int(p.name.split("-")[1])) for p in checkpoint.checkpoints(run_dir)) or "none"
+        raise FtError(f"--step {step}: {run_dir} has no complete checkpoint at that step (complete: {have})")
+    return path
+
+
+def _run(run_dir: Path):
+    from finetune.config import load
+    from finetune.plan.plan import Decision
+
+    config = load(run_dir / "config.yaml")
+    p = json.loads((run_dir / "plan.json").read_text())
+    decisions = tuple(Decision(d["field"], d["value"], d["reason"], d["source"]) for d in p["decisions"])
+    plan = SimpleNamespace(adapter=p["adapter"], quantization="none", precision="fp32", backend="single", gradient_checkpointing=False,
+                           attn_implementation="sdpa", decisions=decisions)
+    return config, plan
+
+
+def _model(config, plan):
+    from finetune.adapters import apply_adapter
+    from finetune.data.preprocess import training_tokenizer
+    from finetune.models import load_model
+
+    tokenizer, _, _ = training_tokenizer(config)
+    model = apply_adapter(load_model(config.model, plan, tokenizer, "sdpa"), config.adapter, plan)
+    return model, tokenizer
+
+
+def _format(ckpt: Path) -> str:
+    return "dcp" if (ckpt / "dcp").is_dir() else "deepspeed" if (ckpt / "deepspeed").is_dir() else "single"
+
+
+def trained_tensors(ckpt: Path, model) -> dict:
+    """The checkpoint's trained parameters as full CPU tensors, by the names of `model`'s parameters."""
+    from safetensors.torch import load_file
+
+    kind = _format(ckpt)
+    if kind == "single":
+        return load_file(str(ckpt / "trainable.safetensors"))
+    if kind == "deepspeed":
+        from finetune.distributed.deepspeed import consolidated_trainable
+
+        return consolidated_trainable(ckpt)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
+    dcp.load(state, checkpoint_id=str(ckpt / "dcp"))  # one process reads every rank's shards into whole tensors
+    return state["model"]

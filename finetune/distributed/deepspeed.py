@@ -1,0 +1,165 @@
+"""DeepSpeed ZeRO: the JSON ft writes from the plan, and the engine the training loop drives.
+
+ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also parameters (gathered layer by layer
+in forward and backward). Offload moves optimizer states (and with ZeRO-3 `all`, parameters) to host
+RAM, where DeepSpeed's CPU Adam updates them. ft keeps its own loss normalisation and schedule:
+gradient accumulation is unmanaged (one `step()` per optimizer step) and the loss is not rescaled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from finetune.errors import FtError
+
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+FILE = "deepspeed.json"
+_AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def config_for(plan, train, distributed) -> dict:
+    """The DeepSpeed configuration of a planned job; the user's own file (distributed.deepspeed_config) is used
+    as written, except that "auto" values are filled from the plan."""
+    ours = _from_plan(plan, train)
+    if distributed.deepspeed_config is None:
+        return ours
+    path = Path(distributed.deepspeed_config).expanduser()
+    try:
+        theirs = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FtError(f"distributed.deepspeed_config: {path} does not exist; give the path of a DeepSpeed JSON file, or remove the key to let ft write one") from None
+    except json.JSONDecodeError as e:
+        raise FtError(f"distributed.deepspeed_config: {path} line {e.lineno}: not valid JSON ({e.msg})") from None
+    for key in _AUTO_KEYS:
+        if theirs.get(key) == "auto":
+            theirs[key] = ours[key]
+    for key in ("bf16", "fp16"):
+        if isinstance(theirs.get(key), dict) and theirs[key].get("enabled") == "auto":
+            theirs[key]["enabled"] = ours[key]["enabled"]
+    theirs["managed_gradient_accumulation"] = False  # ft's loop owns accumulation (see module docstring)
+    return theirs
+
+
+def _from_plan(plan, train) -> dict:
+    stage = STAGES[plan.sharding]
+    zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": plan.device == "GPU"}
+    if plan.offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if plan.offload == "all" and stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_batch_size": plan.global_batch_size,
+        "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "managed_gradient_accumulation": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def stage_of(config: dict) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_optimizer(config: dict) -> bool:
+    return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
+
+def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
+    """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule."""
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise FtError(f"distributed.backend: deepspeed is not installed ({e}); install it with: DS_BUILD_OPS=0 pip install 'finetune[deepspeed]', or choose backend fsdp") from None
+    from finetune.optim import build_optimizer, build_scheduler, param_groups
+
+    config = config_for(plan, train, distributed)
+    if offloads_optimizer(config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(param_groups(model, train.weight_decay), lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
+    else:
+        optimizer = build_optimizer(model, train, plan.lr)
+    scheduler = build_scheduler(optimizer, train, total_steps)  # ft steps it; DeepSpeed's wrapper shares its param groups
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return ZeroEngine(engine, scheduler, stage_of(config))
+
+
+class ZeroEngine:
+    """The training loop's view of a DeepSpeed engine (see finetune/distributed/engine.py)."""
+
+    sharded = True
+
+    def __init__(self, engine, scheduler, stage: int):
+        self.model, self.scheduler, self.stage = engine, scheduler, stage
+        self.optimizer = engine.optimizer
+        self.gathers_parameters = stage == 3
+
+    @property
+    def inner(self):
+        return self.model.module
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()  # ZeRO reduces in step() (unmanaged accumulation)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised over the step
+
+    def step(self) -> float:
+        self.model.step()
+        self.scheduler.step()
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def generation(self):
+        """ZeRO-3: all parameters gathered for the length of a generate() call (ranks sample different lengths)."""
+        if self.stage < 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.inner.parameters()), modifier_rank=None)
+
+    def save_shards(self, path: Path) -> None:
+        """Every rank writes its partition of the trained parameters and optimizer states (frozen weights are not saved)."""
+        self.model.save_checkpoint(str(path / "deepspeed"), tag="zero", client_state={}, save_latest=False, exclude_frozen_parameters=True)
+
+    def load_shards(self, path: Path) -> None:
+        loaded, _ = self.model.load_checkpoint(str(path / "deepspeed"), tag="zero", load_module_strict=False,
+                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        if loaded is None:
+            raise FtError(f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}; resume with the same config and world size, or start a new output.dir")
+
+    def full_state_dict(self, trainable_only: bool) -> dict | None:
+        """ZeRO-3: every parameter gathered in turn (a collective), copied to CPU on rank 0; ZeRO-1/2: None (whole on every rank)."""
+        if self.stage < 3:
+            return None
+        import deepspeed
+
+        rank0 = torch.distributed.get_rank() == 0
+        out = {}
+        for name, tensor in self.inner.state_dict(keep_vars=True).items():
+            if trainable_only and not tensor.requires_grad:
+                continue
+            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None) if hasattr(tensor, "ds_id") else contextlib.nullcontext():
+                if rank0:
+                    out[name] = tensor.detach().cpu().clone()
+        return out if rank0 else {}
+
+
+def consolidated_trainable(checkpoint: Path) -> dict:
+    """The trained parameters of a ZeRO checkpoint as one fp32 state dict (one process, no GPU needed)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "deepspeed"), tag="zero", exclude_frozen_parameters=True)
