@@ -11,15 +11,11 @@ two processes share the cores that one process had, so compare the ratios, not t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import REPO, train_metrics
 
 
 def run(tmp: Path, name: str, hardware: str, backend: str, steps: int, sharding: str = "auto") -> float:
@@ -35,11 +31,7 @@ train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.
 distributed: {{backend: {backend}, sharding: {sharding}}}
 output: {{dir: {tmp / name}, log_steps: 1, save_steps: 0}}
 """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "finetune", "train", str(config), "--hardware", hardware], capture_output=True, text=True, env=env, cwd=REPO)
-    if r.returncode:
-        raise SystemExit(r.stderr[-3000:])
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows = train_metrics(config, hardware, tmp / name)
     return statistics.median(r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 2)
 
 

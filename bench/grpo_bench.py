@@ -11,15 +11,11 @@ over ranks. On a 2-core machine two processes share the cores one process had: c
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from common import train_metrics
 
 
 def run(tmp: Path, name: str, hardware: str, args) -> dict:
@@ -35,11 +31,7 @@ adapter: {{type: lora, r: 16, alpha: 32}}
 train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {args.steps}, lr: 1.0e-4}}
 output: {{dir: {tmp / name}, log_steps: 1, save_steps: 0}}
 """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "finetune", "train", str(config), "--hardware", hardware], capture_output=True, text=True, env=env, cwd=REPO)
-    if r.returncode:
-        raise SystemExit(r.stderr[-3000:])
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows = train_metrics(config, hardware, tmp / name)
     rows = [x for x in rows if "rollout_s" in x and x["step"] > 2]
     times = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
     ranks = 2 if hardware.endswith(":2") else 1
