@@ -127,3 +127,24 @@ def test_zero2_matches_one_process(tmp_path, one_process):
     two = ft_train(job(tmp_path, "zero2"), *ZERO, "--set", "distributed.sharding=zero2", timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert losses(tmp_path / "zero2") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
+
+
+def test_grpo_generates_and_trains_under_zero3_with_a_lora_adapter_and_kl(tmp_path):
+    """Sampling needs whole parameters on every rank (ranks sample different lengths): gathered for generate()."""
+    from finetune.tiny import prompt_records, write_jsonl
+
+    prompts = write_jsonl(prompt_records(32, seed=2), tmp_path / "prompts.jsonl")
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / 'cache'}}}
+method: {{name: grpo, num_generations: 4, max_new_tokens: 8, kl_coef: 0.05, rewards: [{{function: length_penalty, args: {{limit: 4}}}}]}}
+adapter: {{type: lora, r: 8, alpha: 16, dropout: 0.0}}
+train: {{global_batch_size: 16, micro_batch_size: 8, max_steps: 2, lr: 1.0e-3}}
+output: {{dir: {tmp_path / 'run'}, log_steps: 1, save_steps: 0}}
+""")
+    r = ft_train(str(cfg), *ZERO, "--set", "distributed.sharding=zero3", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all("reward" in row and row["kl"] >= 0 for row in rows)
+    assert (tmp_path / "run" / "final" / "adapter_model.safetensors").stat().st_size > 0

@@ -160,3 +160,19 @@ def test_a_reward_that_cannot_be_imported_stops_before_training(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FtError, match=r"method.rewards\[1\].function: 'missing.py:score': the file missing.py does not exist"):
         load_rewards([RewardSpec(function="exact_match"), RewardSpec(function="missing.py:score")])
+
+
+def test_a_preference_row_without_rejected_is_named_by_file_and_line(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}\n{"prompt": "What is 2 + 2?", "chosen": "4"}\n')
+    job = tmp_path / "dpo.yaml"
+    job.write_text(f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'c'}}}\n"
+                   f"method: {{name: dpo}}\nadapter: {{type: lora}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
+    r = subprocess.run([sys.executable, "-m", "finetune", "preprocess", str(job)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{data}:2: 'rejected'" in r.stderr
