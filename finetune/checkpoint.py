@@ -43,10 +43,14 @@ def trainable_state(model) -> dict:
 
 
 def rng_state() -> dict:
+    """Every RNG's state as tensors and plain numbers, so that it loads with torch.load(weights_only=True)."""
     import numpy as np
     import torch
 
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(keys), gauss], "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -56,11 +60,29 @@ def set_rng_state(state: dict) -> None:
     import numpy as np
     import torch
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_tensors(path: Path):
+    """A checkpoint file written by torch.save: tensors and plain data only (weights_only: no code runs while
+    unpickling), onto the CPU (on GPUs, without map_location every rank's state would land where it was saved)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise FtError(f"checkpoint file {path} cannot be read safely ({first}): it holds something other than tensors and plain data, "
+                      "or it is damaged. ft loads checkpoints with weights_only=True and never runs code from them; resume from another "
+                      "checkpoint (delete this one) or start a new output.dir") from None
 
 
 def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int) -> Path:
@@ -136,8 +158,8 @@ def load(path: Path, engine, rank: int = 0) -> dict:
     model, optimizer, scheduler = engine.inner, engine.optimizer, engine.scheduler
     if is_sharded(path):
         engine.load_shards(path)
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-        set_rng_state(torch.load(path / f"rng-{rank}.pt", weights_only=False))
+        scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
+        set_rng_state(load_tensors(path / f"rng-{rank}.pt"))
         return json.loads((path / "state.json").read_text())
 
     weights = load_file(str(path / "trainable.safetensors"))
@@ -149,7 +171,7 @@ def load(path: Path, engine, rank: int = 0) -> dict:
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    optimizer.load_state_dict(load_tensors(path / "optimizer.pt"))  # the optimizer casts its state to each parameter's device
+    scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
+    set_rng_state(load_tensors(path / "rng.pt"))
     return json.loads((path / "state.json").read_text())

@@ -30,11 +30,13 @@ def validation_metrics(model, method, dataset, device, autocast, batch_rows: int
 
 
 @torch.no_grad()
-def task_score(model, tokenizer, jinja: str | None, section, device, batch_size: int = 32) -> float:
+def task_score(model, tokenizer, jinja: str | None, section, device, batch_size: int = 32, context=None, synced: bool = False) -> float:
     """Mean score of the `evaluation:` section's metric over its prompt/answer file, answers generated greedily.
 
     Prompts are rendered with `jinja` (the job's chat template) and generated in length-sorted batches by
-    the same engine and scored by the same metrics as `ft eval`.
+    the same engine and scored by the same metrics as `ft eval`. During training, `context` gives the job's
+    autocast and parameter gathering (fp32 master weights must not reach half-precision-only kernels such as
+    flash-attention), and `synced` keeps the ranks of a sharded model in step.
     """
     from finetune.infer.batches import plan
     from finetune.infer.engines import Sampling, TransformersEngine
@@ -44,7 +46,7 @@ def task_score(model, tokenizer, jinja: str | None, section, device, batch_size:
     scorer = Scorer(from_section(section))
     prompts = read_prompts(PromptSpec(section.path, samples=section.samples)).prompts
     ids = [encode(p, tokenizer, jinja) for p in prompts]
-    engine = TransformersEngine(model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device)
+    engine = TransformersEngine(model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device, context=context, synced=synced)
     was_training = model.training
     model.eval()
     texts = [""] * len(prompts)

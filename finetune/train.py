@@ -265,13 +265,24 @@ class _NoMetrics:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m finetune.train CONFIG [ft train options]`: the entry point the launch command runs."""
+    """`python -m finetune.train RUN_DIR [--resume-from CHECKPOINT]`: one rank of a job that `ft train` planned.
+
+    The rank starts from the run folder alone (config.yaml, plan.json, data.json): it does not read the job
+    file, probe the hardware, plan, or prepare data, and it does not import the CLI."""
+    import argparse
     import sys
 
-    from finetune.cli import main as cli_main
+    parser = argparse.ArgumentParser(prog="python -m finetune.train", description=main.__doc__.splitlines()[0])
+    parser.add_argument("run_dir", help="the run folder ft train wrote")
+    parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
+    args = parser.parse_args(argv)
+    from finetune.workflow import train_run_folder
 
-    sys.argv = ["ft", "train", *(argv if argv is not None else sys.argv[1:])]
-    cli_main()
+    try:
+        train_run_folder(Path(args.run_dir), args.resume_from)
+    except FtError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(e.exit_code)
 
 
 if __name__ == "__main__":

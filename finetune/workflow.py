@@ -97,15 +97,16 @@ class NodeRole:
 
 def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False,
               overwrite: bool = False, role: NodeRole | None = None) -> dict:
-    """`ft train`: plan, prepare data once, write the run folder, then train here or launch the ranks."""
+    """`ft train`: plan once, prepare the data once per node, write the run folder, then start the ranks from it
+    (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe."""
+    import sys
     from pathlib import Path
 
+    from finetune import checkpoint
     from finetune.config import load
     from finetune.data.preprocess import prepare
+    from finetune.distributed.launch import rank_command
     from finetune.plan import plan as make_plan
-
-    from finetune import checkpoint
-    from finetune.distributed.runtime import launched, needs_launcher
 
     role = role or NodeRole()
     config = load(config_path, overrides)
@@ -117,22 +118,52 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     facts = model_facts(config.model)
     job_plan = make_plan(config, hw, facts, str(config_path))
     run_dir = Path(config.output.dir)
+    if job_plan.nodes > 1 and role.master_addr is None:
+        raise FtError(f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and --master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)")
     resuming = resume or config.output.resume == "auto"
-    if launched():  # a rank started by the launch below: the launcher checked the folder and prepared the data
-        prepared = prepare(config)
-        job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-        return _train(config, job_plan, prepared, run_dir, checkpoint.latest(run_dir) if resuming else None)
     if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
         resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
     else:
         resume_from = checkpoint.latest(run_dir) if resuming else None
     prepared = prepare(config)  # once per node, before any rank starts
     job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-    if role.node_rank == 0:
-        _write_run_folder(run_dir, config, job_plan, prepared)
-    if needs_launcher(job_plan.backend, job_plan.world_size):
-        return _launch(config_path, overrides, hardware, job_plan, resume_from is not None, role)
-    return _train(config, job_plan, prepared, run_dir, resume_from)
+    cmd = rank_command(str(run_dir), job_plan.nodes, job_plan.processes_per_node, job_plan.process_group, node_rank=role.node_rank,
+                       master_addr=role.master_addr, master_port=role.master_port, python=sys.executable,
+                       resume_from=str(resume_from) if resume_from else None)
+    if role.node_rank == 0:  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
+        _write_run_folder(run_dir, config, job_plan, prepared, cmd)
+    if job_plan.process_group:
+        return _launch(cmd, job_plan, config_path, overrides)
+    return train_run_folder(run_dir, resume_from, prepared)
+
+
+def train_run_folder(run_dir, resume_from=None, prepared=None) -> dict:
+    """One rank's whole job, from the run folder alone: the saved config, the Plan read back, the prepared data."""
+    import json
+    from pathlib import Path
+
+    from finetune.config import load
+    from finetune.data.preprocess import load_prepared
+
+    run_dir = Path(run_dir)
+    config, job_plan = load(run_dir / "config.yaml"), read_plan(run_dir)
+    if prepared is None:
+        prepared = load_prepared(config, Path(json.loads((run_dir / "data.json").read_text())["cache"]))
+    return _train(config, job_plan, prepared, run_dir, Path(resume_from) if resume_from else None)
+
+
+def read_plan(run_dir) -> Plan:
+    """The Plan that `ft train` wrote into the run folder."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "plan.json"
+    try:
+        return Plan.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise FtError(f"{path} does not exist: a rank starts from a run folder that ft train wrote; run ft train CONFIG") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise FtError(f"{path} is not a plan this version of ft wrote ({type(e).__name__}: {e}); run ft train CONFIG again to re-plan") from None
 
 
 def _replan(config, hw, facts, config_path, prepared, job_plan):
@@ -144,28 +175,20 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
     return make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
 
 
-def _launch(config_path, overrides, hardware, job_plan, resume: bool, role: NodeRole) -> dict:
+def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error."""
+    import shlex
     import sys
 
-    argv = [str(config_path), *(f"--set={o}" for o in overrides), *([f"--hardware={hardware}"] if hardware else []), *(["--resume"] if resume else [])]
-    argv += [f"--nnodes={job_plan.nodes}"] if job_plan.nodes > 1 else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={job_plan.nodes}", f"--nproc-per-node={job_plan.processes_per_node}"]
-    if job_plan.nodes == 1:
-        cmd.append("--standalone")
-    elif role.master_addr is None:
-        raise FtError(f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and --master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)")
-    else:
-        cmd += [f"--node-rank={role.node_rank}", f"--master-addr={role.master_addr}", f"--master-port={role.master_port}"]
-    cmd += ["-m", "finetune.train", *argv]
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
-    sys.stderr.write("launching: " + " ".join(cmd) + "\n")
+    line = " ".join(shlex.quote(a) for a in cmd)
+    sys.stderr.write("launching: " + line + "\n")
     code = _run_forwarding_signals(cmd, env)
     if code:
         _raise_if_stopped(job_plan, config_path, overrides)
-        raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {' '.join(cmd)}")
+        raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {line}")
     return {"steps": None, "launched": cmd}
 
 
@@ -223,8 +246,9 @@ def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
     return None
 
 
-def _write_run_folder(run_dir, config, job_plan, prepared) -> None:
+def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
     import json
+    import shlex
 
     import yaml
 
@@ -236,7 +260,8 @@ def _write_run_folder(run_dir, config, job_plan, prepared) -> None:
     atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
     atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
     atomic_write_text(run_dir / "data.json", json.dumps({"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2))
-    atomic_write_text(run_dir / "launch.txt", " ".join(job_plan.launch) + "\n")
+    how = "" if job_plan.process_group else "# run inside the ft train process; the same as running:\n"
+    atomic_write_text(run_dir / "launch.txt", how + " ".join(shlex.quote(a) for a in cmd) + "\n")
     if job_plan.backend == "deepspeed":  # what the ranks pass to deepspeed.initialize, for the record and for re-use
         from finetune.distributed import deepspeed
 
@@ -307,7 +332,15 @@ def _task_eval(config, job, tokenizer):
     e = config.evaluation
     if not job.runtime.is_main and not job.engine.gathers_parameters:
         return None  # a sharded model generates on every rank (its forward needs them all); others: rank 0 alone
-    return task_score(job.inner, tokenizer, template_for(tokenizer, config.data.template), e, job.device)
+    from finetune.train import autocast
+
+    @contextlib.contextmanager
+    def context():
+        with job.engine.generation(), autocast(job):
+            yield
+
+    return task_score(job.inner, tokenizer, template_for(tokenizer, config.data.template), e, job.device, context=context,
+                      synced=getattr(job.engine, "synced_generation", False))
 
 
 def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:

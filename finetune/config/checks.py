@@ -111,6 +111,18 @@ def offload_needs_sharding_backend(c: Config) -> list[Problem]:
     return []
 
 
+BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
+
+
+@rule("train", "distributed")
+def bitsandbytes_optimizer_not_under_fsdp(c: Config) -> list[Problem]:
+    if c.train.optimizer not in BNB_OPTIMIZERS or c.distributed.backend != "fsdp":
+        return []
+    return [Problem((("train", "optimizer"), ("distributed", "backend")),
+                    f"{c.train.optimizer} is a bitsandbytes optimizer; it updates plain tensors and cannot step FSDP2's sharded (DTensor) parameters",
+                    "set train.optimizer: adamw_torch (or adamw_torch_fused), or distributed.backend: deepspeed, ddp or auto")]
+
+
 @rule("distributed")
 def single_is_one_process(c: Config) -> list[Problem]:
     d = c.distributed

@@ -60,6 +60,19 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, built)
 
 
+def load_prepared(config: Config, root: Path) -> Prepared:
+    """The data a launcher prepared into cache entry `root` (a rank's view: no fingerprinting, no building)."""
+    from datasets import disable_progress_bars, load_from_disk
+
+    disable_progress_bars()
+    if not (root / "summary.json").is_file() or not (root / "train").is_dir():
+        raise FtError(f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train again, which prepares it")
+    tokenizer, _, added = training_tokenizer(config)
+    summary = json.loads((root / "summary.json").read_text())
+    validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
+    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, False)
+
+
 def training_tokenizer(config: Config):
     """The tokenizer training uses (with the tokens the config and the template add), the template, and the added tokens."""
     from finetune.models import add_special_tokens, load_tokenizer

@@ -1,25 +1,43 @@
-"""The command that starts a job's processes: one Python process, or torchrun across devices and nodes."""
+"""The one builder of launch commands: how a job's ranks start (`ft train`, `ft plan`, Slurm, `ft generate`).
+
+A rank is `python -m finetune.train RUN_DIR`: it starts from the run folder that `ft train` wrote
+(config.yaml, plan.json, data.json) and never re-plans. Several ranks, or a backend that needs a process
+group even for one (FSDP2, DeepSpeed), start through torchrun: standalone on one node; across nodes
+the same command on every node, with that node's rank and the address of node 0.
+"""
 
 from __future__ import annotations
 
 DEFAULT_PORT = 29500
+RANK_ENTRY = "finetune.train"
 
 
-def launch_command(config_path: str, nodes: int, processes_per_node: int, master_addr: str | None = None, master_port: int = DEFAULT_PORT,
-                   backend: str = "single") -> list[str]:
-    """argv that runs `config_path` on nodes x processes_per_node ranks.
+def needs_launcher(backend: str, world_size: int) -> bool:
+    """Started through torchrun: several ranks, or a backend that needs a process group even for one."""
+    return world_size > 1 or backend in ("fsdp", "deepspeed")
 
-    One process runs ft's training entry point directly (FSDP2 and DeepSpeed still go through torchrun: they
-    need a process group, even of one). Several processes on one node use
-    torchrun's standalone rendezvous; several nodes need the same command on every node, with that
-    node's rank and the address of node 0 (placeholders `$NODE_RANK` / `$MASTER_ADDR` when unknown).
-    """
-    worker = ["-m", "finetune.train", config_path]
-    if nodes * processes_per_node == 1 and backend not in ("fsdp", "deepspeed"):
-        return ["python", *worker]
-    cmd = ["torchrun", f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}"]
+
+def rank_command(run_dir: str, nodes: int, processes_per_node: int, process_group: bool, *, node_rank: int | str | None = None,
+                 master_addr: str | None = None, master_port: int = DEFAULT_PORT, python: str | None = None,
+                 resume_from: str | None = None) -> list[str]:
+    """argv that starts every rank of this node for the run in `run_dir` (resuming from a checkpoint folder if given).
+
+    python=None writes the portable form (`python`, `torchrun`) shown by `ft plan`; ft itself passes its interpreter."""
+    entry = ["-m", RANK_ENTRY, str(run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
+    if not process_group:
+        return [python or "python", *entry]
+    return torchrun(entry, nodes, processes_per_node, node_rank=node_rank, master_addr=master_addr, master_port=master_port, python=python)
+
+
+def torchrun(entry: list[str], nodes: int, processes_per_node: int, *, node_rank: int | str | None = None, master_addr: str | None = None,
+             master_port: int = DEFAULT_PORT, python: str | None = None) -> list[str]:
+    """torchrun running `entry` (e.g. ["-m", "module", args...]) on nodes x processes_per_node ranks; unknown node
+    rank or address become `$NODE_RANK` / `$MASTER_ADDR` placeholders for a script to fill in."""
+    cmd = ["torchrun"] if python is None else [python, "-m", "torch.distributed.run"]
+    cmd += [f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}"]
     if nodes == 1:
         cmd.append("--standalone")
     else:
-        cmd += ["--node-rank=$NODE_RANK", f"--master-addr={master_addr or '$MASTER_ADDR'}", f"--master-port={master_port}"]
-    return cmd + worker
+        rank = "$NODE_RANK" if node_rank is None else node_rank
+        cmd += [f"--node-rank={rank}", f"--master-addr={master_addr or '$MASTER_ADDR'}", f"--master-port={master_port}"]
+    return cmd + list(entry)

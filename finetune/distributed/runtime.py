@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune.distributed.launch import needs_launcher  # noqa: F401 (re-exported)
 from finetune.errors import FtError
 
 _doing = ["setting up"]
@@ -83,23 +84,24 @@ def launched() -> bool:
 
 
 def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
-    """Join the process group torchrun set up (gloo on CPU, nccl on GPUs). A single process gets a no-op Runtime,
+    """Join the process group torchrun set up (see `backend`). A single process gets a no-op Runtime,
     with a process group of one where the backend needs one (FSDP2, DeepSpeed)."""
     if not launched() or (int(os.environ["WORLD_SIZE"]) == 1 and not needs_group):
         return Runtime()
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # read when the NCCL backend starts: a timed-out collective fails
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # NCCL: a timed-out collective fails instead of hanging
+        torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
     return Runtime(rank, local, world)
 
 
-def needs_launcher(backend: str, world_size: int) -> bool:
-    """Started through torchrun: several ranks, or a backend that needs a process group even for one."""
-    return world_size > 1 or backend in ("fsdp", "deepspeed")
+def backend() -> str:
+    """One process group for both kinds of tensor: NCCL takes only CUDA tensors, so CPU tensors (ft's scalar
+    reductions, offloaded gradients, tables kept in host RAM) go over gloo in the same group (torch's
+    "device:backend" form, which ProcessGroup dispatches on each tensor's device)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 def stop(runtime: Runtime) -> None:

@@ -7,6 +7,8 @@ depend on which process generated it, nor on what that process generated before.
 
 from __future__ import annotations
 
+import contextlib
+
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -74,8 +76,11 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model, tokenizer, sampling: Sampling, device):
+    def __init__(self, model, tokenizer, sampling: Sampling, device, context=None, synced: bool = False):
+        """context: a callable giving the context to generate in (a training job's autocast and parameter gathering);
+        synced: keep sharded ranks stepping together until all finish (transformers' synced_gpus)."""
         self.model, self.tokenizer, self.sampling, self.device = model, tokenizer, sampling, device
+        self.context, self.synced = context, synced
         self.stop = stop_ids(tokenizer)
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
 
@@ -87,7 +92,9 @@ class TransformersEngine:
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=self.device)
         extra = {"stop_strings": list(self.sampling.stop), "tokenizer": self.tokenizer} if self.sampling.stop else {}
         torch.manual_seed(batch_seed(self.sampling.seed, number))
-        with torch.no_grad():
+        if self.synced:
+            extra["synced_gpus"] = True
+        with torch.no_grad(), (self.context() if self.context else contextlib.nullcontext()):
             out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra)
         return [self._finish(row.tolist()) for row in out[:, width:]]
 

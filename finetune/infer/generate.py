@@ -196,7 +196,9 @@ def _launch(parts: Path, attempt: int, world: int, bar) -> int:
     from finetune.infer.store import PartsWatcher
     from finetune.workflow import _run_forwarding_signals
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", "-m", "finetune.infer.worker", str(parts), str(attempt)]
+    from finetune.distributed.launch import torchrun
+
+    cmd = torchrun(["-m", "finetune.infer.worker", str(parts), str(attempt)], 1, world, python=sys.executable)
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly

@@ -119,6 +119,8 @@ class Precomputed:
         self.table = table  # (rows, 2): chosen, rejected
 
     def __call__(self, model, batch: dict, method) -> torch.Tensor:
+        if self.table.device != batch["rows"].device:  # the batch's row indices are on the rank's GPU: index there
+            self.table = self.table.to(batch["rows"].device)
         rows = self.table[batch["rows"]]
         return torch.cat([rows[:, 0], rows[:, 1]])
 

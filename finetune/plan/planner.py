@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config, DPOMethod, GRPOMethod
-from finetune.distributed.launch import launch_command
+from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan.comm import seconds, step_traffic
@@ -71,7 +71,7 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
         from finetune.plan.advice import no_fit_error
 
         raise no_fit_error(config, hardware, model, topo, precision, batch)
-    _record_fit(config, fit, topo, batch, decisions)
+    _record_fit(config, fit, topo, batch, precision, decisions)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(Decision("embeddings", f"+{n} tokens", "new tokens need trained embedding rows: the input embeddings and output head are resized and trained in full next to the adapter"))
@@ -88,9 +88,47 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
         processes_per_node=topo.processes_per_node, global_batch_size=batch, seq_len=config.data.seq_len, lr=lr,
         attn_implementation=attn, estimate=fit.estimate, device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware), decisions=tuple(decisions),
-        launch=tuple(launch_command(config_path, topo.nodes, topo.processes_per_node, hardware.launch.master_addr, backend=c.backend)),
+        launch=tuple(rank_command(config.output.dir, topo.nodes, topo.processes_per_node, needs_launcher(c.backend, topo.world), master_addr=hardware.launch.master_addr)),
         communication=traffic, communication_seconds=seconds(traffic, topo.nodes, c.sharding),
+        quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
+        train_embeddings=bool(new_tokens or config.data.add_special_tokens), reference=reference_kind(config.method, c.adapter),
+        process_group=needs_launcher(c.backend, topo.world), loading=loading(c), generation=generation(fit, model, hardware, precision),
     )
+
+
+def sharded_params(c: Candidate) -> bool:
+    """Parameters themselves are split over ranks (FSDP2, ZeRO-3): a forward pass needs every rank."""
+    return c.backend == "fsdp" or c.sharding == "zero3"
+
+
+def reference_kind(method, adapter: str) -> str:
+    """What DPO/GRPO compare the policy with: none, the base with the adapter off, a frozen copy, or precomputed log-probs."""
+    if isinstance(method, GRPOMethod):
+        return "none" if method.kl_coef == 0 else ("copy" if adapter == "full" else "adapter")
+    if isinstance(method, DPOMethod):
+        kind = {"auto": "copy" if adapter == "full" else "adapter", "adapter_disabled": "adapter"}.get(method.reference, method.reference)
+        return kind
+    return "none"
+
+
+def loading(c: Candidate) -> str:
+    """How ranks load the weights. FSDP2 and ZeRO-3 never hold a whole 16/32-bit copy per rank; a 4-bit base is loaded
+    quantized by each rank (bitsandbytes quantizes while loading, so it cannot be filled into meta-device shards)."""
+    if c.quantization != "none":
+        return "replica"
+    if c.backend == "fsdp":
+        return "meta"
+    return "partitioned" if c.sharding == "zero3" else "replica"
+
+
+def generation(fit: Fit, m: ModelFacts, hw: Hardware, precision: str) -> str:
+    """How a model with sharded parameters samples (GRPO rollouts, evaluation): gather it whole for the call where the
+    whole model fits next to the training state, else gather layer by layer with the ranks kept in step (synced_gpus)."""
+    c = fit.candidate
+    if not sharded_params(c):
+        return "local"
+    whole = m.num_params * (0.6 if c.quantization == "nf4" else {"fp32": 4}.get(precision, 2))
+    return "gather" if fit.estimate.device_bytes + whole <= device_capacity(hw) else "layerwise"
 
 
 # ---------------------------------------------------------------- topology, precision, batch
@@ -170,8 +208,11 @@ def _traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int
 
 def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
     """Every setup the config allows, in preference order; host offload (slow) only after all others."""
+    from finetune.config.checks import BNB_OPTIMIZERS
+
+    bnb_optimizer = config.train.optimizer in BNB_OPTIMIZERS  # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
     out = [Candidate(a, q, b, s, o) for a, q in adapter_options(config) for b, s, o in backend_options(config, hw, topo)
-           if not (q == "int8" and b in ("fsdp", "deepspeed"))]
+           if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")]
     return sorted(out, key=lambda c: c.offload != "none")
 
 
@@ -257,7 +298,7 @@ def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: i
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
     attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
     full = cand.adapter == "full"
-    reference_copy = (isinstance(method, DPOMethod) and full and method.reference in ("auto", "copy")) or (isinstance(method, GRPOMethod) and full and method.kl_coef > 0)
+    reference_copy = reference_kind(method, cand.adapter) == "copy"
     gen_tokens = config.data.seq_len if isinstance(method, GRPOMethod) else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
@@ -285,7 +326,7 @@ def fits(est: Estimate, hw: Hardware) -> bool:
 
 
 # ---------------------------------------------------------------- recording the choices
-def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, out: list[Decision]) -> None:
+def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision: str, out: list[Decision]) -> None:
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
     out.append(_choice("adapter", c.adapter, a.type, {
@@ -301,7 +342,7 @@ def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, out: list[
     out.append(Decision("gradient_accumulation_steps", per_rank // fit.micro_batch_size, f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × {topo.world} ranks"))
     out.append(_choice("gradient_checkpointing", fit.checkpointing, t.gradient_checkpointing, "on: without it even micro-batch 1 does not fit (costs ~30% more compute)" if fit.checkpointing else "off: activations fit without recomputation"))
     if c.quantization == "nf4" and (c.backend == "fsdp" or c.sharding == "zero3"):
-        out.append(Decision("quant_storage", "bf16", f"{'FSDP' if c.backend == 'fsdp' else 'ZeRO-3'} shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container"))
+        out.append(Decision("quant_storage", precision, f"{'FSDP' if c.backend == 'fsdp' else 'ZeRO-3'} shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container"))
 
 
 def _choice(field: str, value, asked, reason: str) -> Decision:

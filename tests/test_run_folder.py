@@ -1,0 +1,158 @@
+"""The run folder is the contract between `ft train` and its ranks: the Plan read back equals the Plan made,
+ranks start from the folder alone (no CLI, no probe, no re-planning), and launch.txt is what ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.errors import FtError
+from tests.conftest import REPO
+from tests.test_distributed import ft_train, job, losses
+
+EXAMPLES = sorted((REPO / "examples" / "yaml").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_plan_read_back_from_json_equals_the_plan(path):
+    import re
+
+    from finetune.plan.plan import Plan
+    from finetune.workflow import compile_plan
+
+    made = compile_plan(path, hardware=re.search(r"^# ft plan \S+ --hardware (\S+)$", path.read_text(), re.M).group(1))
+    back = Plan.from_json(json.loads(json.dumps(made.to_json())))
+    assert back == made
+    assert back.to_json() == made.to_json()
+
+
+def test_plan_fields_carry_what_downstream_used_to_re_derive():
+    from finetune.config import loads
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.workflow import model_facts
+
+    def planned(extra: str, hw: str = "8xH100-80GB", fmt: str = "chat"):
+        config = loads(f"model: {{name: meta-llama/Llama-3.1-8B}}\ndata: {{datasets: [{{path: d.jsonl, format: {fmt}}}]}}\n"
+                       f"output: {{dir: run}}\n{extra}")
+        return plan(config, parse(hw), model_facts(config.model))
+
+    q = planned("adapter: {type: qlora}\ndistributed: {backend: fsdp}\ntrain: {precision: bf16}")
+    assert (q.quant_storage, q.loading, q.process_group) == ("bf16", "replica", True)
+    f = planned("adapter: {type: full}\ndistributed: {backend: fsdp}")
+    assert (f.quant_storage, f.loading, f.generation != "local") == (None, "meta", True)
+    z = planned("adapter: {type: lora}\ndistributed: {backend: deepspeed, sharding: zero3}")
+    assert z.loading == "partitioned"
+    d = planned("adapter: {type: lora}\ndistributed: {backend: ddp}")
+    assert (d.loading, d.generation, d.reference) == ("replica", "local", "none")
+    dpo = planned("adapter: {type: full}\nmethod: {name: dpo}", fmt="preference")
+    assert dpo.reference == "copy"
+    lora_dpo = planned("adapter: {type: lora}\nmethod: {name: dpo, reference: precomputed}", fmt="preference")
+    assert lora_dpo.reference == "precomputed"
+    one = planned("adapter: {type: lora}", hw="1xH100-80GB")
+    assert (one.process_group, one.launch[:3]) == (False, ("python", "-m", "finetune.train"))
+
+
+@pytest.mark.slow
+def test_ranks_start_from_the_run_folder_alone(tmp_path):
+    """ft train on 2 ranks; then the same ranks started by hand from the folder reproduce its losses, importing
+    no CLI and calling neither the planner, the hardware probe nor the model resolver; and ft plan of the saved
+    config gives the saved plan."""
+    r = ft_train(job(tmp_path, "run", steps=3), "--hardware", "cpu:2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    first = losses(run)
+    launch = (run / "launch.txt").read_text()
+    assert "torch.distributed.run" in launch and "-m finetune.train" in launch and str(run) in launch and "--nproc-per-node=2" in launch
+    saved = json.loads((run / "plan.json").read_text())
+    again = subprocess.run([sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == saved
+
+    (run / "metrics.jsonl").unlink()
+    port = str(__import__("tests.test_distributed", fromlist=["free_port"]).free_port())
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", f"--master-port={port}",
+                            str(REPO / "tests" / "scripts" / "rank_imports.py"), str(run), str(tmp_path / "mods")],
+                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert losses(run) == pytest.approx(first, rel=1e-6)
+    for rank in (0, 1):
+        modules = set(json.loads((tmp_path / f"mods-{rank}.json").read_text())["modules"])
+        assert "finetune.cli" not in modules and "finetune.workflow" in modules
+
+
+def test_a_rank_without_a_plan_is_told_what_to_run(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "finetune.train", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "config.yaml" in r.stderr or "plan.json" in r.stderr
+
+
+# ---------------------------------------------------------------- device discipline that the CPU can check
+def test_rng_state_round_trips_through_weights_only_loading(tmp_path):
+    import random
+
+    import numpy as np
+
+    from finetune.checkpoint import load_tensors, rng_state, set_rng_state
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    set_rng_state(load_tensors(tmp_path / "rng.pt"))
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(expected[0], got[0]) and expected[1:] == got[1:]
+
+
+class _Payload:
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["FT_TEST_MARKER"]),))
+
+
+def test_a_crafted_checkpoint_file_runs_no_code(tmp_path, monkeypatch):
+    from finetune.checkpoint import load_tensors
+
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("FT_TEST_MARKER", str(marker))
+    with open(tmp_path / "rng.pt", "wb") as f:
+        pickle.dump({"python": _Payload()}, f, protocol=2)
+    with pytest.raises(FtError, match="weights_only"):
+        load_tensors(tmp_path / "rng.pt")
+    assert not marker.exists()
+
+
+def test_precomputed_reference_indexes_on_the_batch_device():
+    from finetune.methods.dpo import Precomputed
+
+    table = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    out = Precomputed(table)(None, {"rows": torch.tensor([2, 0], device="meta")}, None)  # stands in for the rank's GPU
+    assert out.device.type == "meta" and out.shape == (4,)
+    out = Precomputed(table)(None, {"rows": torch.tensor([2, 0])}, None)
+    assert out.tolist() == [5.0, 1.0, 6.0, 2.0]
+
+
+def test_bitsandbytes_optimizers_are_refused_under_fsdp_and_avoided_by_auto():
+    from finetune.config import loads
+    from finetune.errors import ConfigError, PlanError
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.workflow import model_facts
+
+    base = "model: {name: meta-llama/Llama-3.1-8B}\ndata: {datasets: [{path: d.jsonl, format: chat}]}\noutput: {dir: run}\nadapter: {type: full}\n"
+    with pytest.raises(ConfigError, match="train.optimizer") as e:
+        loads(base + "train: {optimizer: paged_adamw_8bit}\ndistributed: {backend: fsdp}")
+    assert "DTensor" in str(e.value) and "distributed.backend" in str(e.value)
+    plain = loads(base)
+    assert plan(plain, parse("8xH100-80GB"), model_facts(plain.model)).backend == "fsdp"  # what auto picks without the 8-bit optimizer
+    config = loads(base + "train: {optimizer: adamw_8bit}")
+    try:
+        assert plan(config, parse("8xH100-80GB"), model_facts(config.model)).backend != "fsdp"
+    except PlanError:
+        pass  # nothing else fits: refused at plan time, never a crash at the first optimizer step
