@@ -1,7 +1,8 @@
-"""Checks that need a CUDA GPU (skipped elsewhere): bf16, QLoRA kernels, FSDP-QLoRA, host offload, NCCL.
+"""Checks that need a CUDA GPU (skipped elsewhere): bf16, QLoRA kernels, FSDP-QLoRA, host offload, DeepSpeed, DPO, evaluation.
 
 Each runs ft train on the tiny model, on one GPU (FSDP2 and DeepSpeed as a process group of one), and
-checks that the loss falls and the plan says what ran.
+checks that the loss falls and the plan says what ran. Two-GPU checks: tests/test_gpu_multi.py.
+scripts/gpu-check.sh runs them all (with a per-test timeout) next to the memory check and the benchmark.
 """
 
 from __future__ import annotations
@@ -10,19 +11,35 @@ import json
 
 import pytest
 
+from finetune.tiny import arithmetic_records, preference_records, write_jsonl
 from tests.test_distributed import ft_train, job, losses
 
 pytestmark = pytest.mark.gpu
+TIMEOUT = 300  # per ft train; a warm run of the tiny model takes seconds, DeepSpeed's first CPU Adam build about a minute
 
 
-def run(tmp_path, name: str, *overrides: str, steps: int = 12):
-    sets = [a for o in ("train.lr=2.0e-3", *overrides) for a in ("--set", o)]
-    r = ft_train(job(tmp_path, name, steps=steps), *sets, timeout=900)
+def visible_gpus(n: int) -> dict:
+    """Environment that shows a job the first n of the GPUs this process sees (ft then plans for exactly those)."""
+    import os
+
+    seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(seen[:n] if seen else map(str, range(n)))}
+
+
+def run(tmp_path, name: str, *overrides: str, steps: int = 12, config: str | None = None):
+    """ft train on one GPU (--hardware omitted: ft probes it) of the tiny job `name`, or of `config`; the loss must fall."""
+    sets = [a for o in ((() if config else ("train.lr=2.0e-3",)) + overrides) for a in ("--set", o)]
+    r = ft_train(config or job(tmp_path, name, steps=steps), *sets, env=visible_gpus(1), timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-4000:]
     plan = json.loads((tmp_path / name / "plan.json").read_text())
     trace = losses(tmp_path / name)
-    assert trace[-1] < trace[0], trace
+    assert len(trace) == steps and trace[-1] < trace[0], trace
+    assert plan["device"] == "GPU" and plan["world_size"] == 1, plan
     return plan
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def test_bf16_full_fine_tuning(tmp_path):
@@ -48,6 +65,52 @@ def test_fsdp_cpu_offload(tmp_path):
 
 
 def test_deepspeed_zero3_with_optimizer_and_parameter_offload(tmp_path):
+    pytest.importorskip("deepspeed")
     plan = run(tmp_path, "zero3-offload", "distributed.backend=deepspeed", "distributed.sharding=zero3", "distributed.offload=all", "train.precision=bf16")
     ds = json.loads((tmp_path / "zero3-offload" / "deepspeed.json").read_text())
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu" and plan["sharding"] == "zero3"
+
+
+def test_deepspeed_zero1_with_bf16(tmp_path):
+    """ZeRO-1 on a GPU: DeepSpeed's overlap_comm is for stages 2 and 3 (ZeRO-1 with it set crashed)."""
+    pytest.importorskip("deepspeed")
+    plan = run(tmp_path, "zero1", "distributed.backend=deepspeed", "distributed.sharding=zero1", "distributed.offload=none", "train.precision=bf16")
+    assert (plan["backend"], plan["sharding"], plan["precision"]) == ("deepspeed", "zero1", "bf16")
+    ds = json.loads((tmp_path / "zero1" / "deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 1 and ds["bf16"]["enabled"] is True
+
+
+def test_dpo_with_a_precomputed_reference(tmp_path):
+    """Reference log-probs computed once before training and kept in a table that GPU batches index."""
+    pairs = write_jsonl(preference_records(64, seed=3), tmp_path / "pairs.jsonl")  # seen 6 times in 12 steps: margins grow fast
+    config = tmp_path / "dpo.yaml"
+    config.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {pairs}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'cache'}}}
+method: {{name: dpo, beta: 0.1, reference: precomputed}}
+adapter: {{type: full}}
+train: {{global_batch_size: 32, micro_batch_size: 16, max_steps: 12, lr: 1.0e-3, warmup_steps: 1, precision: bf16}}
+output: {{dir: {tmp_path / 'dpo'}, log_steps: 1, save_steps: 0}}
+""")
+    plan = run(tmp_path, "dpo", config=str(config))
+    assert (plan["method"], plan["reference"], plan["precision"]) == ("dpo", "precomputed", "bf16")
+    assert "reference model" not in plan["memory"]["per_device_breakdown_gib"]  # no frozen copy
+    margins = [r["rewards/margin"] for r in rows(tmp_path / "dpo") if "rewards/margin" in r]
+    assert len(margins) == 12 and margins[-1] > margins[0], margins
+
+
+def test_evaluation_after_full_fine_tuning_in_bf16(tmp_path):
+    """Validation loss (autocast) and the generated-answer metric (fp32 master weights) before, during and after training."""
+    held_out = write_jsonl(arithmetic_records(32, seed=11), tmp_path / "held-out.jsonl")
+    questions = write_jsonl(arithmetic_records(16, seed=12), tmp_path / "questions.jsonl")
+    plan = run(tmp_path, "eval", "train.precision=bf16", f"data.validation={{path: {held_out}, format: chat}}", "output.eval_steps=6",
+               f"evaluation={{path: {questions}, metric: exact_match, max_new_tokens: 8, every_steps: 6}}")
+    assert (plan["precision"], plan["adapter"]) == ("bf16", "full")
+    metrics = rows(tmp_path / "eval")
+    assert [r["step"] for r in metrics if "eval_loss" in r] == [6, 12], metrics
+    assert [r["step"] for r in metrics if "eval_exact_match" in r] == [6], metrics
+    evals = [r["eval_loss"] for r in metrics if "eval_loss" in r]
+    assert all(v == v and v < 20 for v in evals), evals  # finite
+    result = json.loads((tmp_path / "eval" / "result.json").read_text())
+    assert result["task_before"] is not None and result["task_after"] is not None, result
+    assert 0.0 <= result["task_after"] <= 1.0 and result["final_eval_loss"] == pytest.approx(evals[-1])

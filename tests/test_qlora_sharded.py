@@ -1,0 +1,126 @@
+"""QLoRA under sharding: FSDP2 and ZeRO-3 4-bit models compute what the single-process QLoRA model computes.
+
+FSDP2 shards bitsandbytes' `Params4bit` weights (stored in the compute dtype's container) into plain DTensors and
+bitsandbytes restores their quant state in forward; ZeRO-3 partitions them and gathers them around each module.
+A falling loss does not show that the gathered 4-bit weights are right (bitsandbytes issue #1945 reports wrong
+`Linear4bit` outputs after `fully_shard`), so these tests compare the sharded models' weights and logits with the
+single-process model's, before and after one training step (2 ranks × 1 micro-batch against 1 rank × 2).
+
+One torchrun (2 gloo ranks) runs every job of tests/scripts/qlora_logits.py: the one-process references first (on
+rank 0), then FSDP2 and ZeRO-3 at fp32 and bf16. fp32 must agree to 1e-4. bf16 cannot agree bit for bit: the sharded
+backends hold the non-quantized parameters (norms, embeddings, head, which peft keeps in fp32 for k-bit training)
+and the residual stream in bf16 where the single process keeps fp32 under autocast; the two backends agree with
+each other exactly, and with the single process to about one bf16 step of the logits.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+SCRIPT = REPO / "tests" / "scripts" / "qlora_logits.py"
+BACKENDS = ("fsdp", "deepspeed")
+JOBS = ["single/bf16", "single/fp32", "single/bf16+cpu-packing", "fsdp/fp32", "fsdp/bf16", "fsdp/bf16+cpu-packing",
+        "deepspeed/fp32", "deepspeed/bf16"]
+
+
+def _cpu_repacks_4bit_weights() -> bool:
+    """bitsandbytes 0.50 repacks 4-bit weights in its first eval forward on CPUs with AVX512-BF16 (see the last test)."""
+    try:
+        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from finetune.tiny import arithmetic_records, write_jsonl
+
+    tmp = tmp_path_factory.mktemp("qlora_sharded")
+    data = write_jsonl(arithmetic_records(64, seed=7), tmp / "data.jsonl")
+    out = tmp / "results.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+                        str(tmp / "model"), str(data), str(tmp), str(out), "--build", "--jobs", ",".join(JOBS)],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def _max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_4bit_weights_are_split_over_ranks_and_gather_bit_for_bit(results, backend):
+    import torch
+
+    for precision in ("fp32", "bf16"):
+        ref, got = results[f"single/{precision}"], results[f"{backend}/{precision}"]
+        assert (got["backend"], got["world_size"], got["quant_storage"]) == (backend, 2, precision)
+        assert got["sharding"] == {"fsdp": "full_shard", "deepspeed": "zero3"}[backend]
+        assert ref["weights"].keys() == got["weights"].keys() and len(ref["weights"]) == 14  # 7 linear layers × 2 blocks
+        for name, data in ref["weights"].items():
+            assert torch.equal(got["weights"][name], data), name
+            assert got["held"][name] <= 0.5 + 1e-3, name  # sharded, not replicated
+    as_bf16 = sum(int(torch.isnan(w.view(torch.bfloat16)).sum()) for w in ref["weights"].values())
+    assert as_bf16 > 0  # packed nibbles that read as bf16 NaNs (what a NaN-canonicalizing copy would corrupt) came through
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_qlora_matches_one_process_in_fp32(results, backend):
+    ref, got = results["single/fp32"], results[f"{backend}/fp32"]
+    assert (ref["accumulation"], got["accumulation"]) == (2, 1)  # the same global batch
+    scale = ref["before"].abs().max().item()
+    assert _max_diff(got["before"], ref["before"]) <= 1e-4 * scale
+    assert _max_diff(got["again"], ref["before"]) <= 1e-4 * scale
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    moved = _max_diff(ref["after"], ref["before"])
+    assert moved > 0.1 * scale  # the step changes the outputs, so the comparison after it means something
+    assert _max_diff(got["after"], ref["after"]) <= 1e-4 * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sharded_qlora_matches_one_process_in_bf16(results, backend):
+    ref, got = results["single/bf16"], results[f"{backend}/bf16"]
+    scale = ref["before"].abs().max().item()
+    assert _max_diff(got["before"], ref["before"]) <= 2e-2 * scale  # measured: 2 bf16 steps of a logit (0.9%)
+    assert _max_diff(got["again"], ref["before"]) <= 2e-2 * scale
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-3)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
+    # After the step only loosely: Adam's first update is lr·sign(gradient), so the gradient elements near zero
+    # whose sign bf16 rounding flips move by 2·lr (measured: 5% of the step's change; a lost gradient path: 87%).
+    moved = _max_diff(ref["after"], ref["before"])
+    assert _max_diff(got["after"], ref["after"]) <= 0.25 * moved
+    other = results[f"{({'fsdp', 'deepspeed'} - {backend}).pop()}/bf16"]
+    assert _max_diff(got["after"], other["after"]) == 0  # both backends compute in bf16 the same way
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(_cpu_repacks_4bit_weights(), strict=True,
+                   reason="bitsandbytes 0.50 on AVX512-BF16 CPUs: the first eval forward repacks each Linear4bit's weight and "
+                          "rewrites its quant state in place; training then runs through gemv_4bit (no autograd), and a "
+                          "sharded model's next gather brings back the old layout under the new state")
+def test_an_eval_forward_leaves_later_qlora_forwards_and_training_unchanged(results):
+    """ft as it loads QLoRA models (bitsandbytes' CPU repacking left on): evaluation, generation and DPO references
+    run eval-mode forwards before or between training steps."""
+    ref, single, fsdp = results["single/bf16"], results["single/bf16+cpu-packing"], results["fsdp/bf16+cpu-packing"]
+    scale, moved = ref["before"].abs().max().item(), _max_diff(ref["after"], ref["before"])
+    assert _max_diff(fsdp["again"], fsdp["before"]) <= 2e-2 * scale  # measured: 1.4 × scale
+    assert fsdp["loss"] == pytest.approx(ref["loss"], rel=1e-3)  # measured: +3.6%
+    assert single["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)  # measured: half of it
+    assert _max_diff(single["after"], ref["after"]) <= 0.25 * moved  # measured: 0.87 × the step's change
