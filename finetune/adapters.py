@@ -1,13 +1,24 @@
-"""What is trained: the whole model, or a LoRA / QLoRA / DoRA adapter through peft."""
+"""What is trained: the whole model, or a LoRA / QLoRA / DoRA adapter through peft.
+
+The adapter's starting values do not depend on how the model was built: `initial_value` gives each adapter tensor
+from the job's seed and the tensor's name alone (lora_A kaiming-uniform as peft draws it, lora_B zeros), so one
+process and N ranks that each build only their shard start from the same adapter.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import math
 
 from finetune.config.schema import AdapterSection
 from finetune.errors import FtError
 
+_DRAWN = ("lora_A", "lora_embedding_B")  # random at the start (peft's default init); the other adapter tensors start at zero
+_ZERO = ("lora_B", "lora_embedding_A")
+
 
 def apply_adapter(model, adapter: AdapterSection, plan):
-    """Make the planned parameters trainable; returns the (possibly peft-wrapped) model."""
+    """Make the planned parameters trainable; returns the (possibly peft-wrapped) model. Works on a meta-device model too."""
     if plan.adapter == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -18,7 +29,7 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     modules = list(adapter.modules_to_save)
-    if any(d.field == "embeddings" for d in plan.decisions):
+    if plan.train_embeddings:  # tokens were added: their rows are trained in full
         modules = list(dict.fromkeys([*modules, "embed_tokens", "lm_head"]))
     config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=adapter.target_modules,
                         use_dora=adapter.dora, use_rslora=adapter.rslora, modules_to_save=modules or None, task_type="CAUSAL_LM")
@@ -34,3 +45,41 @@ def linear_names(model) -> list[str]:
     import torch
 
     return sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def is_initialised_here(name: str) -> bool:
+    """An adapter tensor whose starting value `initial_value` gives (not DoRA's magnitude, which comes from the base weights)."""
+    parts = name.split(".")
+    return any(k in parts for k in _DRAWN + _ZERO)
+
+
+def is_dora_magnitude(name: str) -> bool:
+    return "lora_magnitude_vector" in name.split(".")
+
+
+def initial_value(name: str, shape: tuple, seed: int):
+    """The starting value of adapter tensor `name` (fp32, on the CPU): drawn from a generator seeded by the job's seed and
+    the name, so it is the same however and wherever the model is built. Distributions as peft's default init."""
+    import torch
+
+    value = torch.zeros(shape, dtype=torch.float32)
+    parts = name.split(".")
+    if not any(k in parts for k in _DRAWN):
+        if not any(k in parts for k in _ZERO):
+            raise FtError(f"adapter: no starting value known for {name}; sharded loading initialises lora_A/lora_B (and DoRA) adapters only")
+        return value
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    if "lora_A" in parts:
+        return torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=gen)
+    return torch.nn.init.normal_(value, generator=gen)
+
+
+def init_adapter(model, seed: int) -> None:
+    """Set every adapter tensor of a whole (unsharded) model to its `initial_value`, replacing peft's random draw."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad and is_initialised_here(name):
+                p.copy_(initial_value(name, tuple(p.shape), seed).to(p.dtype))

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from finetune import __version__
-from finetune.errors import FtError
+from finetune.errors import FtError, run_main, set_debug
 
 app = typer.Typer(
     name="ft",
@@ -34,8 +34,13 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit.")) -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="On an unexpected error, print the full traceback (otherwise it goes to a log file)."),
+) -> None:
     """ft: declarative fine-tuning for large language models."""
+    if debug:
+        set_debug(True)
 
 
 @app.command()
@@ -256,10 +261,25 @@ def explain(key: Optional[str] = typer.Argument(None, help="A section or dotted 
     typer.echo(explain_key(key))
 
 
-def main() -> None:
-    """Console entry point: user errors print a message (no traceback) and exit with their code."""
+def main(argv: Optional[List[str]] = None) -> None:
+    """Console entry point: user errors print a message (no traceback) and exit with their code (2); anything
+    unexpected prints one message and exits 1, its traceback in a log file (`ft --debug` prints it)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    shown = " ".join(a if len(a) <= 60 else a[:40] + "..." for a in args[:4])
+    run_main(lambda: _invoke(args), what=f"ft {shown}".strip())
+
+
+def _invoke(args: List[str]) -> int:
+    """Run the typer app on `args` and return its exit code; Ctrl-C comes back as KeyboardInterrupt."""
     try:
-        app()
-    except FtError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(e.exit_code)
+        code = app(args=args, prog_name="ft", standalone_mode=False)
+    except typer.TyperException as e:  # usage errors: typer prints them as click does
+        if not callable(getattr(e, "show", None)):
+            raise
+        e.show()
+        return getattr(e, "exit_code", 2)
+    except typer.Abort:
+        raise KeyboardInterrupt from None
+    if code == 130:  # typer's answer to Ctrl-C
+        raise KeyboardInterrupt
+    return code if isinstance(code, int) else 0

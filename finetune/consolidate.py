@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 from finetune import checkpoint
 from finetune.errors import FtError
@@ -68,14 +67,17 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def _run(run_dir: Path):
+    """The run's config and its Plan as one fp32 process on the CPU would run it (the adapter, trained embeddings and
+    every other decision as planned; no quantization, sharding or process group)."""
+    from dataclasses import replace
+
     from finetune.config import load
-    from finetune.plan.plan import Decision
+    from finetune.workflow import read_plan
 
     config = load(run_dir / "config.yaml")
-    p = json.loads((run_dir / "plan.json").read_text())
-    decisions = tuple(Decision(d["field"], d["value"], d["reason"], d["source"]) for d in p["decisions"])
-    plan = SimpleNamespace(adapter=p["adapter"], quantization="none", precision="fp32", backend="single", gradient_checkpointing=False,
-                           attn_implementation="sdpa", decisions=decisions)
+    plan = replace(read_plan(run_dir), quantization="none", quant_storage=None, precision="fp32", backend="single", sharding=None,
+                   offload="none", world_size=1, nodes=1, processes_per_node=1, process_group=False, loading="replica",
+                   generation="local", gradient_checkpointing=False, attn_implementation="sdpa")
     return config, plan
 
 

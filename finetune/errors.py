@@ -15,6 +15,11 @@ def dotted(path: Path) -> str:
     return out
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """`text` cut to about `limit` characters for a message (a 5,000-character key is not printed whole)."""
+    return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text):,} characters)"
+
+
 class FtError(Exception):
     """An error the user can fix; `str()` is the whole message. Exit code 2: the input was wrong."""
 
@@ -34,7 +39,7 @@ class Problem:
         names = []
         for i, key in enumerate(self.keys):
             loc = self.where[i] if i < len(self.where) and self.where[i] else ""
-            names.append(f"{dotted(key) or '(top level)'}" + (f" ({loc})" if loc else ""))
+            names.append(f"{clip(dotted(key)) or '(top level)'}" + (f" ({loc})" if loc else ""))
         head = " conflicts with ".join(names) if len(names) > 1 else (names[0] if names else "")
         if not self.keys and self.where:
             head = self.where[0]
@@ -72,3 +77,98 @@ class DataError(FtError):
     """Data that cannot be read or turned into training examples; the message names the file/line or sample."""
 
     exit_code = 2
+
+
+# ---------------------------------------------------------------- the top-level handler
+_state = {"debug": False, "run_dir": None}
+
+
+def set_debug(on: bool = True) -> None:
+    """`ft --debug`: print the traceback of an unexpected error instead of writing it to a log file."""
+    _state["debug"] = on
+
+
+def set_run_dir(path) -> None:
+    """The run folder of this command, once known: an unexpected error's traceback is written there."""
+    _state["run_dir"] = path
+
+
+def run_main(fn, what: str = "ft", run_dir=None) -> None:
+    """Run `fn()` and exit: 0 when it returns, the exit code of an `FtError` (with its message), 130 on Ctrl-C,
+    and for anything else one message (exit 1; 2 for an OSError) with the traceback in a log file.
+
+    Every entry point uses it (`ft`, and each rank's `python -m finetune.train`), so that no input reaches
+    the user as a traceback. `what` names the command in messages; `run_dir` is where the log goes.
+    """
+    import sys
+
+    if run_dir is not None:
+        set_run_dir(run_dir)
+    try:
+        code = fn()
+    except FtError as e:
+        sys.stderr.write(f"error: {e}\n")
+        code = e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"\ninterrupted: {what} stopped (Ctrl-C)\n")
+        code = 130
+    except Exception as e:  # noqa: BLE001 - this is the one place that catches everything
+        code = _unexpected(e, what)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _unexpected(e: BaseException, what: str) -> int:
+    """Report an exception ft did not expect: one message, the traceback in a log (or printed with --debug)."""
+    import os
+    import sys
+    import traceback
+
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    input_error = isinstance(e, OSError)
+    detail = " ".join(str(e).split())[:300] or "(no message)"
+    lines = [f"error: {what} failed: {type(e).__name__}: {detail}"]
+    frame = _innermost_ft_frame(e)
+    if frame:
+        lines.append(f"  at {frame}")
+    if input_error and getattr(e, "filename", None):
+        lines.append(f"  the file: {e.filename}")
+    lines.append("  this is a bug in ft or an unexpected input: check the input named above; if it looks right, "
+                 "report this message with the traceback")
+    if _state["debug"] or os.environ.get("FT_DEBUG") == "1":
+        sys.stderr.write(text)
+    else:
+        log = _write_log(text, what)
+        lines.append(f"  traceback: {log}" if log else "  traceback: run again with ft --debug to see it")
+        if log:
+            lines.append("  (run again with ft --debug to print it)")
+    sys.stderr.write("\n".join(lines) + "\n")
+    return 2 if input_error else 1
+
+
+def _innermost_ft_frame(e: BaseException) -> str | None:
+    """`finetune/x.py:LINE in function` for the deepest frame of ft's own code in the traceback."""
+    import traceback
+
+    found = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        parts = frame.filename.replace("\\", "/").split("/")
+        if "finetune" in parts:
+            found = f"{'/'.join(parts[parts.index('finetune'):])}:{frame.lineno} in {frame.name}"
+    return found
+
+
+def _write_log(text: str, what: str) -> str | None:
+    """Write the traceback to RUN/ft-error-PID.log (or $TMPDIR/ft-error-PID.log); its path, or None."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    folders = [Path(_state["run_dir"])] if _state["run_dir"] and Path(_state["run_dir"]).is_dir() else []
+    for folder in folders + [Path(tempfile.gettempdir())]:
+        path = folder / f"ft-error-{os.getpid()}.log"
+        try:
+            path.write_text(f"{what}\n\n{text}", encoding="utf-8")
+            return str(path)
+        except OSError:
+            continue
+    return None

@@ -1,4 +1,5 @@
-"""Loading tokenizers (and, with the training issue, models) per the config and the Plan."""
+"""Tokenizers and models per the config and the Plan: a whole model loaded by `from_pretrained`, or an empty
+(meta-device) model with a safetensors reader that fills it piece by piece (see distributed/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -68,34 +69,69 @@ def runtime_attention(model: ModelSection, planned: str) -> str:
     return planned
 
 
-def load_model(model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None):
-    """The model as the plan says: dtype, attention kernel, 4/8-bit base, resized embeddings, checkpointing."""
+def load_dtype(model: ModelSection, plan) -> str:
+    """The dtype the trained model's weights are held in: fp32 master weights for full fine-tuning (autocast computes
+    in plan.precision), else model.dtype or the plan's precision."""
+    if plan.adapter == "full":
+        return "fp32"
+    return model.dtype if model.dtype != "auto" else plan.precision
+
+
+def load_model(model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None, dtype: str | None = None):
+    """The whole model on this rank as the plan says: dtype (`dtype` overrides it, e.g. for a frozen reference),
+    attention kernel, 4/8-bit base, resized embeddings, checkpointing."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or plan.attn_implementation
-    kwargs = {"attn_implementation": attn, "use_safetensors": True, "trust_remote_code": model.trust_remote_code}
-    if plan.adapter == "full":
-        kwargs["dtype"] = torch_dtype("fp32")  # fp32 master weights; autocast computes in plan.precision
-    else:
-        kwargs["dtype"] = torch_dtype(model.dtype if model.dtype != "auto" else plan.precision)
+    kwargs = {"attn_implementation": attn, "use_safetensors": True, "trust_remote_code": model.trust_remote_code,
+              "dtype": torch_dtype(dtype or load_dtype(model, plan))}
     if plan.quantization in ("nf4", "int8"):
         kwargs["quantization_config"] = quantization_config(plan)
-    import torch
-
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and plan.loading != "partitioned":
+        # GPU: load straight onto this rank's device. Not under ZeRO-3: from_pretrained then constructs the model partitioned
+        # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ... device_map")
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    if attn == "sdpa_varlen":
-        from finetune.attention import register
-
-        register()
+    _register_attention(attn)
     path = model_path(model)
     try:
         net = AutoModelForCausalLM.from_pretrained(path, revision=model.revision, **kwargs)
     except OSError as e:
         raise FtError(f"model.name: cannot load {model.name!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer is not None:
+        resize_embeddings(net, len(tokenizer))
+    return _finish(net, plan)
+
+
+def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
+    """The model's modules with parameters on the meta device (no memory), from its config; embeddings resized to the
+    tokenizer. The weights are filled later, shard by shard (distributed/fsdp.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = weights_folder(model)
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=model.trust_remote_code)
+    _register_attention(attn)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code)
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
-        net.resize_token_embeddings(len(tokenizer))
+        net.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # on meta: shapes only; rows are filled by fill_rows
+    return _finish(net, plan)
+
+
+def _register_attention(attn: str) -> None:
+    if attn == "sdpa_varlen":
+        from finetune.attention import register
+
+        register()
+
+
+def _finish(net, plan):
     net.config.use_cache = False
+    if plan.quantization == "nf4":
+        from finetune.compat import keep_4bit_layers_trainable_on_cpu
+
+        keep_4bit_layers_trainable_on_cpu(net)
     if plan.gradient_checkpointing:
         enable = getattr(net, "activation_checkpointing_enable", None)
         if enable is not None:
@@ -105,11 +141,173 @@ def load_model(model: ModelSection, plan, tokenizer=None, attn_implementation: s
     return net
 
 
+# ---------------------------------------------------------------- added tokens: new embedding rows
+ROW_CHUNK = 4096  # rows summed at a time for the mean of an embedding table (the same chunks in every loading path)
+
+
+def row_mean(chunks) -> "torch.Tensor":
+    """The mean row of a table given as consecutive row chunks, summed in float64 chunk by chunk: the same value
+    whether the rows come from a whole tensor in memory or are read from a file piece by piece."""
+    total, rows = None, 0
+    for chunk in chunks:
+        part = chunk.double().sum(0)
+        total = part if total is None else total + part
+        rows += chunk.shape[0]
+    return total / rows
+
+
+def resize_embeddings(net, size: int) -> None:
+    """Grow the input embeddings (and an untied output head) to `size` rows; each new row is the mean of the old rows
+    (deterministic, so every loading path gives the same rows; transformers' mean_resizing samples around that mean)."""
+    import torch
+
+    old = net.get_input_embeddings().weight.shape[0]
+    if size <= old:
+        return
+    net.resize_token_embeddings(size, mean_resizing=False)
+    tables = {id(m.weight): m.weight for m in (net.get_input_embeddings(), net.get_output_embeddings()) if m is not None}
+    with torch.no_grad():
+        for w in tables.values():
+            w[old:] = row_mean(w[s:min(s + ROW_CHUNK, old)] for s in range(0, old, ROW_CHUNK)).to(w.dtype)
+
+
 def quantization_config(plan):
     from transformers import BitsAndBytesConfig
 
     compute = torch_dtype(plan.precision)
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    kwargs = {"bnb_4bit_quant_storage": compute} if plan.backend == "fsdp" or plan.sharding == "zero3" else {}  # sharding flattens one dtype
+    storage = plan.quant_storage  # FSDP/ZeRO-3 shard flat tensors of one dtype: 4-bit weights packed in it
+    kwargs = {"bnb_4bit_quant_storage": torch_dtype(storage)} if storage else {}
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute, **kwargs)
+
+
+# ---------------------------------------------------------------- safetensors, read piece by piece
+def weights_folder(model: ModelSection):
+    """The local folder holding the model's config and safetensors weights (fetched from the hub when given an id)."""
+    from pathlib import Path
+
+    path = Path(model_path(model))
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(model.name, revision=model.revision, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model"]))
+        except Exception as e:  # offline without a cached copy, unknown id, no access
+            raise FtError(f"model.name: cannot fetch {model.name!r}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+    if not any(path.glob("*.safetensors")):
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        found = f"it has {', '.join(bins[:3])}" if bins else "it has none"
+        raise FtError(f"model.name: sharded loading reads safetensors weights, and {path} has no *.safetensors ({found}). Convert the "
+                      "weights once: python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('IN').save_pretrained('OUT')\" "
+                      "and point model.name at OUT")
+    return path
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint (one file, or several listed in model.safetensors.index.json), read a
+    row range at a time with plain file reads: nothing is memory-mapped, so a process holds only what it asked for."""
+
+    def __init__(self, folder):
+        import json
+        from pathlib import Path
+
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["model.safetensors"] if (folder / "model.safetensors").exists() else sorted(p.name for p in folder.glob("*.safetensors"))
+        self.entries: dict[str, tuple] = {}
+        for name in files:
+            self.entries.update(self._header(folder / name))
+
+    @staticmethod
+    def _header(path) -> dict[str, tuple]:
+        import json
+
+        import torch
+
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            head = json.loads(f.read(size))
+        head.pop("__metadata__", None)
+        return {k: (path, getattr(torch, _SAFETENSORS_DTYPES[v["dtype"]]), tuple(v["shape"]), 8 + size + v["data_offsets"][0]) for k, v in head.items()}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def shape(self, key: str) -> tuple:
+        return self.entries[key][2]
+
+    def read(self, key: str, start: int = 0, stop: int | None = None, out=None):
+        """Rows [start, stop) of tensor `key` as a CPU tensor in the file's dtype (a scalar reads as one row); into `out`
+        when given (contiguous, on the CPU, of that dtype and shape)."""
+        import math
+
+        import torch
+
+        path, dtype, shape, offset = self.entries[key]
+        rows = shape or (1,)
+        stop = rows[0] if stop is None else stop
+        buf = torch.empty((stop - start, *rows[1:]), dtype=dtype) if out is None else out
+        row_bytes = math.prod(rows[1:]) * buf.element_size()
+        view = memoryview(buf.view(-1).view(torch.uint8).numpy())
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset + start * row_bytes)
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise FtError(f"{path}: the file ends inside tensor {key}; the checkpoint is truncated, download it again")
+                done += n
+        return buf
+
+
+def fill_rows(ckpt: Checkpoint, key: str, start: int, out) -> None:
+    """Fill `out` with rows [start, start + len(out)) of checkpoint tensor `key`, in out's dtype; rows past the
+    checkpoint's (tokens added since it was saved) get the mean of its rows, as `resize_embeddings` gives them."""
+    rows = (ckpt.shape(key) or (1,))[0]
+    have = max(0, min(out.shape[0], rows - start))
+    if have:
+        part = out[:have]
+        if part.device.type == "cpu" and part.dtype == ckpt.entries[key][1] and part.is_contiguous():
+            ckpt.read(key, start, start + have, out=part)  # straight into this rank's shard: no copy at all
+        else:  # another dtype, or a GPU shard: one slice staged in host memory, then copied (host-to-device on GPUs)
+            part.copy_(ckpt.read(key, start, start + have))
+    if have < out.shape[0]:
+        chunks = (ckpt.read(key, s, min(s + ROW_CHUNK, rows)).to(out.dtype) for s in range(0, rows, ROW_CHUNK))
+        out[have:] = row_mean(chunks).to(out.dtype)
+
+
+def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
+    """For each parameter and persistent buffer of `net` (by object id): the checkpoint tensor holding its values. A tied
+    tensor (one object, several names) takes whichever of its names the checkpoint has."""
+    prefix = getattr(net, "base_model_prefix", "")
+    keys: dict[int, str] = {}
+    state = net.state_dict(keep_vars=True)
+    for name, t in state.items():
+        for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
+            if key in ckpt and id(t) not in keys:
+                keys[id(t)] = key
+    missing = [name for name, t in state.items() if id(t) not in keys]
+    if missing:
+        raise FtError(f"model.name: the checkpoint has no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (its layout differs from "
+                      "the model's, e.g. fused experts that transformers converts while loading); sharded loading needs one checkpoint tensor "
+                      "per parameter: use distributed.backend: deepspeed or ddp for this model")
+    return keys
+
+
+def init_buffers(net) -> None:
+    """Recompute the buffers that are not in checkpoints (rotary frequencies) after `to_empty` left them uninitialised,
+    with the model's own initialiser, as from_pretrained does (transformers modeling_utils._initialize_missing_keys);
+    the parameters are marked initialised so that it leaves them alone."""
+    for p in net.parameters():
+        p._is_hf_initialized = True
+    owners = {name.rpartition(".")[0] for name, _ in net.named_non_persistent_buffers()}
+    for name in sorted(owners):
+        net._init_weights(net.get_submodule(name))

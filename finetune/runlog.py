@@ -1,4 +1,5 @@
-"""What ft writes into a run folder besides the model: redaction, environment, metrics, loss plot, model card.
+"""What ft writes into a run folder besides the model: environment, metrics, loss plot, model card (and redaction,
+from `finetune.redaction`).
 
 Everything here is cheap to import; matplotlib and torch are imported inside the functions that use them.
 """
@@ -18,61 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FtError
+from finetune.redaction import REDACTED, SECRET_KEY, is_config, redact, redact_config
 
-REDACTED = "***"
-
-# Key names whose values are secrets. "token" is matched, but not "tokens", "tokenizer", "token_id" or the
-# tokenizer's special tokens (pad_token, eos_token, ...); "auth" is matched, but not "author".
-SECRET_KEY = re.compile(
-    r"(?<!pad_)(?<!eos_)(?<!bos_)(?<!unk_)(?<!sep_)(?<!cls_)(?<!mask_)token(?!s|iz|_id)"
-    r"|secret|passw(?:or)?d|api[_-]?key|auth(?!or(?!iz))|credential|private[_-]?key|access[_-]?key",
-    re.IGNORECASE,
-)
-
-# Secret-looking values, wherever they appear inside a string: (pattern, replacement).
-_SECRET_VALUES = [
-    (re.compile(r"hf_[A-Za-z0-9]{30,}"), REDACTED),  # Hugging Face token
-    (re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Za-z0-9])"), REDACTED),  # AWS access key id
-    (re.compile(r"gh[pousr]_[A-Za-z0-9]{30,}"), REDACTED),  # GitHub token
-    (re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{20,}"), REDACTED),  # OpenAI-style key
-    (re.compile(r"(\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE), r"\1" + REDACTED),
-    (re.compile(r"(://[^/\s:@]+:)[^/\s@]+@"), r"\1" + REDACTED + "@"),  # password in a URL
-    (re.compile(r"([?&](?:[a-z_]*token|api_?key|key|secret|password|sig|signature)=)[^&#\s]+", re.IGNORECASE),
-     r"\1" + REDACTED),  # credential in a URL query
-]
-# A wandb API key is 40 lowercase hex characters; so is a git commit or a model revision, hence the key check.
-_HEX40 = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{40}(?![0-9a-zA-Z])")
-_HASH_KEY = re.compile(r"commit|revision|sha|hash|fingerprint|digest|checksum", re.IGNORECASE)
-
-
-def redact(obj: Any, _key: str = "") -> Any:
-    """A copy of `obj` with secrets replaced by "***": values of secret-looking keys, and secret-looking strings.
-
-    Dicts, lists and tuples are copied deeply (a pydantic model becomes its JSON dict); the input is never
-    changed. None, booleans and empty strings under a secret key are kept: they reveal nothing.
-    """
-    if hasattr(obj, "model_dump") and not isinstance(obj, type):
-        obj = obj.model_dump(mode="json")
-    if isinstance(obj, dict):
-        out = {}
-        for key, value in obj.items():
-            name = str(key)
-            if SECRET_KEY.search(name) and value not in (None, "") and not isinstance(value, bool):
-                out[key] = REDACTED
-            else:
-                out[key] = redact(value, name)
-        return out
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(redact(v, _key) for v in obj)
-    if isinstance(obj, str):
-        return _redact_text(obj, hashes_allowed=bool(_HASH_KEY.search(_key)))
-    return obj
-
-
-def _redact_text(text: str, hashes_allowed: bool) -> str:
-    for pattern, replacement in _SECRET_VALUES:
-        text = pattern.sub(replacement, text)
-    return text if hashes_allowed else _HEX40.sub(REDACTED, text)
+__all__ = ["REDACTED", "SECRET_KEY", "redact", "redact_config"]  # redaction lives in finetune.redaction
 
 
 # ---------------------------------------------------------------- environment
@@ -290,8 +239,12 @@ def _atomic_write(path: Path, write, binary: bool) -> None:
 def model_card(run: dict) -> str:
     """README.md for the final model, from {"config", "plan", "data", "metrics", "artifact"} (all optional),
     plus optional "name" (title), "run_dir" (for `ft merge-lora`) and "path" (where the weights are).
+
+    "config" is best the job's `Config` itself: then the text its `${VAR}` references read from the
+    environment is shown as the reference everywhere in the card, not only in the config.
     """
-    run = redact(run)
+    job = run.get("config")
+    run = redact({**run, "config": redact_config(job)} if is_config(job) else run, config=job if is_config(job) else None)
     cfg, plan, data, metrics = (run.get(k) or {} for k in ("config", "plan", "data", "metrics"))
     base = (cfg.get("model") or {}).get("name") or plan.get("model") or "(base model not recorded)"
     adapter = {**(cfg.get("adapter") or {})}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.errors import FtError, Problem
-from finetune.runlog import redact
+from finetune.redaction import is_config, redact
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,13 @@ def check_installed(names: list[str]) -> None:
 
 
 class Trackers:
-    """Sends each step's metrics to the configured trackers. A no-op on ranks other than 0."""
+    """Sends each step's metrics to the configured trackers. A no-op on ranks other than 0.
 
-    def __init__(self, names: list[str], run_dir: Path, run_name: str, config: dict, rank: int = 0):
+    `config` is best the job's `Config` itself: then values its `${VAR}` references read from the
+    environment reach no tracker (they are shown as the reference, in the config and in the run name).
+    """
+
+    def __init__(self, names: list[str], run_dir: Path, run_name: str, config: Any, rank: int = 0):
         self._sinks: dict[str, Any] = {}
         if rank != 0 or not names:
             return
@@ -53,6 +57,8 @@ class Trackers:
         check_installed(names)
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        if is_config(config):
+            run_name = redact(run_name, config=config)
         config = redact(config)
         for name in names:
             try:

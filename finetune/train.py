@@ -82,19 +82,18 @@ class SignalStop:
 
 
 def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
-    from finetune.adapters import apply_adapter
     from finetune import methods
     from finetune.distributed import engine
-    from finetune.models import load_model, runtime_attention
+    from finetune.models import runtime_attention
 
     with activity("joining the process group"):
         runtime = start(config.distributed.timeout_minutes, needs_group=True) if needs_launcher(plan.backend, plan.world_size) else Runtime()
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation)
-    model = apply_adapter(load_model(config.model, plan, prepared.tokenizer, attn), config.adapter, plan)
-    if plan.quantization == "none":
-        model.to(device)
+    with activity(f"creating the model ({plan.loading})"):
+        model = engine.create_model(config.model, config.adapter, plan, prepared.tokenizer, attn, device, config.train.seed,
+                                    config.train, config.distributed)
     model.train()
     rows = methods.rows_per_step(config.method, plan.global_batch_size)
     total = steps_for(len(prepared.train), rows, config.train.max_steps, config.train.epochs)
@@ -158,7 +157,7 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
     """Sharded models: every rank writes its shards; otherwise rank 0 writes (replicas are identical)."""
-    state = {"position": job.stream.position, **extra}
+    state = {**extra, "position": job.stream.position}  # this step's data position, never an older one carried in `extra`
     keep = job.config.output.keep_checkpoints
     e = job.engine
     if e.sharded:
@@ -178,9 +177,11 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        state = checkpoint.load(resume_from, job.engine, job.runtime.rank)
-        start, job.stream.position = state["step"], state["position"]
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start if resume_from is not None else None) if job.runtime.is_main else _NoMetrics()
+        saved = checkpoint.load(resume_from, job.engine, job.runtime.rank)
+        start, job.stream.position = saved["step"], saved["position"]
+        state = {"tokens": saved["tokens"], "seconds": saved["seconds"]}  # running totals only: position and stop cause are per checkpoint
+    # From step 0 too: a fresh start in a folder an earlier attempt wrote to (resume: auto before any checkpoint) starts a fresh log.
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start) if job.runtime.is_main else _NoMetrics()
     stop = stop or SignalStop()
     last = {}
     with stop:
@@ -270,19 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     The rank starts from the run folder alone (config.yaml, plan.json, data.json): it does not read the job
     file, probe the hardware, plan, or prepare data, and it does not import the CLI."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m finetune.train", description=main.__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run folder ft train wrote")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
     args = parser.parse_args(argv)
+    from finetune.errors import run_main
     from finetune.workflow import train_run_folder
 
-    try:
-        train_run_folder(Path(args.run_dir), args.resume_from)
-    except FtError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(e.exit_code)
+    run_main(lambda: train_run_folder(Path(args.run_dir), args.resume_from), what=f"python -m finetune.train {args.run_dir}", run_dir=args.run_dir)
 
 
 if __name__ == "__main__":

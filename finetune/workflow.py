@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterable
 
-from finetune.errors import FtError, HardwareError
+from finetune.errors import FtError, HardwareError, set_run_dir
 from finetune.plan.plan import Plan
 
 
@@ -132,6 +132,7 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
                        resume_from=str(resume_from) if resume_from else None)
     if role.node_rank == 0:  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
         _write_run_folder(run_dir, config, job_plan, prepared, cmd)
+        set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
     if job_plan.process_group:
         return _launch(cmd, job_plan, config_path, overrides)
     return train_run_folder(run_dir, resume_from, prepared)
@@ -252,11 +253,11 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
 
     import yaml
 
-    from finetune.runlog import atomic_write_text, environment_snapshot, redact
+    from finetune.runlog import atomic_write_text, environment_snapshot, redact_config
 
     run_dir.mkdir(parents=True, exist_ok=True)
     # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every derived value.
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact(config.model_dump(mode="json", exclude_unset=True)), sort_keys=False))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False))
     atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
     atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
     atomic_write_text(run_dir / "data.json", json.dumps({"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2))
@@ -282,7 +283,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) 
     import json
 
     from finetune import train
-    from finetune.runlog import atomic_write_text, model_card, plot_losses, redact
+    from finetune.runlog import atomic_write_text, model_card, plot_losses
 
     job = train.setup(config, job_plan, prepared)
     main = job.runtime.is_main
@@ -307,7 +308,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) 
         return result
     result.update({"task_before": before, "task_after": after, "final": str(final), "artifact": "model" if job_plan.adapter == "full" else "adapter"})
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    card = {"config": redact(config.model_dump(mode="json")), "plan": job_plan.to_json(), "data": prepared.summary, "metrics": result,
+    card = {"config": config, "plan": job_plan.to_json(), "data": prepared.summary, "metrics": result,
             "artifact": result["artifact"], "run_dir": str(run_dir), "path": str(final), "name": config.output.run_name or run_dir.name}
     atomic_write_text(run_dir / "README.md", model_card(card))
     atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2))
@@ -317,10 +318,9 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) 
 
 def _trackers(config, run_dir, rank: int = 0):
     """The configured experiment trackers (none configured, or not rank 0: a no-op)."""
-    from finetune.runlog import redact
     from finetune.trackers import Trackers
 
-    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, redact(config.model_dump(mode="json")), rank=rank)
+    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, config, rank=rank)
 
 
 def _task_eval(config, job, tokenizer):
@@ -340,7 +340,7 @@ def _task_eval(config, job, tokenizer):
             yield
 
     return task_score(job.inner, tokenizer, template_for(tokenizer, config.data.template), e, job.device, context=context,
-                      synced=getattr(job.engine, "synced_generation", False))
+                      synced=job.engine.synced_generation)
 
 
 def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:

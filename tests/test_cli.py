@@ -87,5 +87,57 @@ def test_schema_and_explain():
     r = ft("schema", "--output", "-")
     assert r.returncode == 0 and json.loads(r.stdout)["title"] == "ft job"
     r = ft("explain", "train.micro_batch_size")
-    assert r.returncode == 0 and "auto | int (>= 1)" in r.stdout and "largest that fits" in r.stdout
+    assert r.returncode == 0 and "auto | int (>= 1, <= 2^20)" in r.stdout and "largest that fits" in r.stdout
     assert "grpo" in ft("explain", "method").stdout
+
+
+# ---------------------------------------------------------------- the top-level handler
+def _ft_raising(exc: str, *args, tmp_path):
+    """`ft ARGS` in a subprocess where planning raises `exc` (a Python expression)."""
+    code = ("import sys, finetune.workflow as w\n"
+            f"def boom(*a, **k):\n    raise {exc}\n"
+            "w.compile_plan = boom\n"
+            f"sys.argv = ['ft', *{list(args)!r}]\n"
+            "from finetune.cli import main\nmain()\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def test_an_unexpected_error_is_one_message_with_the_traceback_in_a_log(tmp_path):
+    r = _ft_raising("ValueError('kaboom')", "plan", QUICKSTART, "--hardware", "cpu", tmp_path=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "failed: ValueError: kaboom" in r.stderr and "this is a bug in ft or an unexpected input" in r.stderr
+    (log,) = tmp_path.glob("ft-error-*.log")
+    assert f"traceback: {log}" in r.stderr and "kaboom" in log.read_text() and "Traceback" in log.read_text()
+
+
+def test_debug_prints_the_traceback(tmp_path):
+    r = _ft_raising("ValueError('kaboom')", "--debug", "plan", QUICKSTART, tmp_path=tmp_path)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "kaboom" in r.stderr
+    assert not list(tmp_path.glob("ft-error-*.log"))
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    r = _ft_raising("KeyboardInterrupt", "plan", QUICKSTART, tmp_path=tmp_path)
+    assert r.returncode == 130 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0 and "interrupted" in r.stderr
+
+
+def test_an_os_error_is_an_input_error(tmp_path):
+    r = _ft_raising("PermissionError(13, 'Permission denied', '/data/x.jsonl')", "plan", QUICKSTART, tmp_path=tmp_path)
+    assert r.returncode == 2 and "/data/x.jsonl" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_main_writes_the_log_into_the_run_folder(tmp_path, capsys):
+    from finetune.errors import run_main, set_run_dir
+
+    def fail():
+        raise RuntimeError("rank broke")
+
+    try:
+        with pytest.raises(SystemExit) as info:
+            run_main(fail, what="rank 0", run_dir=tmp_path)
+    finally:
+        set_run_dir(None)
+    assert info.value.code == 1
+    (log,) = tmp_path.glob("ft-error-*.log")
+    assert "rank broke" in log.read_text() and str(log) in capsys.readouterr().err

@@ -164,3 +164,83 @@ def test_load_reads_files_and_reports_their_name(write_yaml):
     with pytest.raises(ConfigError) as info:
         load(path)
     assert f"{path}:15" in str(info.value)
+
+
+# ---------------------------------------------------------------- bounded reading, strict values, ${VAR}
+def test_nested_env_defaults_expand():
+    text = MINIMAL.replace("output: {dir: runs/llama8b-lora}", "output: {dir: \"${A:-${B:-runs/x}}\"}").replace("max_steps: 1000", "max_steps: ${S:-${T:-7}}")
+    assert loads(text, environ={}).output.dir == "runs/x"
+    assert loads(text, environ={"B": "runs/b"}).output.dir == "runs/b"
+    c = loads(text, environ={"A": "runs/a", "B": "runs/b", "T": "9"})
+    assert c.output.dir == "runs/a" and c.train.max_steps == 9
+    err = problems(MINIMAL.replace("max_steps: 1000", "max_steps: ${S:-${T}}"))
+    assert "environment variable T is not set" in str(err) and err.problems[0].keys == (("train", "max_steps"),)
+
+
+def test_values_read_from_the_environment_are_recorded_with_their_reference():
+    text = MINIMAL.replace("{name: meta-llama/Llama-3.1-8B}", "{name: \"${MODEL}\"}").replace("max_steps: 1000", "max_steps: ${STEPS:-5}")
+    text = text.replace("output: {dir: runs/llama8b-lora}", "output: {dir: \"runs/${RUN}\", run_name: \"${NAME:-x}\"}")
+    c = loads(text, overrides=["output.dir=runs/cli"], environ={"MODEL": "org/secret-model", "RUN": "r1"})
+    assert c.model.name == "org/secret-model" and c.output.dir == "runs/cli"
+    assert c.env_references() == {("model", "name"): "${MODEL}"}  # defaults read nothing; --set replaced output.dir
+    assert c.env_variables() == {"MODEL": "org/secret-model"}
+
+
+@pytest.mark.parametrize("edit, key, needle", [
+    (("max_steps: 1000", "max_steps: true"), ("train", "max_steps"), "not the boolean true"),
+    (("r: 16", "r: true"), ("adapter", "r"), "not the boolean true"),
+    (("lr: 2.0e-4", "lr: false"), ("train", "lr"), "not the boolean false"),
+    (("max_steps: 1000", "max_steps: 1000\n  warmup_steps: 1000000000000000000000000000000"), ("train", "warmup_steps"), "less than or equal to 1000000000"),
+    (("lr: 2.0e-4", "lr: 1.0e+30"), ("train", "lr"), "less than or equal to 10"),
+    (("lr: 2.0e-4", "lr: .inf"), ("train", "lr"), "finite number"),
+    (("global_batch_size: 32", "global_batch_size: 1000000000"), ("train", "global_batch_size"), "less than or equal to 1048576"),
+    (("packing: true", "packing: true\n  template: chatt"), ("data", "template"), "did you mean 'chatml'"),
+    (("{name: meta-llama/Llama-3.1-8B}", "{name: \"a\\0b\"}"), ("model", "name"), "control character NUL"),
+    (("{name: meta-llama/Llama-3.1-8B}", "{name: " + "m" * 5000 + "}"), ("model", "name"), "5,000 characters"),
+    (("seq_len: 2048", "seq_len: " + "9" * 5000), ("data", "seq_len"), "5,000 characters is not allowed"),
+])
+def test_strict_and_bounded_values(edit, key, needle):
+    err = problems(MINIMAL.replace(*edit))
+    assert any(key in p.keys for p in err.problems) and needle in str(err), str(err)
+
+
+@pytest.mark.parametrize("template", ["tokenizer", "chatml", "llama3", "plain", "templates/mine.jinja", "./x", "~/t.j2",
+                                      "{% for m in messages %}{{ m.content }}{% endfor %}"])
+def test_templates_by_name_path_or_jinja_are_accepted(template):
+    assert loads(MINIMAL.replace("packing: true", f"packing: true\n  template: {template!r}"), environ={}).data.template == template
+
+
+@pytest.mark.parametrize("snippet, needle", [
+    ("x: !!python/object/apply:os.system ['true']", "job.yaml:19"),
+    ("x: !custom 1", "job.yaml:19"),
+    ("x-bomb:\n  - &a [a, a, a, a, a, a, a, a, a, a]\n" + "".join(f"  - &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdef", "bcdefg")), "more than 100,000 values"),
+    ("x: &r [1, *r]", "job.yaml:19"),
+    ("x: " + "[" * 100 + "]" * 100, "nested more than 64 levels"),
+    ("x: ok\0", "job.yaml:19:6: control character NUL"),
+    ("a: 1\n---\nb: 2", "more than one YAML document"),
+])
+def test_yaml_is_read_under_limits_and_without_tags(snippet, needle):
+    err = problems(MINIMAL + snippet + "\n")
+    assert needle in str(err), str(err)
+
+
+def test_aliases_within_the_budget_still_work():
+    text = MINIMAL.replace("datasets: [{path: data/train.jsonl, format: chat}]", "datasets: [&d {path: data/train.jsonl, format: chat}]")
+    c = loads(text.replace("  packing: true", "  packing: true\n  validation: *d"), environ={})
+    assert c.data.validation.path == "data/train.jsonl"
+
+
+def test_files_that_are_not_utf8_or_too_big_name_the_file(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(MINIMAL.encode() + b"# caf\xe9\n")
+    with pytest.raises(FtError, match=rf"{path}:19:6: not UTF-8 text \(byte 0xe9 at offset \d+\)"):
+        load(path)
+    path.write_bytes(MINIMAL.encode() + b"#" * (1 << 20))
+    with pytest.raises(FtError, match="larger than 1 MiB"):
+        load(path)
+
+
+def test_set_values_are_read_under_the_same_limits():
+    err = problems(MINIMAL, overrides=["model.name=!!python/name:os.system", "train.max_steps=" + "9" * 100, ".".join("a" * 40) + "=1"])
+    text = str(err)
+    assert "tag !!python/name:os.system is not allowed" in text and "100 characters is not allowed" in text and "40 dotted parts" in text

@@ -1,18 +1,27 @@
-"""DeepSpeed ZeRO: the JSON written from the plan, and 2-process ZeRO-2/3 runs on CPU (gloo) against one process.
+"""DeepSpeed ZeRO: the JSON written from the plan, models built partitioned under ZeRO-3, and 2-process ZeRO-2/3 runs
+on CPU (gloo) against one process.
 
 DeepSpeed's CPU accelerator compiles a shared-memory communication op the first time a job starts on a
 machine (about a minute and a half here, cached afterwards), which the first test below pays.
+The partitioned-construction tests share torchrun launches of tests/scripts/zero3_load_probe.py (several jobs built
+one after another in the same two ranks).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from finetune.errors import FtError
 from tests.conftest import REPO
-from tests.test_distributed import ft_train, job, losses
+from tests.test_distributed import free_port, ft_train, job, losses
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -65,6 +74,28 @@ def test_a_users_deepspeed_file_is_used_with_auto_values_filled_from_the_plan(tm
         config_for(plan, config.train, config.distributed)
 
 
+@pytest.mark.parametrize("sharding,overlap", [("zero1", False), ("zero2", True), ("zero3", True)])
+def test_overlap_comm_is_planned_only_where_deepspeed_allows_it_with_ft_owning_accumulation(sharding, overlap):
+    from finetune.distributed.deepspeed import config_for
+
+    plan, config = planned("2x8xH200-141GB", f"distributed.sharding={sharding}")
+    assert config_for(plan, config.train, config.distributed)["zero_optimization"]["overlap_comm"] is overlap
+
+
+def test_a_users_deepspeed_file_is_refused_for_overlap_comm_below_stage_2_and_for_another_stage(tmp_path):
+    from finetune.distributed.deepspeed import config_for
+
+    own = tmp_path / "ds.json"
+    own.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}}))
+    plan, config = planned("2x8xH200-141GB", "distributed.sharding=zero1", f"distributed.deepspeed_config={own}")
+    with pytest.raises(FtError, match=r"distributed.deepspeed_config: .*ds.json sets zero_optimization.overlap_comm true with stage 1"):
+        config_for(plan, config.train, config.distributed)
+    own.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    plan, config = planned("2x8xH200-141GB", "distributed.sharding=zero3", f"distributed.deepspeed_config={own}")
+    with pytest.raises(FtError, match=r"sets zero_optimization.stage 2, but the plan is zero3 .*distributed.sharding: zero2"):
+        config_for(plan, config.train, config.distributed)
+
+
 def test_zero3_matches_one_process_resumes_after_a_stop_and_consolidates(tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
@@ -102,6 +133,7 @@ def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp
     assert one.returncode == 0, one.stderr[-3000:]
     two = ft_train(job(tmp_path, "zero3"), *ZERO, "--set", "distributed.sharding=zero3", *lora, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
+    assert losses(tmp_path / "zero3") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)  # from the same start
     a = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "zero3" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
@@ -148,3 +180,123 @@ output: {{dir: {tmp_path / 'run'}, log_steps: 1, save_steps: 0}}
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("reward" in row and row["kl"] >= 0 for row in rows)
     assert (tmp_path / "run" / "final" / "adapter_model.safetensors").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- ZeRO-3: the model constructed partitioned
+PROBE = REPO / "tests" / "scripts" / "zero3_load_probe.py"
+SMALL_LORA = "{type: lora, r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}"
+
+
+def zero3_job(tmp: Path, name: str, model, *, adapter: str, precision: str = "fp32", method: str = "{name: sft}", data: str = "chat",
+              zero3: bool = True) -> str:
+    """A job adding two tokens (so the embeddings grow and are trained), under ZeRO-3 or in one process."""
+    path = tmp / f"{name}.yaml"
+    path.write_text(f"""
+model: {{name: {model}}}
+data: {{datasets: [{{path: {tmp / (data + '.jsonl')}, format: {data}}}], seq_len: 32, cache_dir: {tmp / 'cache'}, add_special_tokens: ["<x1>", "<x2>"]}}
+method: {method}
+adapter: {adapter}
+train: {{global_batch_size: 4, micro_batch_size: 2, max_steps: 1, precision: {precision}}}
+output: {{dir: {tmp / ('run-' + name)}}}
+{"distributed: {backend: deepspeed, sharding: zero3}" if zero3 else ""}
+""")
+    return str(path)
+
+
+def probe(out: Path, configs: list[str], *flags: str) -> list[dict]:
+    """The probe on 2 gloo ranks; its reports in (job, rank) order."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(PROBE), "cpu:2", str(out), *configs, *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
+
+
+def random_llama(folder: Path, *, hidden: int, layers: int, intermediate: int, heads: int) -> int:
+    """Save a Llama (untied) with random bf16 weights and ft's tiny tokenizer (vocab = its length); returns its parameter
+    count. Built on the meta device, then filled: seconds at 400M parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0) if p.ndim == 1 else p.uniform_(-0.05, 0.05, generator=gen)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory):
+    """One torchrun of 2 ranks building, one after another: a small LoRA job (bf16) on ft-tiny then on a random
+    400M-parameter Llama, for their peak memory (first in the processes: nothing freed before them inflates it); then on
+    ft-tiny (tied embeddings) a LoRA job and a full fine-tuning DPO job (weights gathered, one step each). And the
+    ft-tiny LoRA job in one process. Every job adds tokens: the embeddings grow."""
+    from finetune.tiny import arithmetic_records, preference_records, write_jsonl
+
+    spec = importlib.util.spec_from_file_location("zero3_load_probe", PROBE)
+    zero3_load_probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(zero3_load_probe)
+    tmp = tmp_path_factory.mktemp("zero3")
+    write_jsonl(arithmetic_records(32, seed=1), tmp / "chat.jsonl")
+    write_jsonl(preference_records(32, seed=1), tmp / "preference.jsonl")
+    params = random_llama(tmp / "big", hidden=1024, layers=24, intermediate=4096, heads=16)
+    lora = dict(adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}")
+    dpo = dict(adapter="{type: full}", method="{name: dpo}", data="preference")
+    jobs = [zero3_job(tmp, name, model, adapter=SMALL_LORA, precision="bf16") for name, model in (("tiny", "ft-tiny"), ("big", tmp / "big"))]
+    jobs += [zero3_job(tmp, "lora", "ft-tiny", **lora) + "@weights@step", zero3_job(tmp, "dpo", "ft-tiny", **dpo) + "@weights@step"]
+    ranks = probe(tmp / "two", jobs)
+    (tmp / "one").mkdir()
+    one = zero3_load_probe.run_job(zero3_job(tmp, "lora-1", "ft-tiny", zero3=False, **lora), "cpu", tmp / "one", 0, weights=True, step=True)
+    return {"ranks": ranks, "one": one, "two_dir": tmp / "two", "one_dir": tmp / "one", "big_params": params}
+
+
+@pytest.mark.slow
+def test_zero3_lora_model_built_partitioned_has_one_process_weights_and_first_loss(zero3_runs):
+    import torch
+
+    ranks = [r for r in zero3_runs["ranks"] if r["job"] == 2]
+    assert [(r["loading"], r["partitioned"]) for r in ranks] == [("partitioned", True)] * 2
+    assert all(r["held"] <= r["total"] // 2 + 4096 for r in ranks)  # each rank holds half (ZeRO pads each partition a little)
+    a = torch.load(zero3_runs["one_dir"] / "weights-0.pt", weights_only=True)
+    b = torch.load(zero3_runs["two_dir"] / "weights-2.pt", weights_only=True)
+    assert (a["loading"], b["loading"]) == ("replica", "partitioned") and a["weights"].keys() == b["weights"].keys()
+    assert any("lora_A" in n for n in a["weights"]) and any("modules_to_save" in n for n in a["weights"])  # adapter, grown embeddings
+    for name, w in a["weights"].items():
+        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), name  # base, adapter, added rows: exactly
+    assert sorted(b["final_save_gathers"]) == sorted(b["trainable"])  # the final save gathers the adapter, never the frozen base
+    assert [r["loss"] for r in ranks] == pytest.approx([zero3_runs["one"]["loss"]] * 2, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_zero3_full_fine_tuning_dpo_has_a_partitioned_reference_equal_to_the_policy_at_the_start(zero3_runs):
+    ranks = [r for r in zero3_runs["ranks"] if r["job"] == 3]
+    assert [(r["partitioned"], r["reference"]) for r in ranks] == [(True, "LlamaForCausalLM partitioned=True")] * 2
+    assert [r["loss"] for r in ranks] == pytest.approx([math.log(2)] * 2, abs=1e-6)  # reference = policy before the first update
+
+
+@pytest.mark.slow
+def test_a_rank_loading_a_400m_model_under_zero3_holds_about_its_partition(zero3_runs):
+    """Peak memory of building the job (model created and wrapped), over the same job on ft-tiny built first in the same
+    ranks. Before partitioned construction each rank loaded the whole model (measured: 1.5x the bf16 size per rank)."""
+    params = zero3_runs["big_params"]
+    size = 2 * params  # bf16 bytes
+    base = {r["rank"]: r["loaded"] for r in zero3_runs["ranks"] if r["job"] == 0}
+    big = [r for r in zero3_runs["ranks"] if r["job"] == 1]
+    added = sorted((r["loaded"] - base[r["rank"]]) / size for r in big)
+    print(f"ZeRO-3 loading, {params / 1e6:.0f}M parameters ({size / 2**30:.2f} GiB bf16): peak over a tiny model, per rank "
+          f"{', '.join(f'{x:.2f}x' for x in added)}; together {sum(added):.2f}x the bf16 size")
+    assert all(r["partitioned"] and r["loading"] == "partitioned" for r in big)
+    assert all(x < 0.6 for x in added[:-1]) and sum(added) < 1.6

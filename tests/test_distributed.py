@@ -60,6 +60,27 @@ def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_pat
     a, b = losses(one_process), losses(tmp_path / "two")
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    ranks_start_from_the_run_folder_alone(tmp_path, tmp_path / "two", b)
+
+
+def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> None:
+    """launch.txt is what ran; ft plan of the saved config gives the saved plan; the same ranks started by hand from
+    the folder reproduce the losses, without importing the CLI or calling the planner, the probe or the resolver."""
+    launch = (run / "launch.txt").read_text()
+    assert "torch.distributed.run" in launch and "-m finetune.train" in launch and str(run) in launch and "--nproc-per-node=2" in launch
+    again = subprocess.run([sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == json.loads((run / "plan.json").read_text())
+    (run / "metrics.jsonl").unlink()
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", f"--master-port={free_port()}",
+                            str(REPO / "tests" / "scripts" / "rank_imports.py"), str(run), str(tmp_path / "mods")],
+                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    assert losses(run) == pytest.approx(first, rel=1e-6)
+    for rank in (0, 1):
+        modules = set(json.loads((tmp_path / f"mods-{rank}.json").read_text())["modules"])
+        assert "finetune.cli" not in modules and "finetune.workflow" in modules
 
 
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):

@@ -64,10 +64,11 @@ def test_sharding_divides_the_right_state(sharding, divided):
 
 
 def test_offload_moves_bytes_to_host():
-    on_device = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8))
-    opt = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8, offload="optimizer"), processes_per_node=8)
+    zero3 = dict(adapter="full", sharding="zero3", shard_size=8, loading="partitioned")  # ZeRO-3 constructs the model partitioned
+    on_device = estimate(LLAMA8B, setup(**zero3))
+    opt = estimate(LLAMA8B, setup(**zero3, offload="optimizer"), processes_per_node=8)
     assert "optimizer" not in opt.device and opt.host["offloaded optimizer"] == pytest.approx(8 * on_device.device["optimizer"], rel=1e-6)
-    everything = estimate(LLAMA8B, setup(adapter="full", sharding="zero3", shard_size=8, offload="all"), processes_per_node=8)
+    everything = estimate(LLAMA8B, setup(**zero3, offload="all"), processes_per_node=8)
     assert everything.device_bytes < opt.device_bytes < on_device.device_bytes
     assert everything.host_bytes > opt.host_bytes
 

@@ -1,5 +1,6 @@
 """The run folder is the contract between `ft train` and its ranks: the Plan read back equals the Plan made,
-ranks start from the folder alone (no CLI, no probe, no re-planning), and launch.txt is what ran."""
+ranks start from the folder alone (no CLI, no probe, no re-planning), and launch.txt is what ran.
+The two-rank checks ride on the DDP run of tests/test_distributed.py (one torchrun run fewer)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import torch
 
 from finetune.errors import FtError
 from tests.conftest import REPO
-from tests.test_distributed import ft_train, job, losses
 
 EXAMPLES = sorted((REPO / "examples" / "yaml").glob("*.yaml"))
 
@@ -58,35 +58,6 @@ def test_plan_fields_carry_what_downstream_used_to_re_derive():
     assert lora_dpo.reference == "precomputed"
     one = planned("adapter: {type: lora}", hw="1xH100-80GB")
     assert (one.process_group, one.launch[:3]) == (False, ("python", "-m", "finetune.train"))
-
-
-@pytest.mark.slow
-def test_ranks_start_from_the_run_folder_alone(tmp_path):
-    """ft train on 2 ranks; then the same ranks started by hand from the folder reproduce its losses, importing
-    no CLI and calling neither the planner, the hardware probe nor the model resolver; and ft plan of the saved
-    config gives the saved plan."""
-    r = ft_train(job(tmp_path, "run", steps=3), "--hardware", "cpu:2")
-    assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "run"
-    first = losses(run)
-    launch = (run / "launch.txt").read_text()
-    assert "torch.distributed.run" in launch and "-m finetune.train" in launch and str(run) in launch and "--nproc-per-node=2" in launch
-    saved = json.loads((run / "plan.json").read_text())
-    again = subprocess.run([sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout) == saved
-
-    (run / "metrics.jsonl").unlink()
-    port = str(__import__("tests.test_distributed", fromlist=["free_port"]).free_port())
-    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", f"--master-port={port}",
-                            str(REPO / "tests" / "scripts" / "rank_imports.py"), str(run), str(tmp_path / "mods")],
-                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert ranks.returncode == 0, ranks.stderr[-3000:]
-    assert losses(run) == pytest.approx(first, rel=1e-6)
-    for rank in (0, 1):
-        modules = set(json.loads((tmp_path / f"mods-{rank}.json").read_text())["modules"])
-        assert "finetune.cli" not in modules and "finetune.workflow" in modules
 
 
 def test_a_rank_without_a_plan_is_told_what_to_run(tmp_path):

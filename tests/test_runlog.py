@@ -316,3 +316,71 @@ def test_atomic_write_text(tmp_path):
         atomic_write_text(path, b"bytes are not text")  # fails while writing
     assert path.read_text() == "two"
     assert [p.name for p in path.parent.iterdir()] == ["README.md"]
+
+
+# ---------------------------------------------------------------- values read from ${VAR}
+ENV_JOB = """\
+model: {name: "${BASE:-ft-tiny}"}
+data:
+  datasets: [{path: "https://${DATA_TOKEN}@example.com/d.jsonl", format: chat}]
+train: {max_steps: "${STEPS}", lr: 1.0e-3}
+output: {dir: runs/x, run_name: "${RUN_NAME}"}
+"""
+ENV = {"BASE": "org/private-model", "DATA_TOKEN": "opensesame123", "STEPS": "12", "RUN_NAME": "nightly-42-secret"}
+
+
+def _env_config():
+    from finetune.config import loads
+
+    return loads(ENV_JOB, environ=ENV)
+
+
+def test_redact_config_writes_environment_values_back_as_references():
+    from finetune.runlog import redact_config
+
+    config = _env_config()
+    out = redact_config(config, exclude_unset=True)
+    assert out["model"]["name"] == "${BASE:-ft-tiny}" and out["output"]["run_name"] == "${RUN_NAME}"
+    assert out["data"]["datasets"][0]["path"] == "https://${DATA_TOKEN}@example.com/d.jsonl"
+    assert out["train"]["max_steps"] == 12  # numbers are no secret; later readers need no environment
+    assert "scheduler" not in out["train"] and redact(config) == redact_config(config)
+    assert not any(v in json.dumps(redact(config)) for v in ("org/private-model", "opensesame123", "nightly-42-secret"))
+
+
+def test_the_saved_config_loads_again_from_the_environment():
+    import yaml
+
+    from finetune.config import loads
+    from finetune.runlog import redact_config
+
+    config = _env_config()
+    saved = yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False)
+    assert "opensesame123" not in saved
+    again = loads(saved, environ=ENV)
+    assert again.model_dump() == config.model_dump()
+    assert set(again.env_references()) == {("model", "name"), ("data", "datasets", 0, "path"), ("output", "run_name")}
+
+
+def test_the_model_card_shows_no_environment_value_anywhere():
+    config = _env_config()
+    run = {"config": config, "plan": {"model": "org/private-model", "hardware": "cpu"}, "data": {"sources": ["org/private-model/x"]},
+           "name": "nightly-42-secret", "run_dir": "runs/x", "path": "runs/x/final"}
+    card = model_card(run)
+    assert "org/private-model" not in card and "opensesame123" not in card and "nightly-42-secret" not in card
+    assert "${BASE}" in card and "${RUN_NAME}" in card
+
+
+def test_trackers_given_the_config_get_references_not_values(tmp_path, monkeypatch):
+    import finetune.trackers as trk
+
+    seen = {}
+
+    class Sink:
+        def __init__(self, run_dir, run_name, config):
+            seen.update(name=run_name, config=config)
+
+    monkeypatch.setitem(trk.MODULES, "fake", "json")
+    monkeypatch.setitem(trk._SINKS, "fake", Sink)
+    trk.Trackers(["fake"], tmp_path, "nightly-42-secret", _env_config())
+    assert seen["name"] == "${RUN_NAME}" and seen["config"]["model"]["name"] == "${BASE:-ft-tiny}"
+    assert "opensesame123" not in json.dumps(seen["config"])

@@ -143,6 +143,8 @@ def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):
 
 
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
+    """Stopped twice (the Slurm requeue case) and resumed twice: the same weights and one log line per step."""
+    from finetune import checkpoint
     from finetune.train import SignalStop, Stopped, run, setup
 
     text = job_text(tmp_path, "lora", steps=8).replace("save_steps: 0", "save_steps: 100")
@@ -151,25 +153,29 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     run(job, tmp_path / "run")
     straight = {n: t.detach().clone() for n, t in job.model.named_parameters() if t.requires_grad}
 
-    stop = SignalStop()
+    def stopping_at(at: int):
+        stop = SignalStop()
 
-    def stop_at_3(step, total, row):
-        if step == 3:
-            stop.signum = signal.SIGTERM
+        def hook(step, total, row):
+            if step == at:
+                stop.signum = signal.SIGTERM
+        return stop, hook
 
-    job2 = setup(config, p, prepared)
     (tmp_path / "run2").mkdir()
-    with pytest.raises(Stopped) as info:
-        run(job2, tmp_path / "run2", on_step=stop_at_3, stop=stop)
-    assert info.value.exit_code == 143 and "--resume" in str(info.value)
-    from finetune import checkpoint
-
-    last = checkpoint.latest(tmp_path / "run2")
-    assert last.name == "step-00000003"
+    resume_from = None
+    for at in (3, 6):
+        stop, hook = stopping_at(at)
+        with pytest.raises(Stopped) as info:
+            run(setup(config, p, prepared), tmp_path / "run2", resume_from=resume_from, on_step=hook, stop=stop)
+        assert info.value.exit_code == 143 and "--resume" in str(info.value)
+        resume_from = checkpoint.latest(tmp_path / "run2")
+        assert resume_from.name == f"step-{at:08d}"
+    positions = [json.loads((c / "state.json").read_text())["position"] for c in checkpoint.checkpoints(tmp_path / "run2")]
+    assert len(positions) == 2 and positions[0] != positions[1]  # each checkpoint records its own data position
     job3 = setup(config, p, prepared)
-    run(job3, tmp_path / "run2", resume_from=last)
+    run(job3, tmp_path / "run2", resume_from=resume_from)
     resumed = {n: t.detach() for n, t in job3.model.named_parameters() if t.requires_grad}
-    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) < 1e-6
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) == 0.0
     assert [json.loads(line)["step"] for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines() if "loss" in line] == list(range(1, 9))
 
 

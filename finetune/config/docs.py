@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -12,7 +13,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from finetune.config.schema import Config
-from finetune.errors import FtError
+from finetune.errors import FtError, clip
 
 def json_schema() -> dict:
     schema = Config.model_json_schema()
@@ -29,8 +30,21 @@ _BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
 def _bounds(metadata: list) -> str:
     """' (>= 1)' from annotated-types constraints, also when wrapped in a pydantic FieldInfo."""
     flat = [c for m in metadata for c in (getattr(m, "metadata", None) or [m])]
-    found = [f"{op} {getattr(c, attr)}" for c in flat for attr, op in _BOUNDS if getattr(c, attr, None) is not None]
+    found = [f"{op} {_number(getattr(c, attr))}" for c in flat for attr, op in _BOUNDS if getattr(c, attr, None) is not None]
     return f" ({', '.join(found)})" if found else ""
+
+
+def _number(value: Any) -> str:
+    """A bound as people read it: 10^9, 2^20, 4,294,967,295, 1e+06."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if not isinstance(value, int) or abs(value) < 10_000:
+        return str(value)
+    for base in (10, 2):
+        power = round(math.log(value, base))
+        if base**power == value:
+            return f"{base}^{power}"
+    return f"{value:,}"
 
 
 def type_name(tp: Any) -> str:
@@ -120,10 +134,10 @@ def explain_key(key: str | None) -> str:
         return "\n".join(lines)
     section = key.split(".")[0]
     if section not in Config.model_fields:
-        raise FtError(f"unknown section {section!r}; sections: {', '.join(Config.model_fields)}")
+        raise FtError(f"unknown section {clip(repr(section))}; sections: {', '.join(Config.model_fields)}")
     all_rows = rows_for(section)
     matches = [r for r in all_rows if key == section or _plain(r[0]) == key or _plain(r[0]).startswith(key + ".")]
     if not matches:
         close = difflib.get_close_matches(key, sorted({_plain(r[0]) for r in all_rows}), n=3)
-        raise FtError(f"unknown key {key!r}" + (f"; did you mean {', '.join(close)}?" if close else f"; `ft explain {section}` lists its keys"))
+        raise FtError(f"unknown key {clip(repr(key))}" + (f"; did you mean {', '.join(close)}?" if close else f"; `ft explain {section}` lists its keys"))
     return "\n\n".join(f"{k}: {tp} (default: {d})\n  {doc}" for k, tp, d, doc in matches)

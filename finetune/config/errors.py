@@ -16,7 +16,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel
 
 from finetune.config.schema import Config
-from finetune.errors import Problem, dotted
+from finetune.errors import Problem, clip, dotted
 
 
 def translate(errors: list[dict]) -> list[Problem]:
@@ -86,8 +86,11 @@ def _tagged_member(tp: Any, tag: Any) -> Any:
 def _problem(path: tuple, errs: list[dict], owner: type[BaseModel] | None) -> Problem:
     kinds = {e["type"] for e in errs}
     key = path[-1] if path else ""
+    if kinds == {"ft"}:  # ft's own checks (finetune.config.types) carry their message and fix
+        ctx = errs[0].get("ctx") or {}
+        return Problem((path,), str(ctx.get("message", errs[0]["msg"])), str(ctx.get("fix", "")))
     if "extra_forbidden" in kinds:
-        return Problem((path,), f"unknown key {key!r}", _suggest_key(key, owner, path))
+        return Problem((path,), f"unknown key {clip(repr(key))}", _suggest_key(key, owner, path))
     if "missing" in kinds:
         return Problem((path,), "required key is missing", f"add {key}: ... — {_doc(owner, key)}")
     if "union_tag_invalid" in kinds or "union_tag_not_found" in kinds:
@@ -107,7 +110,7 @@ def _problem(path: tuple, errs: list[dict], owner: type[BaseModel] | None) -> Pr
 
 def _wanted(err: dict) -> str:
     msg = err["msg"]
-    for prefix in ("Input should be ", "Value error, ", "List should have ", "Dictionary should have "):
+    for prefix in ("Input should be ", "should be ", "Value error, ", "List should have ", "Dictionary should have "):
         if msg.startswith(prefix):
             msg = ("a list with " if prefix.startswith("List") else "") + msg[len(prefix):]
             break
@@ -119,7 +122,10 @@ def _show(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return f"a list of {len(value)}"
-    return f"{value!r} ({type(value).__name__})"
+    text = repr(value)
+    if len(text) > 60:
+        text = f"{text[:40]}...({len(text):,} characters)"
+    return f"{text} ({type(value).__name__})"
 
 
 def _doc(owner: type[BaseModel] | None, key: Any) -> str:

@@ -3,25 +3,29 @@
 Every problem is collected (YAML syntax, unknown keys, wrong types, missing environment variables,
 bad overrides, conflicting choices) and raised together as one `ConfigError`, each naming the dotted
 key and where it was written: `file.yaml:LINE` or the `--set` argument.
+
+Files and `--set` values are read under limits (size, encoding, characters, nesting, aliases, tags:
+`finetune.config.yaml_safe`). `${VAR}` expansion (`finetune.config.env`) records which keys read the
+environment; the returned Config keeps that record (`Config.env_references()`) so that redaction can
+write those values back as references.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
-from pathlib import Path as FsPath
 from typing import Any, Iterable, Mapping
 
-import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from finetune.config import yaml_safe
 from finetune.config.checks import check
+from finetune.config.env import Expansion
 from finetune.config.errors import translate
 from finetune.config.schema import Config
-from finetune.errors import ConfigError, FtError, Problem, dotted
+from finetune.errors import ConfigError, Problem, clip, dotted
 
-_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+MAX_SET_PARTS = 16  # dotted parts of a --set key
 
 
 @dataclass
@@ -33,6 +37,10 @@ class Source:
     overrides: dict[tuple, str] = field(default_factory=dict)
 
     def where(self, path: tuple) -> str:
+        if path not in self.lines:  # a key that only a --set wrote
+            for written, item in self.overrides.items():
+                if written[: len(path)] == path:
+                    return f"--set {item}"
         for n in range(len(path), -1, -1):
             prefix = tuple(path[:n])
             if prefix in self.overrides:
@@ -44,7 +52,7 @@ class Source:
 
 def load(path: str | os.PathLike, overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> Config:
     """Read a job file, apply `--set key.path=value` overrides, expand `${VAR}`, validate."""
-    return loads(_read(path), name=str(path), overrides=overrides, environ=environ)
+    return loads(yaml_safe.read_text(path), name=str(path), overrides=overrides, environ=environ)
 
 
 def loads(text: str, name: str = "<string>", overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> Config:
@@ -55,103 +63,60 @@ def loads(text: str, name: str = "<string>", overrides: Iterable[str] = (), envi
     data = _parse_yaml(text, source, problems)
     if data is None:
         raise ConfigError(source.name, _locate(problems, source))
-    data = _expand_env(data, (), environ, problems)
+    expansion = Expansion(environ, lambda value: yaml_safe.parse_value(value, "${...}"), problems)
+    data = expansion.value(data)
     for item in overrides:
         _apply_override(data, item, source, problems)
-    return _validate(data, source, problems)
+    config = _validate(data, source, problems)
+    kept = [p for p in expansion.references if not _overridden(p, source)]
+    config._env_references = {p: expansion.references[p] for p in kept}
+    config._env_variables = {name: value for p in kept for name, value in expansion.used[p].items()}
+    return config
 
 
-def _read(path: str | os.PathLike) -> str:
-    p = FsPath(path)
-    if not p.is_file():
-        hint = " (it is a folder)" if p.is_dir() else ""
-        raise FtError(f"config file not found: {path}{hint}. Pass the path of a job YAML, e.g. examples/yaml/quickstart.yaml")
-    return p.read_text(encoding="utf-8")
+def _overridden(path: tuple, source: Source) -> bool:
+    """True when a --set replaced this path or a section holding it."""
+    return any(path[: len(o)] == o for o in source.overrides)
 
 
 # ---------------------------------------------------------------- YAML with line numbers
 def _parse_yaml(text: str, source: Source, problems: list[Problem]) -> dict | None:
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        loc = f"{source.name}:{mark.line + 1}:{mark.column + 1}" if mark else source.name
-        problems.append(Problem((), f"YAML syntax error: {e.problem}", "fix the syntax at that line (indentation, a missing ':' or an unclosed quote)", (loc,)))
-        return None
-    if node is None:
+    data, found = yaml_safe.parse(text, source.name, source.lines)
+    problems.extend(found)
+    if data is None and not found:
         problems.append(Problem((), "the file is empty", "start from examples/yaml/quickstart.yaml", (source.name,)))
         return None
-    if not isinstance(node, yaml.MappingNode):
-        problems.append(Problem((), "the top level must be a mapping of sections (model:, data:, method:, ...)", "", (f"{source.name}:{node.start_mark.line + 1}",)))
+    if data is not None and not isinstance(data, dict):
+        problems.append(Problem((), "the top level must be a mapping of sections (model:, data:, method:, ...)", "", (f"{source.name}:{source.lines.get((), 1)}",)))
         return None
-    return _build(node, (), source, problems)
-
-
-def _build(node: yaml.Node, path: tuple, source: Source, problems: list[Problem]) -> Any:
-    source.lines[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        out: dict = {}
-        for key_node, value_node in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else str(key_node.start_mark)
-            if key in out:
-                problems.append(Problem((path + (key,),), f"key written twice (first on line {source.lines[path + (key,)]})", "keep only one of them", (f"{source.name}:{key_node.start_mark.line + 1}",)))
-                continue
-            out[key] = _build(value_node, path + (key,), source, problems)
-            source.lines[path + (key,)] = key_node.start_mark.line + 1
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_build(item, path + (i,), source, problems) for i, item in enumerate(node.value)]
-    return yaml.SafeLoader(" ").construct_object(node)
-
-
-# ---------------------------------------------------------------- ${ENV} expansion
-def _expand_env(value: Any, path: tuple, environ: Mapping[str, str], problems: list[Problem]) -> Any:
-    if isinstance(value, dict):
-        return {k: _expand_env(v, path + (k,), environ, problems) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand_env(v, path + (i,), environ, problems) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def sub(m: re.Match) -> str:
-        name, default = m.group(1), m.group(2)
-        if name in environ:
-            return environ[name]
-        if default is not None:
-            return default
-        problems.append(Problem((path,), f"environment variable {name} is not set", f"export {name}=... before running, or write ${{{name}:-default}} to give a default"))
-        return m.group(0)
-
-    expanded = _ENV.sub(sub, value)
-    # A value that was only "${VAR}" is read as YAML, so "${STEPS}" can give an integer.
-    if _ENV.fullmatch(value) and expanded != value:
-        try:
-            return yaml.safe_load(expanded)
-        except yaml.YAMLError:
-            return expanded
-    return expanded
+    return data
 
 
 # ---------------------------------------------------------------- --set overrides
 def _apply_override(data: dict, item: str, source: Source, problems: list[Problem]) -> None:
     key, sep, raw = item.partition("=")
+    shown = clip(item)
     if not sep or not key.strip():
-        problems.append(Problem((), f"--set {item!r} is not KEY=VALUE", "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)", (f"--set {item}",)))
+        problems.append(Problem((), f"--set {clip(item)!r} is not KEY=VALUE", "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)", (f"--set {shown}",)))
         return
-    path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+    parts = key.strip().split(".")
+    if len(parts) > MAX_SET_PARTS:
+        problems.append(Problem((), f"--set key has {len(parts)} dotted parts; no key of a job file is deeper than a few", "check the dotted key (ft explain lists the keys)", (f"--set {shown}",)))
+        return
+    path = tuple(int(p) if p.isascii() and p.isdigit() and len(p) < 10 else p for p in parts)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        problems.append(Problem((path,), f"value {raw!r} is not valid YAML ({getattr(e, 'problem', e)})", "quote it, e.g. --set 'model.name=\"org/model\"'", (f"--set {item}",)))
+        value = yaml_safe.parse_value(raw, f"--set {key}") if raw.strip() else ""
+    except ValueError as e:
+        problems.append(Problem((path,), f"value {clip(raw)!r} is not valid YAML here ({e})", "quote it, e.g. --set 'model.name=\"org/model\"'", (f"--set {shown}",)))
         return
     target: Any = data
     for i, part in enumerate(path):
         here = path[: i + 1]
         if isinstance(target, list) and not (isinstance(part, int) and part < len(target)):
-            problems.append(Problem((here,), f"--set {key}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)", "use an index that exists", (f"--set {item}",)))
+            problems.append(Problem((here,), f"--set {clip(key)}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)", "use an index that exists", (f"--set {shown}",)))
             return
         if not isinstance(target, (dict, list)):
-            problems.append(Problem((path[:i],), f"--set {key}: {dotted(path[:i])} is not a section or list, so it has no key {part!r}", "check the dotted key (ft explain lists the keys)", (f"--set {item}",)))
+            problems.append(Problem((path[:i],), f"--set {clip(key)}: {dotted(path[:i])} is not a section or list, so it has no key {clip(repr(part))}", "check the dotted key (ft explain lists the keys)", (f"--set {shown}",)))
             return
         if i == len(path) - 1:
             break
@@ -159,7 +124,9 @@ def _apply_override(data: dict, item: str, source: Source, problems: list[Proble
             target[part] = {}  # a section that is absent or written empty ("train:")
         target = target[part]
     target[path[-1]] = value
-    source.overrides[path] = item
+    source.overrides[path] = shown
+
+
 
 
 # ---------------------------------------------------------------- validation

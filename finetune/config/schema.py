@@ -9,18 +9,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from finetune.config.types import Bounded, checked_path, checked_pattern, checked_template, checked_text
 
 AUTO = "auto"
 Auto = Literal["auto"]
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
+BILLION = 10**9
+Steps = Bounded(int, ge=1, le=BILLION)  # a count of steps, samples or tokens
+NonNegSteps = Bounded(int, ge=0, le=BILLION)
+Seed = Bounded(int, ge=0, le=2**32 - 1)
+Tokens = Bounded(int, ge=1, le=2**20)  # tokens generated at once
+FilePath = Annotated[str, checked_path]  # a file, folder, hub id or module: no control characters, sane lengths
+Text = Annotated[str, checked_text]  # a name or revision: no control characters, at most 255 characters
 
 
 class Section(BaseModel):
     """Base of every section: immutable, unknown keys rejected, field docstrings become descriptions."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     def explicit(self, field: str) -> bool:
         """True when the user wrote this key (as opposed to it taking its default)."""
@@ -31,11 +38,11 @@ class Section(BaseModel):
 class ModelSection(Section):
     """The model to fine-tune."""
 
-    name: str
+    name: FilePath
     """Hub id (`meta-llama/Llama-3.1-8B`), a name from ft's catalog (`ft-tiny`), or a local folder with config.json."""
-    revision: str = "main"
+    revision: Text = "main"
     """Hub revision (branch, tag or commit) to load; ignored for local folders."""
-    tokenizer: str | None = None
+    tokenizer: FilePath | None = None
     """Tokenizer to use when it is not the model's own (hub id or folder). Leave unset to use the model's."""
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
@@ -52,21 +59,21 @@ DataFormat = Literal["chat", "instruction", "completion", "prompt_completion", "
 class DatasetSpec(Section):
     """One data source. Several sources are mixed."""
 
-    path: str
+    path: FilePath
     """Local file (.jsonl, .json, .csv, .parquet, .txt), glob or folder, or a hub dataset id."""
     format: DataFormat
     """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value), instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion` text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept for reward functions)."""
-    subset: str | None = None
+    subset: Text | None = None
     """Hub dataset configuration name (e.g. `main` for gsm8k)."""
-    split: str = "train"
+    split: Text = "train"
     """Split to read."""
-    revision: str | None = None
+    revision: Text | None = None
     """Hub dataset revision; unset means the default branch."""
     columns: dict[str, str] = {}
     """Map ft's field names to this source's column names, e.g. {messages: conversations} or {prompt: question}."""
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Bounded(float, gt=0, le=1000) = 1.0
     """Share of this source: 1 uses every record once, 0.5 a random half, 2 every record twice."""
-    samples: PositiveInt | None = None
+    samples: Steps | None = None
     """Exact number of records to take from this source (a random subset, or repeats when larger); instead of weight."""
     system_prompt: str | None = None
     """System message added to conversations that have none."""
@@ -77,11 +84,11 @@ class DataSection(Section):
 
     datasets: Annotated[list[DatasetSpec], Field(min_length=1)]
     """Data sources, mixed by weight."""
-    seq_len: Annotated[int, Field(ge=16)] = 2048
+    seq_len: Bounded(int, ge=16, le=2**24) = 2048
     """Maximum tokens per training sequence (packed row or padded sample)."""
     packing: bool = False
     """Pack several samples into each sequence; attention never crosses sample boundaries."""
-    template: str = "tokenizer"
+    template: Annotated[str, checked_template] = "tokenizer"
     """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain) or a path to a Jinja file."""
     add_special_tokens: list[str] = []
     """Tokens to add to the tokenizer (the model's embeddings grow and are trained)."""
@@ -89,15 +96,15 @@ class DataSection(Section):
     """Which tokens carry loss: every assistant turn with its end-of-turn token (default), only the last assistant turn, or all tokens (prompt included)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """What to do with a sample longer than seq_len: cut it, or leave it out (both are counted in the summary)."""
-    validation: Union[Annotated[float, Field(ge=0, lt=1)], DatasetSpec] = 0.0
+    validation: Union[Bounded(float, ge=0, lt=1), DatasetSpec] = 0.0
     """Held-out evaluation data: a fraction of the training mix (0: none), or a dataset of its own."""
-    seed: int = 42
+    seed: Seed = 42
     """Seed for shuffling, mixing and the validation split: the same config gives the same data."""
-    num_proc: PositiveInt = 1
+    num_proc: Bounded(int, ge=1, le=1024) = 1
     """Processes used to tokenize."""
     skip_bad_records: bool = False
     """Skip (and count) records that cannot be parsed or rendered instead of stopping at the first."""
-    cache_dir: str = "~/.cache/ft/data"
+    cache_dir: FilePath = "~/.cache/ft/data"
     """Where tokenized data is cached, under a fingerprint of everything that changes it."""
 
 
@@ -114,11 +121,11 @@ class DPOMethod(Section):
 
     name: Literal["dpo"]
     """Method name."""
-    beta: Annotated[float, Field(gt=0)] = 0.1
+    beta: Bounded(float, gt=0, le=100) = 0.1
     """Strength of the implicit KL constraint to the reference model."""
     loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """DPO loss variant."""
-    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = 0.0
+    label_smoothing: Bounded(float, ge=0, lt=0.5) = 0.0
     """Assumed label noise (conservative DPO); sigmoid loss only."""
     reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
     """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full fine-tuning; `precomputed` computes reference log-probs once before training."""
@@ -127,9 +134,9 @@ class DPOMethod(Section):
 class RewardSpec(Section):
     """One reward function for GRPO."""
 
-    function: str
+    function: FilePath
     """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or `path/to/file.py:function`."""
-    weight: float = 1.0
+    weight: Bounded(float, ge=-1e6, le=1e6) = 1.0
     """Weight of this reward in the sum."""
     args: dict[str, Any] = {}
     """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
@@ -142,17 +149,17 @@ class GRPOMethod(Section):
     """Method name."""
     rewards: Annotated[list[RewardSpec], Field(min_length=1)]
     """Reward functions, summed with their weights."""
-    num_generations: Annotated[int, Field(ge=2)] = 8
+    num_generations: Bounded(int, ge=2, le=1024) = 8
     """Completions sampled per prompt (the group)."""
-    max_new_tokens: PositiveInt = 256
+    max_new_tokens: Tokens = 256
     """Longest completion generated."""
-    temperature: Annotated[float, Field(gt=0)] = 1.0
+    temperature: Bounded(float, gt=0, le=100) = 1.0
     """Sampling temperature."""
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_p: Bounded(float, gt=0, le=1) = 1.0
     """Nucleus sampling threshold."""
-    kl_coef: Annotated[float, Field(ge=0)] = 0.0
+    kl_coef: Bounded(float, ge=0, le=1000) = 0.0
     """Weight of the KL penalty to the reference model (0: no reference model is needed)."""
-    clip_eps: Annotated[float, Field(gt=0)] = 0.2
+    clip_eps: Bounded(float, gt=0, le=100) = 0.2
     """PPO-style ratio clipping."""
     loss_normalization: Literal["sequence", "token", "dr_grpo"] = "sequence"
     """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO); `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
@@ -169,11 +176,11 @@ class AdapterSection(Section):
 
     type: Literal["auto", "full", "lora", "qlora"] = "auto"
     """`full` trains every weight; `lora` trains low-rank adapters; `qlora` does so on a 4-bit base; `auto` picks LoRA, or QLoRA when LoRA does not fit."""
-    r: PositiveInt = 16
+    r: Bounded(int, ge=1, le=2**16) = 16
     """LoRA rank."""
-    alpha: Annotated[float, Field(gt=0)] = 32
+    alpha: Bounded(float, gt=0, le=2**20) = 32
     """LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora)."""
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    dropout: Bounded(float, ge=0, lt=1) = 0.05
     """Dropout on the adapter's input."""
     target_modules: Union[Literal["all-linear"], Annotated[list[str], Field(min_length=1)]] = "all-linear"
     """Modules that get an adapter: `all-linear` (every linear layer of the decoder, not the output head) or a list of names such as [q_proj, v_proj]."""
@@ -200,35 +207,35 @@ class QuantizationSection(Section):
 class TrainSection(Section):
     """Optimisation: batch, length of training, optimiser, precision."""
 
-    global_batch_size: PositiveInt = 32
+    global_batch_size: Bounded(int, ge=1, le=2**20) = 32
     """Sequences per optimiser step, over all devices. ft derives accumulation so this holds at any world size."""
-    global_batch_tokens: PositiveInt | None = None
+    global_batch_tokens: Bounded(int, ge=1, le=2**27) | None = None
     """Alternative to global_batch_size: tokens per optimiser step (converted to sequences of seq_len)."""
-    micro_batch_size: Union[Auto, PositiveInt] = AUTO
+    micro_batch_size: Union[Auto, Bounded(int, ge=1, le=2**20)] = AUTO
     """Sequences per device per forward pass; `auto` picks the largest that fits."""
-    max_steps: PositiveInt | None = None
+    max_steps: Steps | None = None
     """Optimiser steps to train. Set this or epochs."""
-    epochs: Annotated[float, Field(gt=0)] | None = None
+    epochs: Bounded(float, gt=0, le=10_000) | None = None
     """Passes over the data (default 1 when max_steps is not set)."""
-    lr: Union[Auto, Annotated[float, Field(gt=0)]] = AUTO
+    lr: Union[Auto, Bounded(float, gt=0, le=10)] = AUTO
     """Peak learning rate; `auto` picks a common starting point for the method and adapter (SFT: 2e-4 with an adapter, 2e-5 full; lower for DPO and GRPO), shown by `ft plan`."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate schedule after warmup."""
-    warmup_steps: NonNegInt = 0
+    warmup_steps: NonNegSteps = 0
     """Linear warmup in steps (set this or warmup_ratio)."""
-    warmup_ratio: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    warmup_ratio: Bounded(float, ge=0, lt=1) = 0.0
     """Linear warmup as a fraction of all steps."""
     optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = "adamw_torch"
     """Optimiser; the 8-bit ones (bitsandbytes) keep 2 bytes of state per trained parameter instead of 8."""
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: Bounded(float, ge=0, le=100) = 0.0
     """Decoupled weight decay."""
-    max_grad_norm: Annotated[float, Field(ge=0)] = 1.0
+    max_grad_norm: Bounded(float, ge=0, le=1e6) = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute precision; `auto`: bf16 where the accelerator supports it, fp16 on older GPUs, fp32 on CPU."""
     gradient_checkpointing: Union[Auto, bool] = AUTO
     """Recompute activations in the backward pass to save memory; `auto` turns it on only when needed to fit."""
-    seed: int = 42
+    seed: Seed = 42
     """Seed for weights of new modules, dropout and data order."""
 
 
@@ -242,13 +249,13 @@ class DistributedSection(Section):
     """What is sharded: FSDP `full_shard` / `shard_grad_op` / `hybrid_shard` (shard in a node, replicate across nodes), or DeepSpeed `zero1` / `zero2` / `zero3`."""
     offload: Literal["auto", "none", "optimizer", "all"] = "auto"
     """Move optimiser states (`optimizer`, DeepSpeed) or parameters, gradients and optimiser states (`all`) to host RAM."""
-    nodes: Union[Auto, PositiveInt] = AUTO
+    nodes: Union[Auto, Bounded(int, ge=1, le=65536)] = AUTO
     """Nodes to use; `auto`: all the hardware has."""
-    processes_per_node: Union[Auto, PositiveInt] = AUTO
+    processes_per_node: Union[Auto, Bounded(int, ge=1, le=1024)] = AUTO
     """Processes per node; `auto`: one per GPU (one on a CPU-only machine)."""
-    timeout_minutes: Annotated[float, Field(gt=0)] = 30
+    timeout_minutes: Bounded(float, gt=0, le=10_080) = 30
     """Time a collective may wait before the job fails with a message naming the rank."""
-    deepspeed_config: str | None = None
+    deepspeed_config: FilePath | None = None
     """Your own DeepSpeed JSON file, used as is instead of the one ft writes."""
 
 
@@ -256,19 +263,19 @@ class DistributedSection(Section):
 class OutputSection(Section):
     """Where the run folder goes and how often it is written to."""
 
-    dir: str
+    dir: FilePath
     """Run folder: config, plan, metrics, checkpoints and the final model."""
-    save_steps: NonNegInt = 500
+    save_steps: NonNegSteps = 500
     """Save a checkpoint every N steps (0: only at the end)."""
-    keep_checkpoints: PositiveInt = 3
+    keep_checkpoints: Bounded(int, ge=1, le=10_000) = 3
     """Keep the newest N checkpoints."""
-    eval_steps: NonNegInt = 0
+    eval_steps: NonNegSteps = 0
     """Evaluate on the validation split every N steps (0: only at the end)."""
-    log_steps: PositiveInt = 10
+    log_steps: Steps = 10
     """Write metrics every N steps."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
     """Experiment trackers to log to, besides metrics.jsonl."""
-    run_name: str | None = None
+    run_name: Text | None = None
     """Name shown in trackers (default: the run folder's name)."""
     resume: Literal["never", "auto"] = "never"
     """`auto`: continue from the newest complete checkpoint in dir when there is one."""
@@ -278,19 +285,19 @@ class OutputSection(Section):
 class EvaluationSection(Section):
     """A task metric measured by generating answers: before training, every `every_steps` steps, and at the end. `ft eval RUN` measures it again."""
 
-    path: str
+    path: FilePath
     """Prompt/answer file (.jsonl, .json, .csv, .parquet): a conversation's last assistant message is its reference answer, else an `answer` column."""
     metric: Literal["exact_match", "contains", "regex", "function"] = "exact_match"
     """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it; `regex`: what `pattern` extracts from the answer equals the reference; `function`: the mean of your `function`'s scores."""
-    pattern: str | None = None
+    pattern: Annotated[str, checked_pattern] | None = None
     """For metric regex: the pattern that extracts the answer (its first group when it has groups, else the whole match), e.g. '####\\s*(-?\\d+)'. A reference it matches is extracted the same way."""
-    function: str | None = None
+    function: FilePath | None = None
     """For metric function: `module:function` or `path/to/file.py:function`, called as fn(completions, **columns) with each input column as a list (and `reference`), returning one number per completion."""
-    max_new_tokens: PositiveInt = 32
+    max_new_tokens: Tokens = 32
     """Longest answer generated (greedy decoding)."""
-    samples: PositiveInt | None = None
+    samples: Steps | None = None
     """Evaluate on the first N records (unset: all)."""
-    every_steps: NonNegInt = 0
+    every_steps: NonNegSteps = 0
     """Also evaluate every N optimiser steps during training, logged to metrics.jsonl as eval_METRIC (0: only before training and at the end)."""
 
 
@@ -316,4 +323,15 @@ class Config(Section):
     """Run folder and cadence of saving, evaluation and logging."""
     evaluation: EvaluationSection | None = None
     """Optional task evaluation by generation (e.g. exact-match accuracy), run before training and at the end."""
+
+    _env_references: dict = PrivateAttr(default_factory=dict)  # key path -> text as written, for values read from ${VAR}
+    _env_variables: dict = PrivateAttr(default_factory=dict)  # variable -> value, for the ${VAR} that were read
+
+    def env_references(self) -> dict[tuple, str]:
+        """Key paths whose value took text from the environment, each with the text as written (`${HF_TOKEN}`)."""
+        return dict(self._env_references)
+
+    def env_variables(self) -> dict[str, str]:
+        """The environment variables the file's `${VAR}` references read, with their values."""
+        return dict(self._env_variables)
 

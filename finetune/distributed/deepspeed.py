@@ -1,9 +1,12 @@
-"""DeepSpeed ZeRO: the JSON ft writes from the plan, and the engine the training loop drives.
+"""DeepSpeed ZeRO: the JSON ft writes from the plan, the ZeRO-3 model built partitioned, and the engine the training
+loop drives.
 
 ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also parameters (gathered layer by layer
 in forward and backward). Offload moves optimizer states (and with ZeRO-3 `all`, parameters) to host
 RAM, where DeepSpeed's CPU Adam updates them. ft keeps its own loss normalisation and schedule:
 gradient accumulation is unmanaged (one `step()` per optimizer step) and the loss is not rescaled.
+Under ZeRO-3 `create_model` and `create_reference` construct the models partitioned (deepspeed_load.py), so no
+rank holds a whole copy; `wrap` takes such a model as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ _AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 
 def config_for(plan, train, distributed) -> dict:
     """The DeepSpeed configuration of a planned job; the user's own file (distributed.deepspeed_config) is used
-    as written, except that "auto" values are filled from the plan."""
+    as written, except that "auto" values are filled from the plan, and refused where DeepSpeed or the plan cannot
+    run it (`_check_users_file`)."""
     ours = _from_plan(plan, train)
     if distributed.deepspeed_config is None:
         return ours
@@ -41,12 +45,31 @@ def config_for(plan, train, distributed) -> dict:
         if isinstance(theirs.get(key), dict) and theirs[key].get("enabled") == "auto":
             theirs[key]["enabled"] = ours[key]["enabled"]
     theirs["managed_gradient_accumulation"] = False  # ft's loop owns accumulation (see module docstring)
+    _check_users_file(theirs, path, plan)
     return theirs
+
+
+def _check_users_file(config: dict, path: Path, plan) -> None:
+    """What a user's DeepSpeed file must agree with: the planned stage (memory was planned for it, and ZeRO-3 models are
+    built partitioned), and overlap_comm only from stage 2 (deepspeed 0.19 runtime/engine.py asserts it when the training
+    loop owns gradient accumulation, as ft's does)."""
+    zero = config.get("zero_optimization", {})
+    stage, planned = zero.get("stage", 0), STAGES[plan.sharding] if plan.sharding in STAGES else None
+    if planned is not None and stage != planned:
+        other = f", or distributed.sharding: zero{stage}" if f"zero{stage}" in STAGES else ""
+        raise FtError(f"distributed.deepspeed_config: {path} sets zero_optimization.stage {stage}, but the plan is {plan.sharding} "
+                      f"(distributed.sharding); set \"stage\": {planned} in the file{other}")
+    if zero.get("overlap_comm") is True and stage < 2:
+        raise FtError(f"distributed.deepspeed_config: {path} sets zero_optimization.overlap_comm true with stage {stage}; DeepSpeed "
+                      "overlaps communication only from stage 2 when the training loop owns gradient accumulation (ft's does): "
+                      "set \"overlap_comm\": false, or use stage 2 or 3")
 
 
 def _from_plan(plan, train) -> dict:
     stage = STAGES[plan.sharding]
-    zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": plan.device == "GPU"}
+    # GPU only, and only from stage 2: with ft's unmanaged accumulation deepspeed 0.19 asserts overlap_comm needs
+    # partitioned gradients (runtime/engine.py, "supports ZeRO overlap_comm only with ZeRO stage 2")
+    zero: dict = {"stage": stage, "contiguous_gradients": True, "overlap_comm": plan.device == "GPU" and stage >= 2}
     if plan.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if plan.offload == "all" and stage == 3:
@@ -74,12 +97,37 @@ def offloads_optimizer(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
 
-def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
-    """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule."""
+def create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section):
+    """ZeRO-3: the model to train, constructed partitioned with its adapter (see deepspeed_load.py); `wrap` takes it as is."""
+    from finetune.distributed.deepspeed_load import partitioned_model
+
+    _require_deepspeed()
+    config = config_for(plan, train_section, distributed_section)
+    return partitioned_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, config)
+
+
+def create_reference(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section):
+    """ZeRO-3: the frozen DPO/GRPO reference, partitioned like the policy, in its own DeepSpeed engine (forward only)."""
+    from finetune.distributed.deepspeed_load import partitioned_reference
+
+    _require_deepspeed()
+    config = config_for(plan, train_section, distributed_section)
+    return partitioned_reference(model_section, plan, tokenizer, attn, device, config)
+
+
+def _require_deepspeed():
     try:
-        import deepspeed
+        import deepspeed  # noqa: F401
     except ImportError as e:
         raise FtError(f"distributed.backend: deepspeed is not installed ({e}); install it with: DS_BUILD_OPS=0 pip install 'finetune[deepspeed]', or choose backend fsdp") from None
+
+
+def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
+    """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule. A model that
+    create_model built partitioned is taken as it is (DeepSpeed partitions only parameters that are not yet)."""
+    _require_deepspeed()
+    import deepspeed
+
     from finetune.optim import build_optimizer, build_scheduler, param_groups
 
     config = config_for(plan, train, distributed)
@@ -91,7 +139,7 @@ def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
         optimizer = build_optimizer(model, train, plan.lr)
     scheduler = build_scheduler(optimizer, train, total_steps)  # ft steps it; DeepSpeed's wrapper shares its param groups
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
-    return ZeroEngine(engine, scheduler, stage_of(config))
+    return ZeroEngine(engine, scheduler, stage_of(config), plan.generation)
 
 
 class ZeroEngine:
@@ -99,10 +147,15 @@ class ZeroEngine:
 
     sharded = True
 
-    def __init__(self, engine, scheduler, stage: int):
+    def __init__(self, engine, scheduler, stage: int, generation: str = "gather"):
         self.model, self.scheduler, self.stage = engine, scheduler, stage
         self.optimizer = engine.optimizer
         self.gathers_parameters = stage == 3
+        self.generation_mode = ("layerwise" if generation == "layerwise" else "gather") if stage == 3 else "local"  # plan.generation
+        # generate() needs synced_gpus=True only where each forward all-gathers layers (layerwise): with every parameter
+        # gathered for the call, ZeRO-3's fetch hook gathers nothing (deepspeed 0.19 partitioned_param_coordinator
+        # fetch_sub_module fetches only NOT_AVAILABLE parameters), so ranks may stop sampling at different lengths
+        self.synced_generation = self.generation_mode == "layerwise"
 
     @property
     def inner(self):
@@ -124,8 +177,10 @@ class ZeroEngine:
         return self.scheduler.get_last_lr()[0]
 
     def generation(self):
-        """ZeRO-3: all parameters gathered for the length of a generate() call (ranks sample different lengths)."""
-        if self.stage < 3:
+        """Around a generate() call. ZeRO-3 `gather`: every parameter gathered for the call's length (ranks sample
+        different lengths); `layerwise`: nothing gathered here, ZeRO-3's hooks gather layer by layer in each forward
+        and callers pass synced_gpus=True (`synced_generation`)."""
+        if self.generation_mode != "gather":
             return contextlib.nullcontext()
         import deepspeed
 
@@ -142,7 +197,8 @@ class ZeroEngine:
             raise FtError(f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}; resume with the same config and world size, or start a new output.dir")
 
     def full_state_dict(self, trainable_only: bool) -> dict | None:
-        """ZeRO-3: every parameter gathered in turn (a collective), copied to CPU on rank 0; ZeRO-1/2: None (whole on every rank)."""
+        """ZeRO-3: the saved tensors gathered one at a time (a collective), copied to CPU on rank 0; with trainable_only
+        only the trained parameters are gathered, never the frozen base. ZeRO-1/2: None (whole on every rank)."""
         if self.stage < 3:
             return None
         import deepspeed
@@ -150,8 +206,8 @@ class ZeroEngine:
         rank0 = torch.distributed.get_rank() == 0
         out = {}
         for name, tensor in self.inner.state_dict(keep_vars=True).items():
-            if trainable_only and not tensor.requires_grad:
-                continue
+            if trainable_only and not (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad):
+                continue  # decided before any gather: frozen partitions stay where they are
             with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None) if hasattr(tensor, "ds_id") else contextlib.nullcontext():
                 if rank0:
                     out[name] = tensor.detach().cpu().clone()

@@ -1,9 +1,12 @@
-"""What the training loop calls on a wrapped model, the same for every backend.
+"""Model creation per backend, and what the training loop calls on a wrapped model, the same for every backend.
 
-An engine holds the model as the backend wrapped it, its optimizer and schedule, and answers:
-`accumulating(last)` around each micro-batch, `backward(loss)`, `step()` once per optimizer step
-(clip, update, schedule, zero the gradients; returns the gradient norm), `generation()` around sampling
-(whole parameters on every rank), `save_shards`/`load_shards` for sharded checkpoints, and
+`create_model` (and `create_reference` for a frozen DPO/GRPO reference) builds the model as `plan.loading`
+says: whole on every rank (replica), on the meta device then sharded and filled (meta, FSDP2), or
+partitioned while constructed (ZeRO-3). `build` wraps it and gives it its optimizer and schedule.
+An engine holds the wrapped model, its optimizer and schedule, and answers: `accumulating(last)` around
+each micro-batch, `backward(loss)`, `step()` once per optimizer step (clip, update, schedule, zero the
+gradients; returns the gradient norm), `generation()` around sampling (with `synced_generation`: whether
+generate() needs synced_gpus=True), `save_shards`/`load_shards` for sharded checkpoints, and
 `full_state_dict()` (a collective) for the final weights.
 `TorchEngine` serves single-process, DDP and FSDP2 jobs; `deepspeed.ZeroEngine` DeepSpeed ZeRO.
 """
@@ -27,6 +30,14 @@ class TorchEngine:
         self.sharded = fsdp.is_sharded(model)  # checkpoints: every rank writes its shards
         self.gathers_parameters = self.sharded  # a forward pass needs every rank
         self.reshard_after_forward = True  # FSDP: false for shard_grad_op (set by `build`)
+        self.generation_mode = "gather" if self.sharded else "local"  # plan.generation (set by `build`)
+        self.sync_every_micro_batch = False  # FSDP full fine-tuning (set by `build`)
+
+    @property
+    def synced_generation(self) -> bool:
+        """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every forward,
+        so a rank that finished sampling keeps stepping until all have (transformers GenerationMixin._has_unfinished_sequences)."""
+        return self.sharded and self.generation_mode == "layerwise"
 
     @property
     def inner(self):
@@ -35,7 +46,9 @@ class TorchEngine:
 
     def accumulating(self, last: bool):
         """Synchronise gradients only after the last micro-batch of a step."""
-        return fsdp.accumulating(self.model, last) if self.sharded else ddp.accumulating(self.model, last)
+        if self.sharded:
+            return fsdp.accumulating(self.model, last, self.sync_every_micro_batch)
+        return ddp.accumulating(self.model, last)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -43,9 +56,7 @@ class TorchEngine:
     def step(self) -> float:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a sharded norm
+        norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -53,15 +64,18 @@ class TorchEngine:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
     def generation(self):
-        """Whole parameters for the length of a generate() call (each rank samples its own lengths, so
-        the per-layer all-gathers of a sharded forward would not line up across ranks)."""
-        return fsdp.unsharded(self.model, self.reshard_after_forward) if self.sharded else contextlib.nullcontext()
+        """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no collectives
+        inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward all-gathers
+        layer by layer; callers pass synced_gpus=True); `local`: the model is whole already."""
+        if self.sharded and self.generation_mode == "gather":
+            return fsdp.unsharded(self.model, self.reshard_after_forward)
+        return contextlib.nullcontext()
 
     def save_shards(self, path) -> None:
         fsdp.save_sharded(path / "dcp", self.model, self.optimizer)
@@ -90,5 +104,75 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
+    engine.generation_mode = plan.generation
+    # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small (memory.py counts it)
+    engine.sync_every_micro_batch = plan.backend == "fsdp" and plan.adapter == "full"
     return engine
 
+
+def clip_gradients(params, max_norm: float) -> float:
+    """Scale the gradients down so that their global L2 norm is at most max_norm (0: no clipping); returns the norm
+    before clipping. Sharded (DTensor) gradients: torch's norm is a partial DTensor whose full_tensor() all-reduces the
+    per-rank sums on the device the shards live on: the GPU (NCCL), or the CPU under FSDP CPU offload, which the process
+    group serves with gloo ("cpu:gloo,cuda:nccl", runtime.py; torch distributed/tensor/_redistribute.py reduces the
+    local tensor where it is). The scaling multiplies each rank's local shard by a Python float: no device to match."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    scale = max_norm / (norm + 1e-6)
+    if max_norm > 0 and scale < 1:
+        with torch.no_grad():
+            for g in grads:
+                (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
+    return norm
+
+
+def create_model(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, train_section, distributed_section):
+    """The model this rank trains, ready for `build`, created as plan.loading says: `replica` loads it whole (4/8-bit
+    bases quantized while loading), `meta` builds it sharded (FSDP2: fsdp.create_model), `partitioned` constructs it
+    partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
+    make = _deepspeed("create_model") if plan.loading == "partitioned" else None
+    if make is not None:
+        model = make(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section)
+    elif plan.loading == "meta":
+        model = fsdp.create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed)
+    else:
+        model = _replica(model_section, adapter_section, plan, tokenizer, attn, device, seed)
+    torch.manual_seed(seed)  # the same random stream after creation, however the model was built
+    return model
+
+
+def create_reference(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, train_section, distributed_section):
+    """A frozen copy of the starting model (the DPO/GRPO reference when plan.reference is "copy"), in the plan's compute
+    precision, and sharded like the policy where the policy is."""
+    make = _deepspeed("create_reference") if plan.loading == "partitioned" else None
+    if make is not None:
+        return make(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section)
+    if plan.loading == "meta":
+        return fsdp.create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, frozen=True).eval()
+    from finetune.models import load_model
+
+    copy = load_model(model_section, plan, tokenizer, attn, dtype=plan.precision)
+    if plan.quantization == "none":
+        copy.to(device)
+    return copy.requires_grad_(False).eval()
+
+
+def _replica(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int):
+    from finetune.adapters import apply_adapter, init_adapter
+    from finetune.models import load_model
+
+    model = apply_adapter(load_model(model_section, plan, tokenizer, attn), adapter_section, plan)
+    init_adapter(model, seed)
+    if plan.quantization == "none":  # bitsandbytes weights stay where from_pretrained's device_map quantized them
+        model.to(device)
+    return model
+
+
+def _deepspeed(name: str):
+    """deepspeed.create_model / create_reference, where that module provides them (ZeRO-3 partitioned construction)."""
+    from finetune.distributed import deepspeed
+
+    return getattr(deepspeed, name, None)

@@ -4,6 +4,10 @@ Each decoder layer is one unit (its parameters are all-gathered just before use 
 the root. `shard_grad_op` keeps the gathered parameters from forward to backward; `hybrid_shard` shards
 inside a node and replicates across nodes (a 2-D device mesh). Mixed precision computes in the plan's
 half precision and reduces gradients in fp32. Checkpoints are sharded with torch.distributed.checkpoint.
+
+`create_model` builds the model on the meta device, applies the adapter, shards it, then allocates each
+rank's shards and fills them from the safetensors files, each rank reading only its own rows of each
+tensor: no rank ever holds the whole model.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ def decoder_layers(model) -> list:
 
 
 def wrap(model, precision: str, sharding: str, nodes: int, per_node: int, device: torch.device, offload: bool = False):
+    """fully_shard each decoder layer, then the root; a model `create_model` already sharded is returned as it is."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    if is_sharded(model):
+        return model
     kwargs = {}
     if precision in ("bf16", "fp16"):
         half = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -56,11 +63,13 @@ def root(model):
     return next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
 
 
-def accumulating(model, last: bool):
-    """Reduce-scatter gradients only after the last micro-batch of a step."""
+def accumulating(model, last: bool, every_micro_batch: bool = False):
+    """Reduce-scatter gradients after the last micro-batch of a step, or after every one (`every_micro_batch`): without
+    sync FSDP2 keeps each parameter's whole gradient, upcast to fp32, until the step's last backward
+    (torch _fsdp_param_group.post_backward -> FSDPParam.to_accumulated_grad_if_needed)."""
     unit = root(model)
     if unit is not None:
-        unit.set_requires_gradient_sync(last)
+        unit.set_requires_gradient_sync(last or every_micro_batch)
     return contextlib.nullcontext()
 
 
@@ -87,14 +96,21 @@ def is_sharded(model) -> bool:
 
 
 def full_state_dict(model, trainable_only: bool) -> dict:
-    """The whole (unsharded) state dict on rank 0, on CPU; other ranks get {}."""
+    """The whole (unsharded) state dict on rank 0, on CPU; other ranks get {}. With `trainable_only` only the trained
+    parameters are gathered (an adapter: the frozen base is never all-gathered)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if trainable_only:
-        names = {n for n, p in model.named_parameters() if p.requires_grad}
-        sd = {k: v for k, v in sd.items() if k in names}
-    return sd
+    if not trainable_only:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # every rank takes part in each all-gather
+            if rank0:
+                out[name] = whole.to("cpu", copy=True)
+            del whole
+    return out
 
 
 def save_sharded(path, model, optimizer) -> None:
@@ -116,3 +132,80 @@ def load_sharded(path, model, optimizer) -> None:
     state = {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+
+
+# ---------------------------------------------------------------- building sharded: meta -> fully_shard -> fill
+def create_model(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, frozen: bool = False):
+    """The model built on the meta device (adapter included), sharded with `wrap`, then this rank's shards allocated and
+    filled from the safetensors files. `frozen`: a reference copy in the compute precision, nothing trainable."""
+    from finetune import adapters, models
+
+    ckpt = models.Checkpoint(models.weights_folder(model_section))
+    net = models.build_empty(model_section, plan, tokenizer, attn, plan.precision if frozen else models.load_dtype(model_section, plan))
+    keys = models.checkpoint_keys(net, ckpt)
+    if frozen:
+        model = net.requires_grad_(False)
+    else:
+        model = adapters.apply_adapter(net, adapter_section, plan)
+    sources = _sources(model, keys)
+    buffers = {name: keys[id(b)] for name, b in net.named_buffers() if id(b) in keys}
+    wrap(model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all")
+    # CPU offload keeps the shards in pinned host memory: allocate them there, never on the GPU (torch fully_shard
+    # CPUOffloadPolicy: FSDPParam.reset_sharded_param pins CPU shards, which FSDPModule._apply calls after to_empty)
+    model.to_empty(device=torch.device("cpu") if plan.offload == "all" else device)
+    models.init_buffers(net)
+    _fill(model, sources, ckpt, seed)
+    with torch.no_grad():
+        for name, key in buffers.items():
+            net.get_buffer(name).copy_(ckpt.read(key).view(net.get_buffer(name).shape))
+    return model
+
+
+def _sources(model, keys: dict[int, str]) -> dict[str, str | None]:
+    """Each parameter's checkpoint tensor, by name; None for adapter tensors (they start from adapters.initial_value). peft's
+    trainable copy of a module (modules_to_save) starts as the original module, so it reads the original's tensor."""
+    import re
+
+    every = dict(model.named_parameters(remove_duplicate=False))  # a tied original is listed under each of its names
+    out = {}
+    for name, p in model.named_parameters():
+        twin = every.get(re.sub(r"\.modules_to_save\.[^.]+\.", ".original_module.", name))
+        out[name] = keys.get(id(p)) or (keys.get(id(twin)) if twin is not None else None)
+    return out
+
+
+def local_rows(p) -> tuple[torch.Tensor, int]:
+    """This rank's part of parameter `p` and the index of its first row in the whole tensor. FSDP2 splits dim 0 into
+    torch.chunk pieces over the mesh's shard dimension (torch _fsdp_param._init_sharded_param); other dims replicate."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return p.data, 0
+    shards = [(dim, s) for dim, s in enumerate(p.placements) if isinstance(s, Shard)]
+    if len(shards) != 1 or shards[0][1].dim != 0:
+        raise ValueError(f"unexpected FSDP placement {p.placements} for a parameter of shape {tuple(p.shape)}")
+    dim = shards[0][0]
+    chunk = -(-p.shape[0] // p.device_mesh.size(dim))
+    start = min(p.device_mesh.get_local_rank(dim) * chunk, p.shape[0])
+    return p.to_local(), start  # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
+
+
+@torch.no_grad()
+def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
+    """Every parameter's local rows: checkpoint rows (read straight into the shard), adapter starting values, and DoRA
+    magnitudes last (they are the norms of the base weight's rows, which this rank holds for its own rows)."""
+    from finetune import adapters, models
+
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        local, start = local_rows(p)
+        if local.numel() == 0 or adapters.is_dora_magnitude(name):
+            continue
+        if sources[name] is not None:
+            models.fill_rows(ckpt, sources[name], start, local)
+        else:
+            local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[start:start + local.shape[0]])
+    for name, p in params.items():
+        if adapters.is_dora_magnitude(name) and p.numel():
+            base, _ = local_rows(params[name.split(".lora_magnitude_vector.")[0] + ".base_layer.weight"])
+            local_rows(p)[0].copy_(torch.linalg.norm(base, dim=1).to(base.dtype))  # lora_B starts at zero: ||W + s·BA|| = ||W||

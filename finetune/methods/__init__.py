@@ -38,20 +38,14 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast):
 
 
 def _reference(config, plan, engine, prepared, attn, device):
-    """The reference model DPO (always) and GRPO (with kl_coef > 0) compare the policy with."""
+    """The reference model DPO (always) and GRPO (with kl_coef > 0) compare the policy with, as the plan chose it."""
     from finetune.methods import dpo
 
-    m = config.method
-    if (m.name == "grpo" and m.kl_coef == 0) or (m.name == "dpo" and m.reference == "precomputed"):
+    if plan.reference in ("none", "precomputed"):
         return None
-    kind = m.reference if m.name == "dpo" else "auto"
-    if kind == "auto":
-        kind = "copy" if plan.adapter == "full" else "adapter_disabled"
-    if kind == "adapter_disabled":
+    if plan.reference == "adapter":
         return dpo.AdapterDisabled(engine.inner)
-    from finetune.models import load_model
+    from finetune.distributed.engine import create_reference
 
-    copy = load_model(config.model, plan, prepared.tokenizer, attn)
-    if plan.quantization == "none":
-        copy.to(device)
-    return dpo.FrozenCopy(copy)
+    return dpo.FrozenCopy(create_reference(config.model, config.adapter, plan, prepared.tokenizer, attn, device, config.train.seed,
+                                           config.train, config.distributed))

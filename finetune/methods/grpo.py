@@ -140,7 +140,7 @@ class Generator:
             with self.engine.generation(), self.autocast():
                 out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=self.s.temperature, top_p=self.s.top_p,
                                      top_k=0, max_new_tokens=self.s.max_new_tokens, eos_token_id=self.stop, pad_token_id=self.pad, use_cache=True,
-                                     synced_gpus=getattr(self.engine, "synced_generation", False))  # sharded: ranks sample different lengths
+                                     synced_gpus=self.engine.synced_generation)  # sharded: ranks sample different lengths
         finally:
             model.train(was_training)
         return [self._trim(row.tolist()) for row in out[:, width:]]

@@ -26,6 +26,15 @@ generation     GRPO rollouts: KV cache 2*L*kv*a*(prompt+completion) per sequence
                per-rank batch, plus fp32 logits of the last position. Rollout and backward do not
                overlap, so the peak counts the larger of the two phases.
 overhead       GPU: 1 GiB CUDA context and library workspaces, plus 5% allocator fragmentation.
+unsharded      FSDP with an adapter and gradient accumulation: gradient sync is off until the last
+gradients      micro-batch, and FSDP2 keeps each trained parameter's whole gradient in fp32 until
+               then: 4*T. (Full fine-tuning syncs every micro-batch instead: 4*N would not fit.)
+loading        What a rank holds while its model is created, before gradients and optimizer states
+               exist: with `replica` loading the whole model (weights, adapter, a reference copy) in
+               its load dtype; with `meta` (FSDP2) or `partitioned` (ZeRO-3) loading its shard of
+               them plus the largest tensor or layer in flight. The device peak is the larger of
+               this and the training peak (the sum of the other terms); the breakdown shows it
+               under its own key, not added to the others.
 
 Sharding divides by S: ZeRO-1 the optimizer; ZeRO-2 and FSDP shard_grad_op also the gradients
 (shard_grad_op keeps unsharded half-precision parameters between forward and backward); ZeRO-3 and
@@ -49,6 +58,8 @@ PROCESS_HOST_RAM = int(2.5 * GiB)
 SHARD_PARAMS = {"zero3", "full_shard", "hybrid_shard"}
 SHARD_GRADS = SHARD_PARAMS | {"zero2", "shard_grad_op"}
 SHARD_OPTIMIZER = SHARD_GRADS | {"zero1"}
+FSDP = {"full_shard", "shard_grad_op", "hybrid_shard"}
+LOADING = "while loading (peak; not added)"  # the breakdown key of the load-time peak
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,8 @@ class Setup:
     generation_tokens: int = 0  # GRPO: prompt + completion tokens per generated sequence
     generation_batch: int = 0  # GRPO: sequences generated at once per rank
     accelerator: bool = True  # False on CPU: no CUDA context
+    loading: str = "replica"  # replica | meta | partitioned: how a rank creates its model (plan.loading)
+    accumulation: int = 1  # micro-batches per optimizer step on each rank
 
 
 @dataclass(frozen=True)
@@ -91,7 +104,8 @@ class Estimate:
 
     @property
     def device_bytes(self) -> int:
-        return sum(self.device.values())
+        """The peak per device: the larger of training (the sum of the terms) and loading (its own term)."""
+        return max(sum(v for k, v in self.device.items() if k != LOADING), self.device.get(LOADING, 0))
 
     @property
     def host_bytes(self) -> int:
@@ -117,8 +131,11 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     device["activations"] = activation_bytes(m, s, a) if train_peak >= gen_peak else 0
     device["logits and loss"] = logits_bytes(m, s, a) if train_peak >= gen_peak else 0
     device["generation (KV cache)"] = gen_peak if gen_peak > train_peak else 0
+    if s.sharding in FSDP and s.adapter != "full" and s.accumulation > 1:
+        device["unsharded gradients (accumulation)"] = 4 * trainable
     if s.accelerator:
         device["CUDA context, fragmentation"] = CUDA_CONTEXT + int(FRAGMENTATION * sum(device.values()))
+    device[LOADING] = loading_bytes(m, s, a, state) + (CUDA_CONTEXT if s.accelerator else 0)
     host = {k: v * processes_per_node for k, v in host.items()}
     host["runtime per process"] = PROCESS_HOST_RAM * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
@@ -146,6 +163,17 @@ def _shard_and_offload(m: ModelFacts, s: Setup, a: int, state: dict[str, int]) -
     if s.sharding == "shard_grad_op" and s.adapter == "full":
         device["compute copy"] = a * m.num_params  # kept unsharded between forward and backward
     return device, host
+
+
+def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, int]) -> float:
+    """What one rank holds on its device while creating the model (see the module docstring)."""
+    held = state["weights"] + state["adapter"] + state["reference model"]
+    if s.loading == "replica":
+        return held
+    if s.offload == "all":  # the shards are created in host memory
+        held = 0
+    largest = max(m.layer_params, m.embedding_params, m.lm_head_params) * (4 if s.adapter == "full" else a)
+    return held / max(1, s.shard_size) + largest
 
 
 def trainable_params(m: ModelFacts, s: Setup) -> int:

@@ -280,16 +280,23 @@ def fit_candidate(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, p
     per_rank = batch // topo.world
     t = config.train
     ckpts = [False, True] if t.gradient_checkpointing == "auto" else [t.gradient_checkpointing]
-    sizes = [n for n in range(per_rank, 0, -1) if per_rank % n == 0] if t.micro_batch_size == "auto" else [t.micro_batch_size]
+    sizes = divisors(per_rank)[::-1] if t.micro_batch_size == "auto" else [t.micro_batch_size]
     if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
-        divisors = [n for n in range(1, per_rank + 1) if per_rank % n == 0]
-        raise PlanError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors} or auto")
+        raise PlanError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or auto")
     for ckpt in ckpts:
         for mb in sizes:
             est = estimate(m, setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
             if fits(est, hw):
                 return Fit(cand, mb, ckpt, est)
     return None
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending, in O(sqrt n)."""
+    import math
+
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool) -> Setup:
@@ -308,6 +315,7 @@ def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: i
         lora_dropout=a.dropout, dora=a.dora, modules_to_save=tuple(a.modules_to_save), double_quant=config.quantization.double_quant,
         attention=attn, method=method.name, reference_copy=reference_copy, generation_tokens=gen_tokens,
         generation_batch=batch // topo.world if gen_tokens else 0, accelerator=not hw.is_cpu,
+        loading=loading(cand), accumulation=batch // topo.world // mb,
     )
 
 

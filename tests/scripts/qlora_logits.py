@@ -11,8 +11,8 @@ logits on a fixed batch (eval mode, no grad, the job's autocast) twice, the loss
 wrapper, accumulating two micro-batches where each of the 2 sharded ranks takes one (the same global batch). The
 jobs run one after another in the same processes, single ones first (one start-up for all).
 
-PRECISION is train.precision (and so the 4-bit compute dtype and, sharded, the storage container); `+cpu-packing`
-leaves bitsandbytes' CPU inference repacking on (see `no_cpu_packing`). `--build` first saves the tiny Llama
+PRECISION is train.precision (and so the 4-bit compute dtype and, sharded, the storage container); `+train-first`
+skips the eval-mode forwards before the step (finetune.compat: they must not change training). `--build` first saves the tiny Llama
 (hidden 128, intermediate 256: bitsandbytes' 4-bit CPU kernels need multiples of 64). Also runs as one process
 (single jobs only).
 """
@@ -60,19 +60,6 @@ train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: 1, lr: 2.0e-2, sc
 distributed: {{backend: {backend}, sharding: {sharding}}}
 output: {{dir: {work}/out-{backend}, log_steps: 1, save_steps: 0}}
 """
-
-
-def no_cpu_packing(model) -> None:
-    """Keep bitsandbytes 0.50 from repacking 4-bit weights for its AVX512-BF16 CPU kernel. On such CPUs the first
-    eval-mode, no-grad forward of a `Linear4bit` replaces `weight.data` with a repacked layout and rewrites the shared
-    quant state in place (`packing_format_for_cpu`). Every later forward, training included, then goes through
-    `gemv_4bit`, which has no autograd formula (no gradient flows through the 4-bit base); and under FSDP2/ZeRO-3 the
-    repacked data lived only in the gathered copy, so the next gather brings back the old layout under the new state."""
-    import bitsandbytes as bnb
-
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
 
 
 def logits(job, ids):
@@ -146,12 +133,13 @@ def run_job(args, backend: str, name: str) -> dict:
     job_plan = plan(config, parse("cpu:2"), model_facts(config.model))
     prepared = prepare(config)
     job = setup(config, job_plan, prepared)
-    if option != "cpu-packing":
-        no_cpu_packing(job.model)
     ids = torch.randint(0, len(prepared.tokenizer), (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     weights, held = base_weights(job)
-    before = logits(job, ids)
-    again = logits(job, ids)  # what a forward pass changed in place (layouts, quant state) shows here
+    if option == "train-first":  # no eval-mode forward before the step: what an eval forward may change shows as a difference
+        before = again = None
+    else:
+        before = logits(job, ids)
+        again = logits(job, ids)  # what a forward pass changed in place (layouts, quant state) shows here
     metrics = train_step(job)
     after = logits(job, ids)
     out = {"before": before, "again": again, "after": after, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
@@ -167,7 +155,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     for name in ("model", "data", "work", "out"):
         p.add_argument(name)
-    p.add_argument("--jobs", default="single/bf16,single/fp32", help="comma-separated BACKEND/PRECISION[+cpu-packing], run in this order")
+    p.add_argument("--jobs", default="single/bf16,single/fp32", help="comma-separated BACKEND/PRECISION[+train-first], run in this order")
     p.add_argument("--build", action="store_true", help="first save the tiny model to MODEL")
     args = p.parse_args()
     import torch

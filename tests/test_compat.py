@@ -1,0 +1,28 @@
+"""finetune/compat.py: what each adjustment changes still exists in the installed library, and it takes effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_4bit_layers_keep_their_training_kernels_after_an_eval_forward():
+    bnb = pytest.importorskip("bitsandbytes")
+    from finetune.compat import keep_4bit_layers_trainable_on_cpu
+
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    layer.load_state_dict({"weight": torch.randn(64, 64)})
+    layer = layer.to("cpu")
+    assert hasattr(layer, "support_avx512bf16_for_cpu")  # the attribute bitsandbytes 0.50 reads; gone: revisit compat
+    layer.support_avx512bf16_for_cpu = True  # as on a CPU with AVX512-BF16
+    model = torch.nn.Sequential(layer)
+    assert keep_4bit_layers_trainable_on_cpu(model) == 1
+    before = layer.weight.data.clone()
+    with torch.no_grad():
+        model.eval()(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert torch.equal(layer.weight.data, before)  # not repacked in place
+    x = torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True)
+    model.train()(x).float().sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0  # gradients flow through the 4-bit base
+    assert keep_4bit_layers_trainable_on_cpu(torch.nn.Linear(2, 2)) == 0
