@@ -11,6 +11,7 @@ after the new one is in place.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -104,14 +105,48 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, kee
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         kept = ", ".join(p.name for p in checkpoints(run_dir)) or "none"
-        why = "the disk is full" if e.errno == errno.ENOSPC else str(e)
-        raise FtError(f"saving checkpoint step {step} to {root} failed: {why}. The partial checkpoint was removed; earlier checkpoints are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume") from None
+        raise FtError(f"saving checkpoint step {step} to {root} failed: {write_failure(e, root)}. The partial checkpoint was removed; earlier checkpoints "
+                      f"are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume") from None
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def write_failure(error: BaseException, where: Path) -> str:
+    """Why a write failed, in words: a full disk is named as such (also when a library reports it as a RuntimeError)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        free = None
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error) or (free is not None and free < 64 * 2**20):
+        return "the disk is full"
+    return text[:300]
+
+
+@contextlib.contextmanager
+def atomic_folder(path: Path, what: str):
+    """Write a folder whole or not at all: into a hidden sibling, renamed into place when complete (the old one, if
+    any, is removed only then); on failure the partial folder is removed and an FtError says why."""
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    old = path.parent / f".old-{path.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        yield tmp
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not path.exists():
+            os.replace(old, path)
+        raise FtError(f"saving {what} to {path} failed: {write_failure(e, path.parent)}. Nothing partial was left; the checkpoints "
+                      f"are intact. Free space, then resume with --resume (or write it from a checkpoint with ft consolidate)") from None
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_sharded(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> Path:
@@ -128,8 +163,9 @@ def save_sharded(run_dir: Path, step: int, engine, state: dict, keep: int, runti
     try:
         engine.save_shards(tmp)
         torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
-    except OSError as e:
-        raise FtError(f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {e}; earlier checkpoints are intact") from None
+    except (OSError, RuntimeError) as e:
+        raise FtError(f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {write_failure(e, root)}; earlier checkpoints are intact. "
+                      "Free space and resume with --resume") from None
     runtime.barrier()
     if runtime.is_main:
         torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")

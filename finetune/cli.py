@@ -70,7 +70,8 @@ def plan(
 def train(
     config: Path = typer.Argument(..., help="Job YAML file."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output.dir."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in output.dir."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in output.dir (only what ft wrote there is removed)."),
+    allow_changes: bool = typer.Option(False, "--allow-changes", help="With --resume: accept a config that differs from the run's in keys that change training (recorded in the run folder)."),
     hardware: Optional[str] = HardwareOption,
     nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Nodes in the job (default: the hardware's, or SLURM's)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 (default: SLURM_NODEID or 0)."),
@@ -82,7 +83,7 @@ def train(
     from finetune.workflow import NodeRole, run_train
 
     role = NodeRole.from_env(nnodes, node_rank, master_addr, master_port)
-    run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite, role=role)
+    run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite, role=role, allow_changes=allow_changes)
 
 
 @app.command()

@@ -228,10 +228,17 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     final = run_dir / "final"
     with activity("gathering the final weights"):
         state = job.engine.full_state_dict(trainable_only=job.plan.adapter != "full")  # a collective where sharded
+    failed = None
     if job.runtime.is_main:
-        job.inner.save_pretrained(str(final), **({"state_dict": state} if state is not None else {}))
-        tokenizer.save_pretrained(str(final))
-    job.runtime.barrier()
+        try:
+            with checkpoint.atomic_folder(final, "the final weights") as tmp:  # a full disk leaves no half-written final/
+                job.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
+                tokenizer.save_pretrained(str(tmp))
+        except FtError as e:
+            failed = e
+    job.runtime.barrier()  # every rank, also when rank 0 failed (it raises after this, the others end)
+    if failed is not None:
+        raise failed
     return final
 
 

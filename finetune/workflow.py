@@ -96,7 +96,7 @@ class NodeRole:
 
 
 def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False,
-              overwrite: bool = False, role: NodeRole | None = None) -> dict:
+              overwrite: bool = False, role: NodeRole | None = None, allow_changes: bool = False) -> dict:
     """`ft train`: plan once, prepare the data once per node, write the run folder, then start the ranks from it
     (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe."""
     import sys
@@ -117,20 +117,29 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
         hw = with_hardware(hw, nodes=role.nnodes)
     facts = model_facts(config.model)
     job_plan = make_plan(config, hw, facts, str(config_path))
-    run_dir = Path(config.output.dir)
+    run_dir = Path(config.output.dir).expanduser()
     if job_plan.nodes > 1 and role.master_addr is None:
         raise FtError(f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and --master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)")
     resuming = resume or config.output.resume == "auto"
     if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
+        from finetune.runfolder import check_output_dir
+
+        check_output_dir(run_dir)
         resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
     else:
         resume_from = checkpoint.latest(run_dir) if resuming else None
     prepared = prepare(config)  # once per node, before any rank starts
     job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
+    if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
+        finished = _resume_checks(run_dir, config, job_plan, prepared, allow_changes)
+        if finished is not None:
+            return finished
     cmd = rank_command(str(run_dir), job_plan.nodes, job_plan.processes_per_node, job_plan.process_group, node_rank=role.node_rank,
                        master_addr=role.master_addr, master_port=role.master_port, python=sys.executable,
                        resume_from=str(resume_from) if resume_from else None)
     if role.node_rank == 0:  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
+        if overwrite and not resuming:
+            _overwrite(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
         _write_run_folder(run_dir, config, job_plan, prepared, cmd)
         set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
     if job_plan.process_group:
@@ -225,26 +234,88 @@ def _raise_if_stopped(job_plan, config_path, overrides) -> None:
 
 
 def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
-    """The checkpoint to resume from, or None; refuses to overwrite another run by accident."""
-    import shutil
+    """The checkpoint to resume from, or None; refuses to replace another run, or to write into a folder that is not
+    a run, by accident. Reads only: `--overwrite` removes the old run later, once the new one has planned and prepared."""
+    import sys
 
     from finetune import checkpoint
+    from finetune.runfolder import looks_like_run
 
-    holds_run = (run_dir / "config.yaml").exists() or (run_dir / "checkpoints").exists()
+    holds_run = looks_like_run(run_dir)
+    if not holds_run and run_dir.exists() and any(run_dir.iterdir()):
+        raise FtError(f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder (nothing was written)")
     if resume:
         last = checkpoint.latest(run_dir)
         if last is None and explicit:
-            raise FtError(f"--resume: {run_dir} has no complete checkpoint to resume from; drop --resume to start fresh")
+            sys.stderr.write(f"--resume: {run_dir} has no complete checkpoint yet; starting from step 0\n")
         return last
     if holds_run and not overwrite:
         steps = [p.name for p in checkpoint.checkpoints(run_dir)]
         raise FtError(f"output.dir {run_dir} already holds a run ({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
                       "use --resume to continue it, --overwrite to replace it, or choose another output.dir")
-    if holds_run and overwrite:
-        shutil.rmtree(run_dir)
-    elif run_dir.exists() and any(run_dir.iterdir()):
-        raise FtError(f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder (nothing was written)")
     return None
+
+
+def _overwrite(run_dir, job_file) -> None:
+    """--overwrite: remove what ft wrote in the old run (never a folder ft did not make); say what was left."""
+    import sys
+
+    from finetune.runfolder import remove_run
+
+    if not run_dir.exists():
+        return
+    left = remove_run(run_dir, job_file)
+    if left:
+        sys.stderr.write(f"--overwrite: removed the old run; kept {len(left)} entries ft did not write: {', '.join(left[:8])}\n")
+
+
+# Keys a resumed run may change: they do not change what is trained or how (only how long, and what is logged or kept).
+RESUME_SAFE = ("train.max_steps", "train.epochs", "output.log_steps", "output.save_steps", "output.eval_steps", "output.keep_checkpoints",
+               "output.trackers", "output.resume", "output.run_name", "distributed.timeout_minutes", "evaluation.every_steps")
+
+
+def _resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> dict | None:
+    """Resuming an existing run: a finished run is left as it is (unless it is to train longer), and a changed config is
+    refused with the list of changes, or accepted with --allow-changes and recorded in the run folder."""
+    import json
+    import sys
+    import time
+
+    import yaml
+
+    from finetune.data.stream import steps_for
+    from finetune.methods import rows_per_step
+    from finetune.runlog import redact_config
+
+    if (run_dir / "result.json").exists():
+        done = json.loads((run_dir / "result.json").read_text()).get("steps") or 0
+        total = steps_for(len(prepared.train), rows_per_step(config.method, job_plan.global_batch_size), config.train.max_steps, config.train.epochs)
+        if total <= done:
+            sys.stderr.write(f"{run_dir} finished all {done} steps (final {'model' if job_plan.adapter == 'full' else 'adapter'} in {run_dir / 'final'}); "
+                             "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n")
+            return {"steps": done, "finished": True, "final": str(run_dir / "final")}
+    changes = _config_changes(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}, redact_config(config, exclude_unset=True))
+    unsafe = [c for c in changes if not c[0].startswith(RESUME_SAFE)]
+    if unsafe and not allow_changes:
+        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])
+        raise FtError(f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that change what is trained: "
+                      f"{listed}. Resume with the run's config, start a new output.dir, or pass --allow-changes to resume anyway (recorded in the run folder)")
+    if changes:
+        with open(run_dir / "resume-changes.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}) + "\n")
+    return None
+
+
+def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, saved value, new value) for every key whose value differs (lists compared whole)."""
+    out = []
+    for key in sorted(set(saved) | set(now), key=str):
+        a, b, name = saved.get(key), now.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_changes(a, b, name + ".")
+        elif a != b:
+            out.append((name, a, b))
+    return out
 
 
 def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
@@ -255,7 +326,9 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
 
     from finetune.runlog import atomic_write_text, environment_snapshot, redact_config
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    from finetune.runfolder import mark
+
+    mark(run_dir)  # first: from now on this folder is ft's run folder (and --overwrite may remove what ft writes here)
     # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every derived value.
     atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False))
     atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))

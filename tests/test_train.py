@@ -206,14 +206,60 @@ def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monke
     assert not [p for p in (tmp_path / "run2" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
-def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path):
+def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys):
     text = job_text(tmp_path, "full", steps=2)
     train(tmp_path, text)
+    run = tmp_path / "run"
     with pytest.raises(FtError, match="already holds a run.*--resume.*--overwrite"):
         train(tmp_path, text)
-    with pytest.raises(FtError, match="no complete checkpoint"):
-        train(tmp_path, text, resume=True)
+    final = {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()}
+    assert train(tmp_path, text, resume=True)["finished"] is True  # a finished run: said so, nothing changed
+    assert "finished all 2 steps" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()} == final
+    with pytest.raises(FtError, match=r"differs from the run's.*train\.lr.*--allow-changes"):
+        train(tmp_path, text.replace("max_steps: 2", "max_steps: 3").replace("lr: 0.003", "lr: 0.001"), resume=True)
+    assert train(tmp_path, text.replace("max_steps: 2", "max_steps: 3"), resume=True)["steps"] == 3  # longer: resume-safe
+    assert "starting from step 0" in capsys.readouterr().err  # no checkpoint to continue from (save_steps: 0)
+    assert "train.max_steps" in (run / "resume-changes.jsonl").read_text()
+    (run / "notes.txt").write_text("mine")
     assert train(tmp_path, text, overwrite=True)["steps"] == 2
+    assert (run / "notes.txt").read_text() == "mine" and not (run / "resume-changes.jsonl").exists()
+
+
+def test_overwrite_never_deletes_what_ft_did_not_make(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "code.py").write_text("print('keep me')")
+    (project / ".git").mkdir()
+    monkeypatch.chdir(project)
+    here = job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", "dir: .")
+    with pytest.raises(FtError, match="not empty and is not an ft run folder"):
+        train(project, here)
+    (project / "config.yaml").write_text("looks like a run\n")  # an older run folder, or a project with a config.yaml
+    with pytest.raises(FtError, match="folder you run ft from"):
+        train(project, here, overwrite=True)
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoints").mkdir(parents=True)
+    (legacy / "data.bin").write_text("x")
+    with pytest.raises(FtError, match="no .ft-run marker.*checkpoints, data.bin"):
+        train(tmp_path, job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {legacy}"), overwrite=True)
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / ".ft-run").write_text("")
+    with pytest.raises(FtError, match="holds the job file"):
+        train(holder, job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {holder}"), overwrite=True)
+    assert (project / "src" / "code.py").exists() and (project / ".git").is_dir() and (legacy / "data.bin").exists()
+    assert (holder / "job.yaml").exists()
+
+
+def test_output_dir_is_checked_before_any_work(tmp_path, monkeypatch):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FtError, match="is a file, not a folder"):
+        train(tmp_path, job_text(tmp_path, "full", steps=1).replace(f"dir: {tmp_path / 'run'}", f"dir: {tmp_path / 'afile'}"))
+    assert not (tmp_path / "cache").exists()  # refused before the data was prepared
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    train(tmp_path, job_text(tmp_path, "full", steps=1).replace(f"dir: {tmp_path / 'run'}", "dir: ~/runs/one"))
+    assert (tmp_path / "home" / "runs" / "one" / "final").is_dir() and not (tmp_path / "~").exists()
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -268,3 +314,40 @@ def test_configured_tracker_receives_the_training_metrics(tmp_path):
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+
+
+def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resumes(tmp_path, monkeypatch):
+    import errno
+
+    import transformers
+
+    from finetune import checkpoint
+
+    text = job_text(tmp_path, "full", steps=6).replace("save_steps: 0", "save_steps: 2")
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def failing_torch_save(obj, f, *a, **k):  # how torch reports a full disk: a RuntimeError from its stream writer
+        calls["n"] += 1
+        if calls["n"] == 4:  # the second checkpoint's optimizer.pt
+            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1234 vs 1200: file write failed")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", failing_torch_save)
+    with pytest.raises(FtError, match="checkpoint step 4.*partial checkpoint was removed.*intact \\(step-00000002\\).*--resume"):
+        train(tmp_path, text)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-00000002"]
+
+    def full_disk(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full_disk)
+    with pytest.raises(FtError, match="final weights.*the disk is full.*--resume"):
+        train(tmp_path, text, resume=True)
+    assert not (tmp_path / "run" / "final").exists() and not list((tmp_path / "run").glob(".tmp-*"))
+    assert checkpoint.latest(tmp_path / "run").name == "step-00000004"
+    monkeypatch.undo()
+    train(tmp_path, text, resume=True)
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in line] == list(range(1, 7))
