@@ -49,6 +49,11 @@ def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: Op
     from finetune.config import load
 
     cfg = load(config, set_ or ())
+    from finetune.data.sources import check_paths
+
+    problems = check_paths(cfg)
+    if problems:
+        raise FtError(f"{config}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n" + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems))
     typer.echo(f"{config}: valid ({cfg.method.name}, model {cfg.model.name}, adapter {cfg.adapter.type}, output {cfg.output.dir})")
 
 

@@ -72,14 +72,24 @@ class _Source:
 
 # ---------------------------------------------------------------- inputs
 def _read_yaml(path: Path) -> dict:
+    """A run's config.yaml as a mapping, with `${VAR}` (how ft writes values that came from the environment)
+    expanded from this process's environment."""
+    import os
+
     import yaml
+
+    from finetune.config.env import Expansion
 
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise FtError(f"{path}: cannot read the run's config: {e}") from None
     if not isinstance(data, dict):
         raise FtError(f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}")
+    expansion = Expansion(os.environ, yaml.safe_load)
+    data = expansion.value(data)
+    if expansion.problems:
+        raise FtError(f"{path}: {expansion.problems[0].message}; set the variable the run was started with, or edit the file")
     return data
 
 

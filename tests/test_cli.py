@@ -45,9 +45,11 @@ def test_validate_ok_and_bad(write_yaml):
 
 
 def test_validate_with_set_and_env(write_yaml):
-    path = write_yaml(MINIMAL.replace("max_steps: 1000", "max_steps: ${FT_TEST_STEPS}"))
-    assert ft("validate", str(path), env={"FT_TEST_STEPS": "10"}).returncode == 0
-    r = ft("validate", str(path), "--set", "train.lr=fast", env={"FT_TEST_STEPS": "10"})
+    path = write_yaml(MINIMAL.replace("max_steps: 1000", "max_steps: ${FT_TEST_STEPS}").replace("data/train.jsonl", "'${FT_TEST_DATA}'"))
+    (path.parent / "train.jsonl").write_text("")  # ft validate checks that local data files exist
+    env = {"FT_TEST_STEPS": "10", "FT_TEST_DATA": str(path.parent / "train.jsonl")}
+    assert ft("validate", str(path), env=env).returncode == 0
+    r = ft("validate", str(path), "--set", "train.lr=fast", env=env)
     assert r.returncode == 2 and "--set train.lr=fast" in r.stderr
 
 
@@ -141,3 +143,11 @@ def test_run_main_writes_the_log_into_the_run_folder(tmp_path, capsys):
     assert info.value.code == 1
     (log,) = tmp_path.glob("ft-error-*.log")
     assert "rank broke" in log.read_text() and str(log) in capsys.readouterr().err
+
+
+def test_validate_names_missing_local_data_files(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {tmp_path / 'nope.jsonl'}, format: chat}}]}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
+    r = ft("validate", str(job))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "data.datasets[0].path" in r.stderr and "nope.jsonl" in r.stderr

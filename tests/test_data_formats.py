@@ -159,8 +159,10 @@ def test_prompt_only_accepts_messages():
 
 # ---------------------------------------------------------------- normalize_dataset
 def dataset(records):
-    rows = [dict(r, _origin=f"data/train.jsonl:{i + 1}") for i, r in enumerate(records)]
-    return datasets.Dataset.from_list(rows, on_mixed_types="use_json")
+    """Records as load_source builds them (mixed-type columns as exact JSON)."""
+    from finetune.data.sources import _to_dataset
+
+    return _to_dataset([dict(r, _origin=f"data/train.jsonl:{i + 1}") for i, r in enumerate(records)])
 
 
 GOOD = {"messages": [user("hi"), bot("yo")]}
@@ -204,3 +206,37 @@ def test_mixed_type_column_gives_per_record_errors():
 def test_normalize_dataset_in_two_processes():
     out, skipped = normalize_dataset(dataset([GOOD, BAD] * 4), spec("chat"), skip_bad_records=True, num_proc=2)
     assert (len(out), skipped) == (4, 4)
+
+
+def test_every_record_bad_is_an_error_even_when_skipping():
+    with pytest.raises(DataError) as e:
+        normalize_dataset(dataset([BAD, BAD, BAD]), spec("chat"), skip_bad_records=True, key="data.datasets[0]")
+    msg = str(e.value)
+    assert msg.startswith("data/train.jsonl:1: 'messages' has no assistant message")
+    assert "every record is bad (3 skipped)" in msg and "data/train.jsonl:2" in msg and "\n    fix: " in msg
+
+
+def test_skipped_records_are_named_and_reported(caplog):
+    examples: list[str] = []
+    seen = []
+    out, skipped = normalize_dataset(dataset([GOOD, BAD, GOOD, BAD]), spec("chat"), skip_bad_records=True, examples=examples,
+                                     progress=lambda stage, done, total: seen.append((done, total)))
+    assert skipped == 2 and examples == ["data/train.jsonl:2: 'messages' has no assistant message, so there is nothing to train on",
+                                         "data/train.jsonl:4: 'messages' has no assistant message, so there is nothing to train on"]
+    assert "skipped 2 bad records" in caplog.text and "data/train.jsonl:2" in caplog.text
+    assert seen[-1] == (4, 4)
+
+
+def test_a_number_among_text_answers_spoils_only_its_own_record():
+    records = [{"messages": [user(f"{i} + 1?"), bot(str(i + 1))]} for i in range(40)]
+    records[30]["messages"][1]["content"] = 31
+    with pytest.raises(DataError, match=r"^data/train.jsonl:31: message messages\[1\] \(assistant\): 'content' must be a string, got a number"):
+        normalize_dataset(dataset(records), spec("chat"))
+    out, skipped = normalize_dataset(dataset(records), spec("chat"), skip_bad_records=True)
+    assert skipped == 1 and out["messages"][0][1]["content"] == "1"
+
+
+def test_a_null_column_from_other_records_gives_way_to_an_alias():
+    ds = dataset([GOOD, {"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]}])
+    with pytest.raises(DataError, match=r"train.jsonl:2: message conversations\[1\] has an unknown role 'robot'"):
+        normalize_dataset(ds, spec("chat"))

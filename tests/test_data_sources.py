@@ -11,7 +11,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from finetune.config.schema import DatasetSpec
-from finetune.data import sources
 from finetune.data.formats import normalize_dataset
 from finetune.data.sources import SourceStats, load_source, looks_like_hub_id, mix, split_validation, take
 from finetune.errors import DataError
@@ -208,6 +207,43 @@ def test_unsupported_file_type(tmp_path):
         load_source(spec(path))
 
 
+def test_a_string_that_reads_as_json_stays_a_string_beside_a_number(tmp_path):
+    """One number among strings must not retype the column: "1" stays "1" (the bad record alone is bad)."""
+    records = [{"prompt": f"q{i}", "completion": str(i)} for i in range(40)]
+    records[30]["completion"] = 5
+    ds, _ = load_source(spec(write_jsonl(tmp_path / "t.jsonl", records), "prompt_completion"))
+    assert ds["completion"][:3] == ["0", "1", "2"] and ds["completion"][30] == 5
+    with pytest.raises(DataError, match=r"t.jsonl:31: 'completion' must be text, got a number"):
+        normalize_dataset(ds, spec(tmp_path / "t.jsonl", "prompt_completion"))
+    out, skipped = normalize_dataset(ds, spec(tmp_path / "t.jsonl", "prompt_completion"), skip_bad_records=True)
+    assert skipped == 1 and out["completion"][:3] == ["0", "1", "2"]
+
+
+def test_csv_quoting_errors_name_the_row_start(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text('prompt,answer\nq1,a1\nq2,"a2\nq3,a3\n')
+    with pytest.raises(DataError, match=r"t.csv:3: not valid CSV \(unexpected end of data; the row that starts on this line runs to line 4\)"):
+        load_source(spec(path, "prompt_only"))
+
+
+def test_check_paths_names_the_key_and_the_path(tmp_path):
+    from finetune.config import loads
+    from finetune.data.sources import check_paths
+
+    good = write_jsonl(tmp_path / "good.jsonl", numbered(2))
+    config = loads(f"""
+model: {{name: ft-tiny}}
+data:
+  datasets: [{{path: {good}, format: completion}}, {{path: {tmp_path / 'missing.jsonl'}, format: completion}}, {{path: org/name, format: chat}}]
+  validation: {{path: {tmp_path / 'nothing-*.jsonl'}, format: completion}}
+output: {{dir: {tmp_path / 'run'}}}
+""")
+    problems = check_paths(config)
+    assert len(problems) == 2
+    assert problems[0].startswith(f"data.datasets[1].path: data file not found: {tmp_path / 'missing.jsonl'}")
+    assert problems[1].startswith(f"data.validation.path: {tmp_path / 'nothing-*.jsonl'}: no ")
+
+
 def test_reserved_origin_column(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": "a", "_origin": "x"}])
     with pytest.raises(DataError, match=r"'_origin' is reserved"):
@@ -229,7 +265,7 @@ def test_hub_dataset_rows_get_origins(monkeypatch):
         calls.append((path, name, split, revision))
         return datasets.Dataset.from_dict({"question": ["q1", "q2"]})
 
-    monkeypatch.setattr(sources.datasets, "load_dataset", fake_load)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
     ds, stats = load_source(spec("openai/gsm8k", "prompt_only", subset="main", split="test", revision="abc"))
     assert calls == [("openai/gsm8k", "main", "test", "abc")]
     assert ds["_origin"] == ["openai/gsm8k[test]:row 1", "openai/gsm8k[test]:row 2"]
@@ -240,7 +276,7 @@ def test_unreachable_hub_dataset(monkeypatch):
     def fail(*a, **k):
         raise ConnectionError("Couldn't reach 'org/name' on the Hub (offline)")
 
-    monkeypatch.setattr(sources.datasets, "load_dataset", fail)
+    monkeypatch.setattr(datasets, "load_dataset", fail)
     with pytest.raises(DataError, match=r"org/name: no such local file or folder, and loading it as a hub dataset failed: Couldn't reach"):
         load_source(spec("org/name"))
 

@@ -213,3 +213,40 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
     assert set(result.lm_eval) == {"ft_tiny_qa"} and 0.0 <= result.lm_eval["ft_tiny_qa"]["exact_match"] <= 1.0
     with pytest.raises(FtError, match="unknown task no_such_task"):
         run_eval(str(model_dir), lm_eval=("no_such_task",), lm_eval_include=str(tmp_path), progress=False)
+
+
+# ---------------------------------------------------------------- code in a run folder runs only when asked
+def _adapter_run(model_dir, root, marker):
+    """A LoRA run folder: final/ is a peft adapter; config.yaml names an evil base model and turns trust_remote_code on."""
+    import yaml
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_generate import evil_model
+
+    base = evil_model(model_dir, root / "evil-base", marker)
+    run = root / "lora-run"
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    peft_model.save_pretrained(str(run / "final"))
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": str(base), "trust_remote_code": True}, "adapter": {"type": "lora"}}))
+    return run
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_ft_eval_of_a_crafted_run_folder_runs_none_of_its_code(model_dir, tmp_path, monkeypatch, kind):
+    import sys
+
+    import transformers.dynamic_module_utils as dynamic
+
+    from finetune.infer.commands import run_eval
+    from tests.test_generate import crafted_run
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    marker = tmp_path / "MARKER"
+    run = crafted_run(model_dir, tmp_path, marker) if kind == "full" else _adapter_run(model_dir, tmp_path, marker)
+    data = tmp_path / "set.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}) + "\n")
+    result = run_eval(str(run), data=str(data), metrics=("loss",), progress=False, as_json=True)
+    assert math.isfinite(result.metrics["loss"])
+    assert not marker.exists(), f"ft eval ran code from the {kind} run folder without --trust-remote-code"

@@ -201,3 +201,70 @@ def test_vllm_engine_greedy_matches_transformers(one_process, model_dir, prompts
     theirs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in theirs] == [r["id"] for r in ours]
     assert sum(a["completion"] == b["completion"] for a, b in zip(ours, theirs)) >= 36  # kernels differ; greedy ties may break apart
+
+
+# ---------------------------------------------------------------- code in a run folder runs only when asked
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("the model folder's own code ran")
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+class EvilConfig(LlamaConfig):
+    pass
+
+class EvilModel(LlamaForCausalLM):
+    config_class = EvilConfig
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def evil_model(model_dir, folder, marker):
+    """A copy of the tiny model whose config.json and tokenizer_config.json point (auto_map) at evil.py,
+    which writes `marker` when imported."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    for name, auto_map in (("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizer"]})):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+    (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    return folder
+
+
+def crafted_run(model_dir, root, marker, model_name="ft-tiny"):
+    """A run folder whose config.yaml turns trust_remote_code on and whose final/ model ships evil.py."""
+    import yaml
+
+    run = root / "run"
+    evil_model(model_dir, run / "final", marker)
+    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": model_name, "trust_remote_code": True}, "adapter": {"type": "full"}}))
+    return run
+
+
+@pytest.fixture
+def modules_cache(tmp_path, monkeypatch):
+    """transformers copies remote code under HF_MODULES_CACHE before importing it: keep that in tmp_path."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+
+
+def test_a_run_folder_cannot_turn_on_remote_code(model_dir, tmp_path, modules_cache):
+    from finetune.infer.commands import run_generate
+
+    marker = tmp_path / "MARKER"
+    run = crafted_run(model_dir, tmp_path, marker)
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    assert resolve(str(run)).trust_remote_code is False  # config.yaml says true: not this invocation
+    run_generate(str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out.jsonl"), max_new_tokens=2, processes=1, progress=False)
+    assert not marker.exists(), "ft generate ran code from the run folder without --trust-remote-code"
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+    # the control: the same folder with the flag does run it (so the check above can fail)
+    assert resolve(str(run), trust_remote_code=True).trust_remote_code is True
+    run_generate(str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out2.jsonl"), max_new_tokens=2, processes=1, progress=False,
+                 trust_remote_code=True)
+    assert marker.exists()

@@ -14,16 +14,19 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import uuid
+from collections.abc import Callable
 from functools import partial
 
 import datasets
 
 from finetune.config.schema import DatasetSpec
-from finetune.data.sources import ORIGIN, SKIP_FIX
+from finetune.data.sources import MAX_EXAMPLES, ORIGIN, SKIP_FIX
 from finetune.data.sources import kind as _kind
 from finetune.errors import DataError
 
 log = logging.getLogger(__name__)
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("messages", "system"),
@@ -153,9 +156,13 @@ def _column(field: str, spec: DatasetSpec, record: dict) -> str:
     """The source column an ft field is read from: the mapping, the field's name, or a known alias."""
     if field in spec.columns:
         return spec.columns[field]
-    if field not in record:
-        return next((a for a in _ALIASES.get(field, ()) if a in record), field)
-    return field
+    if record.get(field) is not None:
+        return field
+    aliases = _ALIASES.get(field, ())  # a null field may only be another record's column: prefer an alias with a value
+    with_value = next((a for a in aliases if record.get(a) is not None), None)
+    if with_value is not None or field in record:
+        return with_value or field
+    return next((a for a in aliases if a in record), field)
 
 
 def _value(record: dict, field: str, spec: DatasetSpec, *, required: bool = True) -> object:
@@ -166,7 +173,7 @@ def _value(record: dict, field: str, spec: DatasetSpec, *, required: bool = True
             raise MissingColumn(_missing(field, record, spec))
         return None
     if record[name] is None and required:
-        raise RecordError(f"'{name}' is null")
+        raise RecordError(f"'{name}' is null (or missing in this record)")
     return record[name]
 
 
@@ -246,22 +253,44 @@ def _message(message: object, where: str) -> dict:
 
 
 # ---------------------------------------------------------------- a whole dataset
-def normalize_dataset(ds: datasets.Dataset, spec: DatasetSpec, *, skip_bad_records: bool = False, num_proc: int = 1, key: str = "") -> tuple[datasets.Dataset, int]:
+def normalize_dataset(ds: datasets.Dataset, spec: DatasetSpec, *, skip_bad_records: bool = False, num_proc: int = 1, key: str = "",
+                      examples: list[str] | None = None, progress: Progress | None = None) -> tuple[datasets.Dataset, int]:
     """Normalize every record; returns (normalized dataset, records skipped).
 
     A bad record raises DataError "ORIGIN: MESSAGE" naming the source (`key`, e.g. "data.datasets[0]"),
-    or with skip_bad_records is dropped and counted. A missing column always raises: it is the mapping.
+    or with skip_bad_records is dropped and counted, and the first few are logged and appended to
+    `examples` as "ORIGIN: REASON". A source whose every record is bad is an error even then. A missing
+    column always raises: it is the mapping. progress(stage, done, total) is called per batch (num_proc 1).
     """
     source = f"{key} (path {spec.path}, format {spec.format})" if key else f"{spec.path} (format {spec.format})"
-    shape = datasets.Features({**features(spec.format), "_error": _TEXT})
-    fn = partial(_normalize_batch, spec=spec, skip=skip_bad_records, where=(key, source), columns=tuple(shape))
-    out = ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, features=shape,
-                 num_proc=min(num_proc, len(ds)) if num_proc > 1 and len(ds) > 1 else None, desc=f"Reading {spec.path} as {spec.format}")
+    out = _map(ds, spec, skip_bad_records, num_proc, (key, source), progress)
     errors = [e for e in out["_error"][:] if e] if skip_bad_records else []
+    if errors and len(errors) == len(out):
+        raise DataError(f"{errors[0]}\n    source: {source}: every record is bad ({len(errors)} skipped), so nothing is left to train on; "
+                        f"others: {'; '.join(errors[1:3]) or 'none'}\n    fix: correct the records, or check that data.datasets[].format matches the data")
     if errors:
-        log.warning("skipped %d bad record(s) of %s; first: %s", len(errors), source, "; ".join(errors[:5]))
+        log.warning("%s: skipped %d bad record%s (data.skip_bad_records); first: %s", source, len(errors), "s" if len(errors) != 1 else "", "; ".join(errors[:MAX_EXAMPLES]))
+        if examples is not None:
+            examples.extend(errors[: max(0, MAX_EXAMPLES - len(examples))])
         out = out.filter(lambda e: not e, input_columns="_error")
     return out.remove_columns("_error"), len(errors)
+
+
+def _map(ds: datasets.Dataset, spec: DatasetSpec, skip: bool, num_proc: int, where: tuple[str, str], progress: Progress | None) -> datasets.Dataset:
+    shape = datasets.Features({**features(spec.format), "_error": _TEXT})
+    fn = partial(_normalize_batch, spec=spec, skip=skip, where=where, columns=tuple(shape))
+    procs = min(num_proc, len(ds)) if num_proc > 1 and len(ds) > 1 else None
+    if progress is not None and procs is None:
+        total, done, inner = len(ds), [0], fn
+
+        def fn(batch: dict, indices: list[int]) -> dict:
+            rows = inner(batch, indices)
+            done[0] += len(indices)
+            progress(f"reading {spec.path} as {spec.format}", done[0], total)
+            return rows
+
+    return ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, features=shape, num_proc=procs,
+                  desc=f"Reading {spec.path} as {spec.format}", new_fingerprint=uuid.uuid4().hex)
 
 
 def _normalize_batch(batch: dict, indices: list[int], *, spec: DatasetSpec, skip: bool, where: tuple[str, str], columns: tuple) -> dict:

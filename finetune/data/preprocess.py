@@ -17,7 +17,7 @@ from typing import Callable
 from finetune.config.schema import Config, DatasetSpec
 from finetune.errors import DataError, FtError
 
-DATA_VERSION = 1  # bump when the output of this pipeline changes for the same inputs
+DATA_VERSION = 2  # bump when the output of this pipeline changes for the same inputs
 TEMPLATED = ("chat", "instruction", "preference", "prompt_only")
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -42,6 +42,11 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
     from finetune.data.cache import DataCache, fingerprint
 
     disable_progress_bars()
+    from finetune.data.sources import check_paths
+
+    problems = check_paths(config)
+    if problems:
+        raise DataError("\n".join(problems))
     tokenizer, jinja, added = training_tokenizer(config)
     key = fingerprint(fingerprint_parts(config, tokenizer, jinja))
     cache = DataCache(config.data.cache_dir)
@@ -133,16 +138,19 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
 
     data = config.data
     counts: Counter = Counter()
-    parts = [_source(config, i, spec, tokenizer, jinja, counts, progress) for i, spec in enumerate(data.datasets)]
+    examples: list = []  # the first skipped records, with file:line and why
+    parts = [_source(config, i, spec, tokenizer, jinja, counts, progress, examples) for i, spec in enumerate(data.datasets)]
     train = mix(parts, data.seed)
     if isinstance(data.validation, DatasetSpec):
-        validation = _source(config, "validation", data.validation, tokenizer, jinja, Counter(), progress)
+        validation = _source(config, "validation", data.validation, tokenizer, jinja, Counter(), progress, examples)
     else:  # records repeated by weight/samples share an origin and stay on one side of the split
         train, validation = split_validation(train, data.validation, data.seed)
     train = train.remove_columns("_origin")
     validation = validation.remove_columns("_origin") if validation is not None else None
     lengths = train["length"][:]
     summary = _summary(counts, train, lengths, data.seq_len)
+    if examples:
+        summary["skipped_examples"] = examples[:5]
     if data.packing and all(s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets):
         progress("packing", 0, 1)
         train = pack(train, data.seq_len)
@@ -157,7 +165,7 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     return summary
 
 
-def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress):
+def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress, examples: list):
     """One source: read, sample, normalize, tokenize, fit to seq_len."""
     from finetune.data.formats import normalize_dataset
     from finetune.data.sources import load_source, take
@@ -165,12 +173,13 @@ def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: 
     key = f"data.datasets[{index}]" if isinstance(index, int) else "data.validation"
     data = config.data
     try:
-        raw, stats = load_source(spec, skip_bad_records=data.skip_bad_records)
+        raw, stats = load_source(spec, skip_bad_records=data.skip_bad_records, progress=progress)
     except DataError as e:
         raise DataError(f"{key}: {e}") from None
+    examples.extend(stats.skipped_examples)
     counts["read"] += stats.records_read
     counts["skipped_unreadable"] += stats.records_skipped
-    norm, skipped = normalize_dataset(raw, spec, skip_bad_records=data.skip_bad_records, num_proc=data.num_proc, key=key)
+    norm, skipped = normalize_dataset(raw, spec, skip_bad_records=data.skip_bad_records, num_proc=data.num_proc, key=key, examples=examples, progress=progress)
     counts["skipped_bad_records"] += skipped
     norm = take(norm, spec, data.seed)
     counts["sampled"] += len(norm)
@@ -180,6 +189,8 @@ def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: 
 def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Progress, key: str, data):
     """Tokenize with `datasets.map`; count what happened to each record; drop the ones that cannot train."""
     total, done = len(ds), [0]
+    if total == 0:
+        raise DataError(f"{key}: no records to tokenize; check the file, its format and the sampling settings")
 
     def batch(records: dict) -> dict:
         n = len(records["_origin"])
@@ -216,7 +227,7 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
         row, status = fit_length(tokenize_record(rec, rules, tokenizer, jinja), rules)
     except FtError as e:
         if not skip_bad:
-            raise DataError(f"{key}: {rec.get('_origin', '?')}: {e} (set data.skip_bad_records: true to skip such records)") from None
+            raise DataError(f"{key}: {rec.get('_origin', '?')}: {e}\n    fix: correct or remove the record, or set data.skip_bad_records: true to skip (and count) such records") from None
         row, status = None, "skipped_bad_records"
     if row is None:
         row = {k: [] for k in _EMPTY[rules.format]} | {"length": 0}

@@ -34,6 +34,16 @@ def print_summary(summary: dict, console) -> None:
     for what, value in rows:
         table.add_row(what, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
+    print_skipped(summary.get("skipped_examples") or [], summary["skipped_unreadable"] + summary["skipped_bad_records"], console)
+
+
+def print_skipped(examples: list[str], total: int, console) -> None:
+    """The first skipped records (data.skip_bad_records), each as "file:line: reason", so they can be fixed."""
+    if not examples:
+        return
+    console.print(f"skipped {total:,} bad record{'s' if total != 1 else ''}; the first {len(examples)}:")
+    for example in examples:
+        console.print(f"  {example}", markup=False)
 
 
 def samples(row: dict) -> list[tuple[list[int], list[int]]]:

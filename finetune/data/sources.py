@@ -8,28 +8,33 @@ put in their error messages, and so that a malformed record is reported with its
 
 from __future__ import annotations
 
-import csv
+import errno
 import glob
 import json
+import logging
 import math
 import os
 import re
+import stat
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import datasets
-import numpy as np
+from typing import TYPE_CHECKING
 
 from finetune.config.schema import DatasetSpec
+from finetune.data.readers import MAX_EXAMPLES, ORIGIN, READERS, SKIP_FIX, Collector, kind, sniff  # noqa: F401 (re-exported)
+from finetune.data.readers import error as _error
 from finetune.errors import DataError
 
+if TYPE_CHECKING:  # datasets, numpy and pyarrow load in the functions that use them: `ft validate` stays fast
+    import datasets
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
 SUPPORTED = (".jsonl", ".json", ".csv", ".parquet", ".txt")
-ORIGIN = "_origin"
-MAX_EXAMPLES = 5
-SKIP_FIX = "correct or remove the record, or set data.skip_bad_records: true to skip (and count) bad records"
 _GLOB_CHARS = re.compile(r"[*?\[]")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,57 +50,56 @@ class SourceStats:
     """The local files read, in order (empty for hub data)."""
 
 
-def _error(where: str, what: str, fix: str = "") -> DataError:
-    return DataError(f"{where}: {what}" + (f"\n    fix: {fix}" if fix else ""))
-
-
-class _Collector:
-    """Records read so far; a bad record either raises (strict) or is counted (skip_bad_records)."""
-
-    def __init__(self, skip: bool):
-        self.skip = skip
-        self.records: list[dict] = []
-        self.skipped = 0
-        self.examples: list[str] = []
-
-    def add(self, record: object, origin: str) -> None:
-        if not isinstance(record, dict):
-            return self.bad(origin, f"a record must be a JSON object ({{...}}), got {kind(record)}")
-        if ORIGIN in record:
-            raise _error(origin, f"the column {ORIGIN!r} is reserved by ft", f"rename the column {ORIGIN!r} in the data")
-        record[ORIGIN] = origin
-        self.records.append(record)
-
-    def bad(self, origin: str, reason: str) -> None:
-        if not self.skip:
-            raise _error(origin, reason, SKIP_FIX)
-        self.skipped += 1
-        if len(self.examples) < MAX_EXAMPLES:
-            self.examples.append(f"{origin}: {reason}")
-
-
-def kind(value: object) -> str:
-    """How a JSON value's type reads in a message: 'a number', 'a list', 'null', ..."""
-    names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
 # ---------------------------------------------------------------- public entry points
-def load_source(spec: DatasetSpec, *, skip_bad_records: bool = False) -> tuple[datasets.Dataset, SourceStats]:
-    """Read every record of `spec.path` (local file, glob, folder or hub id) with an `_origin` column."""
+def load_source(spec: DatasetSpec, *, skip_bad_records: bool = False, progress: Progress | None = None) -> tuple[datasets.Dataset, SourceStats]:
+    """Read every record of `spec.path` (local file, glob, folder or hub id) with an `_origin` column.
+
+    progress, when given, is called as progress(stage, files done, files) after each file."""
     files = resolve_files(spec.path)
     if files is None:
         return _load_hub(spec)
-    out = _Collector(skip_bad_records)
-    for file in files:
-        before = len(out.records) + out.skipped
-        _READERS[Path(file).suffix.lower()](file, out)
-        if len(out.records) + out.skipped == before:
-            raise _error(file, "the file holds no records", "remove the empty file or fill it")
+    out = Collector(skip_bad_records)
+    for done, file in enumerate(files):
+        _read_file(file, out)
+        if progress is not None:
+            progress(f"reading {spec.path}", done + 1, len(files))
     if not out.records:
         raise _error(spec.path, f"no usable records: all {out.skipped} were bad; first: {out.examples[0]}", "fix the data, or point data.datasets[].path at the intended file")
+    if out.skipped:
+        log.warning("%s: skipped %d bad record%s (data.skip_bad_records); first: %s", spec.path, out.skipped,
+                    "s" if out.skipped != 1 else "", "; ".join(out.examples))
     stats = SourceStats(spec.path, len(out.records), out.skipped, tuple(out.examples), tuple(files))
     return _to_dataset(out.records), stats
+
+
+def _read_file(file: str, out: Collector) -> None:
+    """Append one file's records to `out`; DataError naming the file when it cannot be read at all."""
+    before = len(out.records) + out.skipped
+    suffix = Path(file).suffix.lower()
+    try:
+        if suffix != ".parquet":
+            sniff(file)
+        READERS[suffix](file, out)
+    except OSError as e:  # removed, unreadable or a folder since resolve_files looked at it
+        raise _error(file, f"cannot read the file ({e.strerror or e})", "check that it exists and is readable (ls -l)") from None
+    if len(out.records) + out.skipped == before:
+        raise _error(file, "the file holds no records", "remove the empty file or fill it")
+
+
+def check_paths(config) -> list[str]:
+    """One message per local data path of `config` that cannot be read (missing, FIFO, unreadable, ...).
+
+    Hub dataset ids are not checked (that needs the network). Relative paths are read from the current folder."""
+    specs = [(f"data.datasets[{i}]", s) for i, s in enumerate(config.data.datasets)]
+    if isinstance(config.data.validation, DatasetSpec):
+        specs.append(("data.validation", config.data.validation))
+    problems = []
+    for key, spec in specs:
+        try:
+            resolve_files(spec.path)
+        except DataError as e:
+            problems.append(f"{key}.path: {e}")
+    return problems
 
 
 def resolve_files(path: str) -> list[str] | None:
@@ -107,16 +111,42 @@ def resolve_files(path: str) -> list[str] | None:
         if not files:
             found = f" (matched only: {', '.join(matched[:5])})" if matched else ""
             raise _error(path, f"no {'/'.join(SUPPORTED)} files match this pattern{found}", f"check the pattern; relative paths are read from {os.getcwd()}")
-        return files
+        return _readable(files)
     if os.path.isdir(expanded):
-        return _folder_files(path, expanded)
+        return _readable(_folder_files(path, expanded))
     if os.path.isfile(expanded):
         if Path(expanded).suffix.lower() not in SUPPORTED:
             raise _error(path, f"unsupported file type {repr(Path(expanded).suffix) if Path(expanded).suffix else '(no extension)'}; ft reads {', '.join(SUPPORTED)}", "convert the file to .jsonl (one JSON record per line)")
-        return [expanded]
+        return _readable([expanded])
+    _not_a_file(path, expanded)
     if looks_like_hub_id(path):
         return None
     raise DataError(f"data file not found: {path}\n    fix: check the path (relative paths are read from {os.getcwd()}), or give a hub dataset id such as org/name")
+
+
+def _not_a_file(path: str, expanded: str) -> None:
+    """Raise for a path that exists (or is a link) but is neither a regular file nor a folder."""
+    try:
+        mode = os.stat(expanded).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _error(path, "is a symbolic link that loops back on itself", "point the link at the data file, or give the file's own path") from None
+        if os.path.islink(expanded):
+            raise _error(path, f"is a symbolic link to {os.readlink(expanded)}, which does not exist", "fix the link, or give the data file's own path") from None
+        if e.errno == errno.EACCES:
+            raise _error(path, "cannot be looked at: permission denied on a folder above it", "make the folders readable, or copy the data somewhere readable") from None
+        return
+    what = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+    name = what.get(stat.S_IFMT(mode), "not a regular file")
+    raise _error(path, f"is {name}, not a regular file; ft reads a data file twice (to fingerprint it for the cache, then to read it)",
+                 "write the data to a regular file first, e.g. cat PIPE > data.jsonl, and point data.datasets[].path at it")
+
+
+def _readable(files: list[str]) -> list[str]:
+    for file in files:
+        if not os.access(file, os.R_OK):
+            raise _error(file, "cannot be read: permission denied", f"make it readable (chmod a+r {file}), or run ft as a user who can read it")
+    return files
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -138,13 +168,28 @@ def _folder_files(path: str, expanded: str) -> list[str]:
 
 
 def _to_dataset(records: list[dict]) -> datasets.Dataset:
-    """One Arrow table from all records; a column whose type varies between records is stored as JSON."""
+    """One Arrow table from all records, every value read back exactly as parsed.
+
+    A column whose values do not share one Arrow type (a number among strings, anywhere inside) is stored
+    as JSON text that we encode ourselves: datasets' own mixed-type mode keeps a string that happens to be
+    valid JSON ("1", "true") as is and reads it back as a number, so one odd record retyped good ones."""
+    import datasets
+    import pyarrow as pa
+
     keys = list(dict.fromkeys(k for r in records for k in r if k != ORIGIN)) + [ORIGIN]
-    columns = {k: [r.get(k) for r in records] for k in keys}
-    return datasets.Dataset.from_dict(columns, on_mixed_types="use_json")
+    arrays = {}
+    for key in keys:
+        values = [r.get(key) for r in records]
+        try:
+            arrays[key] = pa.array(values)
+        except (pa.ArrowException, OverflowError, ValueError, TypeError):  # mixed types; ints beyond 64 bits
+            arrays[key] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], type=pa.json_())
+    return datasets.Dataset(pa.table(arrays))
 
 
 def _load_hub(spec: DatasetSpec) -> tuple[datasets.Dataset, SourceStats]:
+    import datasets
+
     try:
         ds = datasets.load_dataset(spec.path, name=spec.subset, split=spec.split, revision=spec.revision)
     except Exception as e:  # datasets raises many types (not found, offline, bad split); all mean the same to the user
@@ -160,149 +205,6 @@ def _load_hub(spec: DatasetSpec) -> tuple[datasets.Dataset, SourceStats]:
     return ds, SourceStats(spec.path, len(ds), 0)
 
 
-# ---------------------------------------------------------------- readers: file -> records
-def _lines(path: str) -> Iterator[tuple[int, str | None]]:
-    """(1-based line number, text without the line break, or None when the line is not UTF-8)."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            try:
-                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n")
-            except UnicodeDecodeError:
-                yield number, None
-
-
-def _read_json_lines(path: str, out: _Collector) -> None:
-    for number, text in _lines(path):
-        origin = f"{path}:{number}"
-        if text is None:
-            out.bad(origin, "not UTF-8 text")
-        elif text.strip():
-            try:
-                out.add(json.loads(text), origin)
-            except json.JSONDecodeError as e:
-                out.bad(origin, f"not valid JSON ({e.msg} at column {e.colno})")
-
-
-def _read_json(path: str, out: _Collector) -> None:
-    """A .json file holds either one list of records, or one record per line."""
-    text = _read_text(path)
-    start = len(text) - len(text.lstrip())
-    if text[start:start + 1] == "[":
-        _read_json_array(path, text, start, out)
-    else:
-        _read_json_lines(path, out)
-
-
-def _read_json_array(path: str, text: str, pos: int, out: _Collector) -> None:
-    decoder = json.JSONDecoder()
-    pos, line, counted = pos + 1, 1, 0
-    while True:
-        pos = _skip_space(text, pos)
-        if text.startswith("]", pos):
-            return
-        line += text.count("\n", counted, pos)
-        counted = pos
-        try:
-            record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise _json_syntax(path, e) from None
-        out.add(record, f"{path}:{line}")
-        pos = _skip_space(text, pos)
-        if text.startswith(",", pos):
-            pos += 1
-        elif not text.startswith("]", pos):
-            line_no = text.count("\n", 0, pos) + 1
-            raise _error(f"{path}:{line_no}", "not valid JSON (expected ',' or ']' between records)", "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line")
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
-
-
-def _json_syntax(path: str, e: json.JSONDecodeError) -> DataError:
-    return _error(f"{path}:{e.lineno}", f"not valid JSON ({e.msg} at column {e.colno})",
-                  "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a broken list cannot be skipped record by record)")
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
-
-
-def _not_utf8(path: str) -> DataError:
-    line = next((number for number, text in _lines(path) if text is None), None)
-    return _error(f"{path}:{line}" if line else path, "not UTF-8 text", "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 IN > OUT")
-
-
-def _read_txt(path: str, out: _Collector) -> None:
-    for number, text in _lines(path):
-        if text is None:
-            out.bad(f"{path}:{number}", "not UTF-8 text")
-        elif text.strip():
-            out.add({"text": text}, f"{path}:{number}")
-
-
-def _read_csv(path: str, out: _Collector) -> None:
-    """Every value is read as a string (CSV has no types); row N is the Nth record after the header."""
-    old_limit = csv.field_size_limit()
-    csv.field_size_limit(2**31 - 1)  # long documents in one cell
-    try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            rows = csv.reader(f)
-            header = next(rows, None)
-            if header is not None:
-                _check_header(path, header)
-                _csv_rows(path, header, rows, out)
-    except csv.Error as e:
-        raise _error(path, f"not valid CSV ({e})", "fix the quoting in the file, or convert it to .jsonl") from None
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
-    finally:
-        csv.field_size_limit(old_limit)
-
-
-def _csv_rows(path: str, header: list[str], rows: Iterator[list[str]], out: _Collector) -> None:
-    number = 0
-    for row in rows:
-        if not row:
-            continue
-        number += 1
-        if len(row) != len(header):
-            out.bad(f"{path}:row {number}", f"{len(row)} values, but the header names {len(header)} columns")
-        else:
-            out.add(dict(zip(header, row)), f"{path}:row {number}")
-
-
-def _check_header(path: str, header: list[str]) -> None:
-    seen = set()
-    for i, name in enumerate(header, 1):
-        if not name.strip() or name in seen:
-            what = "has no name" if not name.strip() else f"repeats the name {name!r}"
-            raise _error(f"{path}:1", f"header column {i} {what}", "give every CSV column a unique name in the first line")
-        seen.add(name)
-
-
-def _read_parquet(path: str, out: _Collector) -> None:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
-        raise _error(path, f"not a readable parquet file ({e})", "rewrite the file, or convert it to .jsonl") from None
-    for number, record in enumerate(table.to_pylist(), 1):
-        out.add(record, f"{path}:row {number}")
-
-
-_READERS: dict[str, Callable[[str, _Collector], None]] = {
-    ".jsonl": _read_json_lines, ".json": _read_json, ".csv": _read_csv, ".parquet": _read_parquet, ".txt": _read_txt,
-}
-
-
 # ---------------------------------------------------------------- sampling, mixing, splitting
 def take(ds: datasets.Dataset, spec: DatasetSpec, seed: int) -> datasets.Dataset:
     """Apply spec.samples (an exact count) or spec.weight (a share): whole repeats plus a seeded random rest.
@@ -310,6 +212,8 @@ def take(ds: datasets.Dataset, spec: DatasetSpec, seed: int) -> datasets.Dataset
     weight 1 keeps every record once; 0.5 a random half (rounded, at least one record); 2 every record
     twice; 1.5 every record once plus a random half. The subset depends on the seed and the source path.
     """
+    import numpy as np
+
     n = len(ds)
     target = spec.samples if spec.samples is not None else max(1, math.floor(spec.weight * n + 0.5))
     if n == 0 or target == n:
@@ -326,7 +230,9 @@ def mix(parts: list[datasets.Dataset], seed: int) -> datasets.Dataset:
         raise ValueError("mix() needs at least one dataset")
     first = parts[0]
     aligned = [first] + [_align(p, first, i) for i, p in enumerate(parts[1:], 2)]
-    ds = datasets.concatenate_datasets(aligned) if len(aligned) > 1 else first
+    from datasets import concatenate_datasets
+
+    ds = concatenate_datasets(aligned) if len(aligned) > 1 else first
     return ds.shuffle(seed=seed)
 
 
@@ -358,6 +264,8 @@ def split_validation(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[
     Records are grouped by `_origin`, so a record repeated by weight or samples lands entirely on one
     side: the held-out part never leaks into training, and holds each of its records once.
     """
+    import numpy as np
+
     if not 0 <= fraction < 1:
         raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
     if fraction == 0:

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from finetune.data.masking import IGNORE, tokenize_continuation, tokenize_conversation, tokenize_prompt
 
 SFT_FORMATS = ("chat", "instruction", "completion", "prompt_completion")
+CHARS_PER_TOKEN = 8  # the first cut: characters of text per token of seq_len (widened when too short)
+MARGIN = 16  # tokens past seq_len that a cut record must keep, so that the cut cannot change what is kept
+MANY_MESSAGES = 16  # longer conversations are cut to the messages that start within seq_len (masking is quadratic)
+_UNTRAINED = "_untrained"
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,102 @@ class Rules:
 
 
 def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
-    """One canonical record -> token columns (before length handling)."""
+    """One canonical record -> token columns (before length handling).
+
+    Time is bounded by seq_len, not by the record: a record with far more text than seq_len tokens can
+    hold, or a conversation of many messages, is first tokenized cut short (its text cut, the messages
+    that start after the first seq_len tokens left out). When the cut
+    record still has more than seq_len + MARGIN tokens, the cut is past what truncation keeps, and the
+    cut record gives the same first seq_len tokens and labels, and the same kept/truncated/dropped
+    status, as the whole one; otherwise the cut is widened (x4) until the whole record is used.
+    prompt_only and preference records are never cut (prompts are truncated from the left).
+    """
+    budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
+    for _ in range(16):  # 4**16 times the first budget is past any record a line can hold
+        short = _shortened(rec, rules, budget, tokenizer, jinja)
+        if short is None:
+            break
+        row = _tokenize(short, rules, tokenizer, jinja)
+        if _length(row) > rules.seq_len + MARGIN:
+            return row
+        budget *= 4
+    return _tokenize(rec, rules, tokenizer, jinja)
+
+
+def _length(row: dict) -> int:
+    return max(len(row[k]) for k in ("input_ids", "chosen_input_ids", "prompt_ids") if k in row)
+
+
+def _shortened(rec: dict, rules: Rules, budget: int, tokenizer, jinja: str | None) -> dict | None:
+    """The record with its text cut after `budget` characters; None when it is not longer than that."""
     fmt = rules.format
+    if fmt == "completion" and isinstance(rec.get("text"), str):
+        return {**rec, "text": rec["text"][:budget]} if len(rec["text"]) > budget else None
+    if fmt == "prompt_completion" and all(isinstance(rec.get(k), str) for k in ("prompt", "completion")):
+        if len(rec["prompt"]) + len(rec["completion"]) <= budget:
+            return None
+        prompt = rec["prompt"][:budget]
+        return {**rec, "prompt": prompt, "completion": rec["completion"][: budget - len(prompt)]}
+    if fmt in ("chat", "instruction"):
+        return _shortened_messages(rec, rules, budget, tokenizer, jinja)
+    return None
+
+
+def _shortened_messages(rec: dict, rules: Rules, budget: int, tokenizer, jinja: str | None) -> dict | None:
+    """Messages up to `budget` characters of content (the last one cut), then only those that start
+    within the first seq_len + MARGIN tokens; None when nothing is left out."""
+    messages = rec.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        return None
+    total = sum(len(m["content"]) for m in messages)
+    if total <= budget and len(messages) <= MANY_MESSAGES:
+        return None
+    kept, used = [], 0
+    for m in messages:
+        if used >= budget:
+            break
+        kept.append({**m, "content": m["content"][: budget - used]})
+        used += len(m["content"])
+    kept = kept[: _starting_within(kept, rules.seq_len + MARGIN, tokenizer, jinja)]
+    if total <= budget and len(kept) == len(messages):
+        return None
+    out = {**rec, "messages": kept}
+    assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if rules.train_on == "last_assistant" and assistants and assistants[-1] >= len(kept):
+        out[_UNTRAINED] = True  # the one trained turn starts after the cut: nothing within seq_len is trained
+    return out
+
+
+def _starting_within(messages: list[dict], tokens: int, tokenizer, jinja: str | None) -> int:
+    """How many leading messages can start within the first `tokens` tokens of the rendered conversation.
+
+    Rendering a conversation once and tokenizing it are linear; masking renders every prefix that ends
+    in a trained turn, which is quadratic in the number of messages: so they are cut here first. A
+    message starts after the previous message's content ends (contents are rendered in order)."""
+    from finetune.data.templates import render
+
+    if jinja is None or not getattr(tokenizer, "is_fast", False):
+        return len(messages)
+    text = render(messages, tokenizer, jinja)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    if len(offsets) <= tokens:
+        return len(messages)
+    limit, pos = offsets[tokens][0], 0
+    for k, m in enumerate(messages):
+        found = text.find(m["content"], pos)
+        if found < 0:
+            return len(messages)  # the template changes the content: keep everything
+        pos = found + len(m["content"])
+        if pos > limit:
+            return k + 1
+    return len(messages)
+
+
+def _tokenize(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
+    fmt = rules.format
+    if fmt in ("chat", "instruction") and rec.get(_UNTRAINED):  # shortened past the last assistant turn
+        ids, _ = tokenize_conversation(rec["messages"], tokenizer, jinja, "all")
+        return {"input_ids": ids, "labels": [IGNORE] * len(ids)}
     if fmt in ("chat", "instruction"):
         ids, labels = tokenize_conversation(rec["messages"], tokenizer, jinja, rules.train_on)
         return {"input_ids": ids, "labels": labels}

@@ -22,7 +22,7 @@ class ModelSource:
     tokenizer_dirs: tuple[str, ...]  # folders tried for the tokenizer before `model`
     template: str  # the run's data.template; `tokenizer` when not from a run
     where: str  # which setting named `model`, for messages
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # only from this invocation (--trust-remote-code), never from a saved file
 
     def describe(self) -> str:
         return f"{self.adapter} on {self.model}" if self.adapter else self.model
@@ -51,7 +51,7 @@ def _folder(path: Path, base: str | None, trust_remote_code: bool) -> ModelSourc
     if (path / "config.yaml").is_file():
         run_config = merge._read_yaml(path / "config.yaml")
         template = str((run_config.get("data") or {}).get("template") or "tokenizer")
-        trust = trust_remote_code or bool((run_config.get("model") or {}).get("trust_remote_code"))
+        trust = trust_remote_code  # never the run's own config.yaml: a run folder may come from anyone
         final = path / "final"
         if not final.is_dir():
             raise FtError(f"{path}: the run has no final/ folder: training has not finished.\n    fix: finish it (ft train CONFIG --resume), or pass a model folder")
@@ -129,5 +129,8 @@ def _full_model(src: ModelSource, dtype, device):
     try:
         return AutoModelForCausalLM.from_pretrained(src.model, dtype=dtype, trust_remote_code=src.trust_remote_code, **placed)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e) and not src.trust_remote_code:
+            raise FtError(f"the model {src.model!r} ({src.where}) ships its own Python code, which ft runs only when asked.\n"
+                          "    fix: read that code; if you trust it, pass --trust-remote-code (a saved config.yaml never turns it on)") from None
         raise FtError(f"cannot load the model {src.model!r} ({src.where}): {_first_line(e)}\n"
                       "    fix: pass a folder holding config.json and the weights, a hub id (online), or ft-tiny") from None
