@@ -60,25 +60,43 @@ class Job:
 
 
 class SignalStop:
-    """Turns the first SIGTERM/SIGINT into a request to stop after the current step."""
+    """Turns SIGTERM/SIGINT into a request to stop after the current step.
+
+    Copies of one signal that arrive within lifecycle.REPEAT_WINDOW_S count as one: a terminal's Ctrl-C, a
+    scheduler that signals every process, the launcher's request and the parent's death can all deliver the
+    same stop. A signal after that (a deliberate second Ctrl-C) stops at once (KeyboardInterrupt). Outside the
+    loop a rank follows lifecycle.start_rank: stop at once while setting up, finish the final save after it."""
 
     def __init__(self):
         self.signum = 0
+        self._received = False
         self._old = {}
 
     def __enter__(self):
+        from finetune.distributed import lifecycle
+
+        lifecycle.reset_signals()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        if self.signum:  # a second signal: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
+        from finetune.distributed import lifecycle
 
-    def __exit__(self, *exc):
+        if lifecycle.note(signum) == "repeat":
+            return
+        if self._received:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self._received = True
+        self.signum = self.signum or signum
+
+    def __exit__(self, exc_type, *exc):
+        from finetune.distributed import lifecycle
+
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if exc_type is None:
+            lifecycle.loop_finished()  # a rank now finishes saving the final weights on a first signal
 
 
 def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
@@ -91,6 +109,10 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation)
+    if plan.process_group and device.type == "cpu":  # sharded CPU ranks allocate and free large buffers over and over
+        from finetune.distributed.hostmem import return_freed_memory
+
+        return_freed_memory()
     with activity(f"creating the model ({plan.loading})"):
         model = engine.create_model(config.model, config.adapter, plan, prepared.tokenizer, attn, device, config.train.seed,
                                     config.train, config.distributed)
@@ -276,17 +298,38 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m finetune.train RUN_DIR [--resume-from CHECKPOINT]`: one rank of a job that `ft train` planned.
 
     The rank starts from the run folder alone (config.yaml, plan.json, data.json): it does not read the job
-    file, probe the hardware, plan, or prepare data, and it does not import the CLI."""
+    file, probe the hardware, plan, or prepare data, and it does not import the CLI.
+
+    Under torchrun the rank follows distributed/lifecycle.py: it stops on the first SIGTERM/SIGINT (or the
+    launcher's stop request) after its step with a checkpoint, exits 0 then (torchrun reports no failure; the
+    launcher says what happened, once), and stops when its parent dies."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m finetune.train", description=main.__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="the run folder ft train wrote")
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
     args = parser.parse_args(argv)
+    from finetune.distributed import lifecycle
+    from finetune.distributed.runtime import failed_during, launched
     from finetune.errors import run_main
-    from finetune.workflow import train_run_folder
 
-    run_main(lambda: train_run_folder(Path(args.run_dir), args.resume_from), what=f"python -m finetune.train {args.run_dir}", run_dir=args.run_dir)
+    def rank():
+        from finetune.train import Stopped  # this module runs as __main__: the loop raises the imported module's class
+        from finetune.workflow import train_run_folder
+
+        if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
+            train_run_folder(Path(args.run_dir), args.resume_from)
+            return 0
+        lifecycle.start_rank()
+        try:
+            train_run_folder(Path(args.run_dir), args.resume_from)
+        except Stopped as e:
+            return lifecycle.rank_stopped(str(e), e.exit_code - 128)
+        except KeyboardInterrupt:
+            return lifecycle.rank_interrupted(failed_during())
+        return 0
+
+    run_main(rank, what=f"python -m finetune.train {args.run_dir}", run_dir=args.run_dir)
 
 
 if __name__ == "__main__":

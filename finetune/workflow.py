@@ -186,51 +186,96 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
 
 
 def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
-    """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error."""
+    """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
+    with one message (see distributed/lifecycle.py)."""
     import shlex
     import sys
+
+    from finetune.distributed.lifecycle import Exchange
 
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
     line = " ".join(shlex.quote(a) for a in cmd)
     sys.stderr.write("launching: " + line + "\n")
-    code = _run_forwarding_signals(cmd, env)
+    exchange = Exchange()
+    try:
+        code = _run_forwarding_signals(cmd, env, exchange)
+        _raise_if_stopped(exchange, code, config_path, overrides)
+    finally:
+        exchange.close()
+    if code < 0:  # torchrun itself was killed (its ranks get SIGTERM: they stop after their step and save a checkpoint)
+        from finetune.distributed.lifecycle import signal_name
+
+        raise FtError(f"training failed: torchrun, which runs the ranks, was killed by {signal_name(-code)}; the ranks stop after their "
+                      f"current step and save a checkpoint. Resume with: ft train CONFIG --resume")
     if code:
-        _raise_if_stopped(job_plan, config_path, overrides)
         raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {line}")
     return {"steps": None, "launched": cmd}
 
 
-def _run_forwarding_signals(cmd: list[str], env: dict) -> int:
-    """Run torchrun; SIGTERM/SIGINT sent to ft reach it (and through it every rank, which checkpoints and stops)."""
-    import signal
-    import subprocess
+def _run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
+    """Run torchrun in a session of its own that dies with ft, and pass on the SIGTERM/SIGINT ft receives.
 
-    proc = subprocess.Popen(cmd, env=env)
-    old = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    With an `exchange` (ft's training ranks): the first becomes a stop request that every rank turns into that
+    signal, to stop after its step with a checkpoint; copies of it within a short window are ignored; a later
+    one kills torchrun and the ranks at once. Without (other workers): each signal, less copies, goes to
+    torchrun, which passes it to its workers."""
+    import signal
+
+    from finetune.distributed import lifecycle
+
+    if exchange is not None:
+        env = {**env, **exchange.env()}
+    started = []  # torchrun, once started; a stop request made before that is read by the ranks when they start
+
+    def forward(signum, frame):
+        if lifecycle.note(signum) == "repeat":
+            return
+        if exchange is None:
+            if not started:
+                raise KeyboardInterrupt  # nothing started yet to pass it to: stop here
+            started[0].send_signal(signum)
+        elif not exchange.requested:
+            exchange.request_stop(signum)
+        elif not exchange.aborted and started:
+            exchange.aborted = signum
+            lifecycle.kill_now(started[0])
+
+    lifecycle.reset_signals()
+    old = {sig: signal.signal(sig, forward) for sig in lifecycle.STOP_SIGNALS}
     try:
-        return proc.wait()
+        started.append(lifecycle.start_torchrun(cmd, env, ranks_stop_themselves=exchange is not None))
+        return started[0].wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
 
 
-def _raise_if_stopped(job_plan, config_path, overrides) -> None:
-    """The ranks stopped on a signal after checkpointing: say so, with the command that resumes."""
-    import json
-    import signal
+def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
+    """The ranks stopped on a signal: say so once, from their reports, with the command that resumes. Reports
+    count when ft asked for the stop or torchrun succeeded; else (torchrun stopping the peers of a failed rank)
+    the failure is the news."""
     from pathlib import Path
 
     from finetune import checkpoint
     from finetune.config import load
+    from finetune.distributed.lifecycle import signal_name, signal_number
     from finetune.train import Stopped
 
+    reports = exchange.reports()
+    if not exchange.aborted and not (reports and (code == 0 or exchange.requested)):
+        return
+    stopped = [r for r in reports if r.get("outcome") == "stopped"]
+    if stopped:  # its checkpoint is complete (a second signal may have come while torchrun exited)
+        raise Stopped(stopped[0]["message"], signal_number(stopped[0]["signal"]))
     last = checkpoint.latest(Path(load(config_path, overrides).output.dir))
-    state = json.loads((last / "state.json").read_text()) if last else {}
-    if state.get("stopped_by"):
-        signum = signal.Signals[state["stopped_by"]]
-        raise Stopped(f"stopped by {signum.name} after step {state['step']}; checkpoint saved to {last}. Resume with: ft train CONFIG --resume", signum)
+    kept = f"the newest checkpoint is {last}. Resume with: ft train CONFIG --resume" if last else "no checkpoint was written"
+    if exchange.aborted:
+        raise Stopped(f"stopped at once by a second {signal_name(exchange.aborted)} (the work in progress is lost); {kept}", exchange.aborted)
+    signum = signal_number(reports[0]["signal"])
+    during = next((r["during"] for r in reports if r.get("during") not in (None, "setting up")), "setup")
+    raise Stopped(f"stopped by {signal_name(signum)} during {during}, with no step in progress to finish; {kept}", signum)
 
 
 def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):

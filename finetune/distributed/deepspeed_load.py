@@ -176,32 +176,14 @@ def inference_config(config: dict) -> dict:
 
 @contextlib.contextmanager
 def _host_memory_returned(device):
-    """On CPU ranks, while a model is built: hand freed memory back to the system. Building partitioned allocates a
-    whole tensor per parameter, partitions it and frees it; glibc raises its mmap threshold after the first large free,
-    so those buffers are then carved from the heap between the partitions and stay there (measured, 400M parameters on
-    two ranks: 0.9x and 1.15x the bf16 size per rank instead of 0.55x). A fixed threshold of 1 MiB maps large buffers and unmaps them on free; on exit
-    the threshold becomes glibc's dynamic maximum (32 MiB) and the heap is trimmed. GPU ranks keep partitions in device
-    memory, so nothing changes for them."""
-    libc = _glibc() if device is None or torch.device(device).type == "cpu" else None
-    if libc is None:
-        yield
-        return
-    mmap_threshold = -3  # M_MMAP_THRESHOLD (glibc malloc.h)
-    libc.mallopt(mmap_threshold, 1 << 20)
-    try:
-        yield
-    finally:
-        libc.mallopt(mmap_threshold, 32 << 20)
-        libc.malloc_trim(0)
+    """On CPU ranks, while a model is built: buffers freed after partitioning go back to the system (see
+    finetune/distributed/hostmem.py; measured, 400M parameters on two ranks: 0.9x and 1.15x the bf16 size per rank
+    instead of 0.55x without it). GPU ranks keep partitions in device memory, so nothing changes for them."""
+    if device is None or torch.device(device).type == "cpu":
+        from finetune.distributed.hostmem import return_freed_memory
 
-
-def _glibc():
-    import ctypes
-    import ctypes.util
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
+        return_freed_memory()
+    yield
     try:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:

@@ -43,6 +43,11 @@ def doing() -> str:
     return ": ".join(_doing[1:]) or _doing[0]
 
 
+def failed_during() -> str:
+    """What this rank was doing when an exception (an error, a Ctrl-C) first left an activity; else what it does now."""
+    return (_failed_during or [doing()])[0]
+
+
 @dataclass(frozen=True)
 class Runtime:
     rank: int = 0

@@ -1,0 +1,36 @@
+"""Host memory of CPU ranks: give freed buffers back to the system.
+
+glibc raises its mmap threshold after the first large free (up to 32 MiB), so the large buffers a sharded CPU rank
+allocates and frees again and again (a whole tensor per parameter while a model is built and partitioned; each
+layer's all-gather output and copy during training steps) are then carved from the heap and stay in the process.
+Measured on a 380M-parameter Llama, LoRA, FSDP2 full_shard on 2 gloo ranks: after one training step each rank's peak
+was 1.95x and 2.15x the model's bf16 size above a tiny-model run; with a fixed 1 MiB threshold 0.75x and 0.76x
+(the shard is 0.5x). GPU ranks keep their tensors in device memory, so nothing changes for them.
+"""
+
+from __future__ import annotations
+
+M_MMAP_THRESHOLD = -3  # glibc malloc.h
+THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Map buffers of 1 MiB and more on their own, so that freeing them unmaps them; True where it took effect (glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
+
+
+def _glibc():
+    import ctypes
+    import ctypes.util
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
