@@ -304,7 +304,6 @@ def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: i
     a, method = config.adapter, config.method
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
     attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
-    full = cand.adapter == "full"
     reference_copy = reference_kind(method, cand.adapter) == "copy"
     gen_tokens = config.data.seq_len if isinstance(method, GRPOMethod) else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
