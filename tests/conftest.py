@@ -74,3 +74,22 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout: int = 600) -> list[dict]:
+    """A probe script (tests/scripts/*_probe.py) on 2 gloo ranks over the given job files; its JSON reports,
+    one per job and rank, in (job, rank) order."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_distributed import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(script), "cpu:2", str(out), *configs, *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]

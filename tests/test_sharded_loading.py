@@ -10,17 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from finetune.errors import FtError
-from tests.conftest import REPO
-from tests.test_distributed import free_port
+from tests.conftest import REPO, run_probe
 
 PROBE = REPO / "tests" / "scripts" / "sharded_load_probe.py"
 BIG = dict(hidden=1024, layers=24, intermediate=4096, heads=16)  # ~380M parameters: ~0.72 GiB in bf16
@@ -65,14 +61,8 @@ output: {{dir: {tmp / ('run-' + name)}}}
 
 
 def torchrun(out: Path, configs: list[str], *flags: str) -> list[dict]:
-    """The probe on 2 gloo ranks; its reports, one per job and rank, in (job, rank) order."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(PROBE), "cpu:2", str(out), *configs, *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=400)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
+    """The probe on 2 gloo ranks; its reports in (job, rank) order."""
+    return run_probe(PROBE, out, configs, *flags, timeout=400)
 
 
 def probe_module():
