@@ -93,3 +93,29 @@ def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
+
+
+def random_llama(folder: Path, *, hidden: int, layers: int, intermediate: int, heads: int, tied: bool = False,
+                 kv_heads: int | None = None) -> int:
+    """Save a Llama with random bf16 weights (uniform, norms at 1) and ft's tiny tokenizer; returns its parameter count.
+    Built on the meta device and then filled: seconds even at 400M parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=256, tie_word_embeddings=tied,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave each name its own tensor
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0) if p.ndim == 1 else p.uniform_(-0.05, 0.05, generator=gen)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return sum(p.numel() for p in model.parameters())

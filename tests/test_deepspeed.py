@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import FtError
-from tests.conftest import REPO, run_probe
+from tests.conftest import REPO, random_llama, run_probe
 from tests.test_distributed import ft_train, job, losses
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -205,30 +205,6 @@ def probe(out: Path, configs: list[str], *flags: str) -> list[dict]:
     return run_probe(PROBE, out, configs, *flags, timeout=600)
 
 
-def random_llama(folder: Path, *, hidden: int, layers: int, intermediate: int, heads: int) -> int:
-    """Save a Llama (untied) with random bf16 weights and ft's tiny tokenizer (vocab = its length); returns its parameter
-    count. Built on the meta device, then filled: seconds at 400M parameters."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=heads, max_position_embeddings=256, tie_word_embeddings=False,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(1.0) if p.ndim == 1 else p.uniform_(-0.05, 0.05, generator=gen)
-    model.save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.fixture(scope="module")
 def zero3_runs(tmp_path_factory):
     """One torchrun of 2 ranks building, one after another: a small LoRA job (bf16) on ft-tiny then on a random
@@ -243,7 +219,7 @@ def zero3_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
     write_jsonl(arithmetic_records(32, seed=1), tmp / "chat.jsonl")
     write_jsonl(preference_records(32, seed=1), tmp / "preference.jsonl")
-    params = random_llama(tmp / "big", hidden=1024, layers=24, intermediate=4096, heads=16)
+    params = random_llama(tmp / "big", hidden=1024, layers=24, intermediate=4096, heads=16, kv_heads=16)
     lora = dict(adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}")
     dpo = dict(adapter="{type: full}", method="{name: dpo}", data="preference")
     jobs = [zero3_job(tmp, name, model, adapter=SMALL_LORA, precision="bf16") for name, model in (("tiny", "ft-tiny"), ("big", tmp / "big"))]

@@ -27,14 +27,8 @@ from finetune.hardware import parse  # noqa: E402
 from finetune.plan import plan  # noqa: E402
 from finetune.train import setup, train_step  # noqa: E402
 from finetune.workflow import model_facts  # noqa: E402
-
-
-def peak_rss() -> int:
-    """This process's peak resident set size in bytes."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test imports this file as a module
+from probe_common import peak_rss  # noqa: E402
 
 
 def whole_weights(model) -> dict:
