@@ -1,4 +1,5 @@
-"""Tokens/s of the tiny model on 1 process and on 2 processes (DDP, FSDP, DeepSpeed ZeRO-1/2/3), CPU/gloo, plus the planner's
+"""Tokens/s of the tiny model on 1 process and on 2 processes (DDP, FSDP, DeepSpeed ZeRO-1/2/3), CPU/gloo, plus the
+planner's
 communication estimate for realistic multi-GPU jobs.
 
     python bench/distributed_bench.py [--steps 30]
@@ -25,7 +26,7 @@ def run(tmp: Path, name: str, hardware: str, backend: str, steps: int, sharding:
     config = tmp / f"{name}.yaml"
     config.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / 'cache'}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / "cache"}}}
 adapter: {{type: full}}
 train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-3}}
 distributed: {{backend: {backend}, sharding: {sharding}}}
@@ -38,13 +39,20 @@ output: {{dir: {tmp / name}, log_steps: 1, save_steps: 0}}
 def communication() -> None:
     from finetune.workflow import compile_plan
 
-    jobs = [("examples/yaml/llama3.1-8b-full-8xh100.yaml", "8xH100-80GB"), ("examples/yaml/llama3.1-8b-full-8xh100.yaml", "2x8xH100-80GB"),
-            ("examples/yaml/llama3.3-70b-qlora-2gpu.yaml", "2xA6000-48GB"), ("examples/yaml/llama3.1-8b-lora-24gb.yaml", "8xA10G-24GB")]
+    jobs = [
+        ("examples/yaml/llama3.1-8b-full-8xh100.yaml", "8xH100-80GB"),
+        ("examples/yaml/llama3.1-8b-full-8xh100.yaml", "2x8xH100-80GB"),
+        ("examples/yaml/llama3.3-70b-qlora-2gpu.yaml", "2xA6000-48GB"),
+        ("examples/yaml/llama3.1-8b-lora-24gb.yaml", "8xA10G-24GB"),
+    ]
     print("\nplanner's communication estimate (per rank and optimizer step):")
     for path, hardware in jobs:
         p = compile_plan(REPO / path, hardware=hardware)
         traffic = ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in p.communication.items())
-        print(f"  {Path(path).stem} on {hardware}: {p.backend}/{p.sharding or '-'}, {traffic}, about {p.communication_seconds:.2f} s")
+        print(
+            f"  {Path(path).stem} on {hardware}: {p.backend}/{p.sharding or '-'}, {traffic}, about "
+            f"{p.communication_seconds:.2f} s"
+        )
 
 
 def main() -> None:
@@ -53,9 +61,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        results = {"1 process": run(tmp, "one", "cpu", "auto", args.steps),
-                   "2 processes, DDP": run(tmp, "ddp", "cpu:2", "ddp", args.steps),
-                   "2 processes, FSDP": run(tmp, "fsdp", "cpu:2", "fsdp", args.steps)}
+        results = {
+            "1 process": run(tmp, "one", "cpu", "auto", args.steps),
+            "2 processes, DDP": run(tmp, "ddp", "cpu:2", "ddp", args.steps),
+            "2 processes, FSDP": run(tmp, "fsdp", "cpu:2", "fsdp", args.steps),
+        }
         try:
             import deepspeed  # noqa: F401
 

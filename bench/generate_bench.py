@@ -29,7 +29,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-CONFIGS = [("1 process, sorted", 1, True), ("1 process, unsorted", 1, False), ("2 processes, sorted", 2, True), ("2 processes, unsorted", 2, False)]
+CONFIGS = [
+    ("1 process, sorted", 1, True),
+    ("1 process, unsorted", 1, False),
+    ("2 processes, sorted", 2, True),
+    ("2 processes, unsorted", 2, False),
+]
 
 
 def build_model(folder: Path) -> int:
@@ -38,8 +43,18 @@ def build_model(folder: Path) -> int:
     from finetune.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                      max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(folder)
@@ -49,11 +64,15 @@ def build_model(folder: Path) -> int:
 
 def write_prompts(path: Path, n: int) -> None:
     rng = random.Random(0)
-    words = "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    words = (
+        "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    )
     with open(path, "w") as f:
         for i in range(n):
             length = int(rng.lognormvariate(3.2, 1.0)) + 3  # mostly short, a long tail, as real prompt sets are
-            f.write(json.dumps({"id": i, "prompt": " ".join(rng.choice(words) for _ in range(min(length, 400)))}) + "\n")
+            f.write(
+                json.dumps({"id": i, "prompt": " ".join(rng.choice(words) for _ in range(min(length, 400)))}) + "\n"
+            )
 
 
 def run(tmp: Path, name: str, processes: int, sort: bool, args) -> dict:
@@ -63,12 +82,25 @@ def run(tmp: Path, name: str, processes: int, sort: bool, args) -> dict:
     from finetune.infer.source import resolve
 
     out = tmp / f"{name.replace(' ', '_').replace(',', '')}.jsonl"
-    job = GenerateJob(resolve(str(tmp / "model")), PromptSpec(str(tmp / "prompts.jsonl")), str(out),
-                      Sampling(max_new_tokens=args.max_new_tokens), batch_size=args.batch_size, sort=sort, engine="transformers")
+    job = GenerateJob(
+        resolve(str(tmp / "model")),
+        PromptSpec(str(tmp / "prompts.jsonl")),
+        str(out),
+        Sampling(max_new_tokens=args.max_new_tokens),
+        batch_size=args.batch_size,
+        sort=sort,
+        engine="transformers",
+    )
     start = time.perf_counter()
     result = generate(job, processes=processes, overwrite=True, progress=False)
     wall = time.perf_counter() - start
-    return {"pps": result.prompts_per_s, "tps": result.tokens_per_s, "wall": wall, "padding": result.padding, "tokens": result.tokens}
+    return {
+        "pps": result.prompts_per_s,
+        "tps": result.tokens_per_s,
+        "wall": wall,
+        "padding": result.padding,
+        "tokens": result.tokens,
+    }
 
 
 def main() -> None:
@@ -88,17 +120,31 @@ def main() -> None:
                 r = run(tmp, name, processes, sort, args)
                 if name not in best or r["tps"] > best[name]["tps"]:
                     best[name] = r
-        outputs = {name: (tmp / f"{name.replace(' ', '_').replace(',', '')}.jsonl").read_bytes() for name, _, _ in CONFIGS}
+        outputs = {
+            name: (tmp / f"{name.replace(' ', '_').replace(',', '')}.jsonl").read_bytes() for name, _, _ in CONFIGS
+        }
     base = best[CONFIGS[0][0]]
-    print(f"ft generate: Llama {params / 1e6:.1f} M parameters, {args.prompts} prompts, {args.max_new_tokens} new tokens each, "
-          f"batch {args.batch_size}, greedy, CPU, best of {args.repeats}")
+    print(
+        f"ft generate: Llama {params / 1e6:.1f} M parameters, {args.prompts} prompts, {args.max_new_tokens} new "
+        "tokens each, "
+        f"batch {args.batch_size}, greedy, CPU, best of {args.repeats}"
+    )
     print(f"  {'':<24}{'prompts/s':>10}{'tokens/s':>10}{'ratio':>7}{'wall s':>8}{'padding':>9}")
     for name, _, _ in CONFIGS:
         r = best[name]
-        print(f"  {name:<24}{r['pps']:>10.2f}{r['tps']:>10,.0f}{r['tps'] / base['tps']:>6.2f}x{r['wall']:>8.1f}{100 * r['padding']:>8.0f}%")
-    print(f"  sorted vs unsorted, 1 process: {best['1 process, sorted']['tps'] / best['1 process, unsorted']['tps']:.2f}x;"
-          f" 2 vs 1 process, sorted: {best['2 processes, sorted']['tps'] / base['tps']:.2f}x")
-    same = outputs["1 process, sorted"] == outputs["2 processes, sorted"] and outputs["1 process, unsorted"] == outputs["2 processes, unsorted"]
+        print(
+            f"  {name:<24}{r['pps']:>10.2f}{r['tps']:>10,.0f}{r['tps'] / base['tps']:>6.2f}x"
+            f"{r['wall']:>8.1f}{100 * r['padding']:>8.0f}%"
+        )
+    print(
+        "  sorted vs unsorted, 1 process: "
+        f"{best['1 process, sorted']['tps'] / best['1 process, unsorted']['tps']:.2f}x;"
+        f" 2 vs 1 process, sorted: {best['2 processes, sorted']['tps'] / base['tps']:.2f}x"
+    )
+    same = (
+        outputs["1 process, sorted"] == outputs["2 processes, sorted"]
+        and outputs["1 process, unsorted"] == outputs["2 processes, unsorted"]
+    )
     print(f"  outputs of 1 and 2 processes byte-identical: {'yes' if same else 'NO'}")
 
 

@@ -42,18 +42,40 @@ from common import REPO, train_metrics  # noqa: E402
 
 GiB = 1024**3
 SIZES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=32, vocab_size=32000),
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, vocab_size=32000),
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 # Dense bf16 tensor-core peaks in TFLOP/s, from NVIDIA's datasheets (H100/H200 "Tensor Core GPU" datasheets,
 # A100 datasheet, L40S, L40 and L4 datasheets), which print them "with sparsity": halved here. Checked in order
 # against torch.cuda.get_device_name() (the more specific names first).
 PEAK_BF16_TFLOPS = [
-    ("H200", 989.5), ("H100 PCIe", 756.5), ("H100 NVL", 835.5), ("H100", 989.5),
-    ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+    ("H200", 989.5),
+    ("H100 PCIe", 756.5),
+    ("H100 NVL", 835.5),
+    ("H100", 989.5),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
 ]
-WORDS = ("the model learns to add numbers and answer questions about text data while training on small examples "
-         "user assistant system you are a helpful what is how many please").split()
+WORDS = (
+    "the model learns to add numbers and answer questions about text data while training on small examples "
+    "user assistant system you are a helpful what is how many please"
+).split()
 
 
 # ---------------------------------------------------------------- the model
@@ -73,8 +95,15 @@ def build(folder: Path, size: str = "1b", seed: int = 0) -> int:
     tok = build_tokenizer()
     if len(tok) > spec["vocab_size"]:
         raise SystemExit(f"the tokenizer has {len(tok)} tokens, more than the model's vocab of {spec['vocab_size']}")
-    cfg = LlamaConfig(**spec, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    cfg = LlamaConfig(
+        **spec,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -93,7 +122,11 @@ def build(folder: Path, size: str = "1b", seed: int = 0) -> int:
     if device == "cuda":
         torch.cuda.empty_cache()
     done.write_text(json.dumps({"spec": spec, "params": params}))
-    print(f"built {size} Llama ({params / 1e9:.3f} B parameters, bf16) in {folder} on {device} in {time.perf_counter() - start:.1f} s", flush=True)
+    print(
+        f"built {size} Llama ({params / 1e9:.3f} B parameters, bf16) in {folder} on {device} in "
+        f"{time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     return params
 
 
@@ -107,14 +140,27 @@ def write_data(path: Path, records: int = 1500, seed: int = 0) -> Path:
     return path
 
 
-def job_yaml(model: Path, data: Path, run: Path, cache: Path, *, adapter: str, precision: str, seq_len: int, micro: int, batch: int,
-             steps: int, distributed: str = "{backend: auto}") -> str:
+def job_yaml(
+    model: Path,
+    data: Path,
+    run: Path,
+    cache: Path,
+    *,
+    adapter: str,
+    precision: str,
+    seq_len: int,
+    micro: int,
+    batch: int,
+    steps: int,
+    distributed: str = "{backend: auto}",
+) -> str:
     adapters = {"lora": "{type: lora, r: 16, alpha: 32, dropout: 0.0}", "full": "{type: full}"}
     return f"""
 model: {{name: {model}}}
 data: {{datasets: [{{path: {data}, format: completion}}], seq_len: {seq_len}, packing: true, cache_dir: {cache}}}
 adapter: {adapters[adapter]}
-train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: 1.0e-5, warmup_steps: 0, gradient_checkpointing: false, precision: {precision}}}
+train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: 1.0e-5,
+  warmup_steps: 0, gradient_checkpointing: false, precision: {precision}}}
 distributed: {distributed}
 output: {{dir: {run}, log_steps: 1, save_steps: 0}}
 """
@@ -147,14 +193,16 @@ def _patch(T):
     import torch
 
     out, rank = Path(os.environ["FT_GPU_MEMORY_DIR"]), int(os.environ.get("RANK", "0"))
-    rec = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "device": None, "after_load": None, "steps": []}
+    rec = {"rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "device": None,
+      "after_load": None, "steps": []}
     setup, train_step = T.setup, T.train_step
 
     def snap(device):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             g = 1024 ** 3
-            return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / g, "allocated_gib": torch.cuda.memory_allocated(device) / g,
+            return {"max_allocated_gib": torch.cuda.max_memory_allocated(device) / g,
+              "allocated_gib": torch.cuda.memory_allocated(device) / g,
                     "max_reserved_gib": torch.cuda.max_memory_reserved(device) / g,
                     "capacity_gib": torch.cuda.get_device_properties(device).total_memory / g}
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # host peak (KiB -> GiB)
@@ -222,15 +270,43 @@ def memory(args) -> int:
     cpu = world == 1 and gpu_count() == 0
     data = write_data(work / "data.jsonl", records=400 if args.size == "small" else 1500)
     config = work / "memory.yaml"
-    config.write_text(job_yaml(Path(args.model), data, run, work / "cache", adapter="lora", precision="fp32" if cpu else "bf16",
-                               seq_len=args.seq_len, micro=args.micro, batch=args.micro * world, steps=args.steps,
-                               distributed="{backend: fsdp, sharding: full_shard, offload: none}"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "FT_GPU_MEMORY_DIR": str(ranks_dir),
-           "PYTHONPATH": os.pathsep.join([str(work / "hook"), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    config.write_text(
+        job_yaml(
+            Path(args.model),
+            data,
+            run,
+            work / "cache",
+            adapter="lora",
+            precision="fp32" if cpu else "bf16",
+            seq_len=args.seq_len,
+            micro=args.micro,
+            batch=args.micro * world,
+            steps=args.steps,
+            distributed="{backend: fsdp, sharding: full_shard, offload: none}",
+        )
+    )
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "FT_GPU_MEMORY_DIR": str(ranks_dir),
+        "PYTHONPATH": os.pathsep.join([str(work / "hook"), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     if cpu:
         env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "finetune", "train", str(config), *(["--hardware", args.hardware] if args.hardware else [])]
-    print(f"memory: {' '.join(cmd)}  ({world} rank{'s' if world > 1 else ''}, LoRA, FSDP2 full_shard, {args.micro} x {args.seq_len} tokens per rank)", flush=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "finetune",
+        "train",
+        str(config),
+        *(["--hardware", args.hardware] if args.hardware else []),
+    ]
+    print(
+        f"memory: {' '.join(cmd)}  ({world} rank{'s' if world > 1 else ''}, LoRA, FSDP2 full_shard, {args.micro} "
+        f"x {args.seq_len} tokens per rank)",
+        flush=True,
+    )
     start = time.perf_counter()
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -252,11 +328,21 @@ def memory(args) -> int:
         capacity = rec["after_load"]["capacity_gib"]
         if capacity is not None and peak >= capacity:
             problems.append(f"rank {rec['rank']}: peak {peak:.2f} GiB reserved reaches the device's {capacity:.2f} GiB")
-    result = {"params": params, "world_size": world, "seconds": seconds, "returncode": r.returncode, "plan_backend": plan.get("backend"),
-              "plan_sharding": plan.get("sharding"), "plan_loading": plan.get("loading"), "planned_per_device_gib": planned,
-              "plan_device_capacity_gib": plan.get("memory", {}).get("device_capacity_gib"),
-              "plan_breakdown_gib": plan.get("memory", {}).get("per_device_breakdown_gib"), "ranks": ranks,
-              "metrics_memory_gib": [row["memory_gib"] for row in metrics], "problems": problems}
+    result = {
+        "params": params,
+        "world_size": world,
+        "seconds": seconds,
+        "returncode": r.returncode,
+        "plan_backend": plan.get("backend"),
+        "plan_sharding": plan.get("sharding"),
+        "plan_loading": plan.get("loading"),
+        "planned_per_device_gib": planned,
+        "plan_device_capacity_gib": plan.get("memory", {}).get("device_capacity_gib"),
+        "plan_breakdown_gib": plan.get("memory", {}).get("per_device_breakdown_gib"),
+        "ranks": ranks,
+        "metrics_memory_gib": [row["memory_gib"] for row in metrics],
+        "problems": problems,
+    }
     print(memory_report(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -268,21 +354,35 @@ def memory(args) -> int:
 
 def memory_report(m: dict) -> str:
     planned = m.get("planned_per_device_gib")
-    lines = [f"loading memory: {m['params'] / 1e9:.2f} B-parameter Llama, LoRA, {m.get('plan_backend')} {m.get('plan_sharding')}, "
-             f"{m['world_size']} rank(s), loading={m.get('plan_loading')}; ft train took {m['seconds']:.0f} s",
-             f"  plan: {planned} GiB per device (capacity {m.get('plan_device_capacity_gib')} GiB): {m.get('plan_breakdown_gib')}",
-             f"  {'rank':>4}  {'after load':>10}  {'after step 1':>12}  {'peak alloc':>10}  {'peak reserved':>13}  {'device':>8}  {'peak/plan':>9}"]
+    lines = [
+        f"loading memory: {m['params'] / 1e9:.2f} B-parameter Llama, LoRA, {m.get('plan_backend')} "
+        f"{m.get('plan_sharding')}, "
+        f"{m['world_size']} rank(s), loading={m.get('plan_loading')}; ft train took {m['seconds']:.0f} s",
+        f"  plan: {planned} GiB per device (capacity {m.get('plan_device_capacity_gib')} GiB): "
+        f"{m.get('plan_breakdown_gib')}",
+        f"  {'rank':>4}  {'after load':>10}  {'after step 1':>12}  {'peak alloc':>10}  {'peak reserved':>13}  "
+        f"{'device':>8}  {'peak/plan':>9}",
+    ]
     for rec in m["ranks"]:
         if rec.get("after_load") is None or not rec.get("steps"):
             lines.append(f"  {rec['rank']:>4}  (incomplete)")
             continue
         cap = rec["after_load"]["capacity_gib"]
         ratio = f"{rec['peak_allocated_gib'] / planned:.2f}" if planned else "-"
-        lines.append(f"  {rec['rank']:>4}  {rec['after_load']['max_allocated_gib']:>10.2f}  {rec['steps'][0]['max_allocated_gib']:>12.2f}  "
-                     f"{rec['peak_allocated_gib']:>10.2f}  {rec['peak_reserved_gib']:>13.2f}  {(f'{cap:.1f}' if cap else 'host'):>8}  {ratio:>9}")
-    lines.append("  (GiB; torch.cuda.max_memory_allocated / max_memory_reserved since the rank started; peak/plan = peak allocated / plan)")
+        lines.append(
+            f"  {rec['rank']:>4}  {rec['after_load']['max_allocated_gib']:>10.2f}  "
+            f"{rec['steps'][0]['max_allocated_gib']:>12.2f}  "
+            f"{rec['peak_allocated_gib']:>10.2f}  {rec['peak_reserved_gib']:>13.2f}  "
+            f"{(f'{cap:.1f}' if cap else 'host'):>8}  {ratio:>9}"
+        )
+    lines.append(
+        "  (GiB; torch.cuda.max_memory_allocated / max_memory_reserved since the rank started; peak/plan = peak "
+        "allocated / plan)"
+    )
     if m.get("metrics_memory_gib"):
-        lines.append(f"  metrics.jsonl memory_gib (rank 0) per step: {', '.join(f'{v:.2f}' for v in m['metrics_memory_gib'])}")
+        lines.append(
+            f"  metrics.jsonl memory_gib (rank 0) per step: {', '.join(f'{v:.2f}' for v in m['metrics_memory_gib'])}"
+        )
     return "\n".join(lines)
 
 
@@ -319,8 +419,14 @@ def hardware_description() -> str:
         return "cpu"
     props = torch.cuda.get_device_properties(0)
     name, gb = props.name.upper().replace(" ", ""), props.total_memory / 1e9
-    for key, preset in (("H200", "H200"), ("H100NVL", "H100NVL"), ("H100", "H100-94GB" if gb > 90 else "H100-80GB"),
-                        ("A100", "A100-80GB" if gb > 50 else "A100-40GB"), ("L40S", "L40S"), ("L4", "L4")):
+    for key, preset in (
+        ("H200", "H200"),
+        ("H100NVL", "H100NVL"),
+        ("H100", "H100-94GB" if gb > 90 else "H100-80GB"),
+        ("A100", "A100-80GB" if gb > 50 else "A100-40GB"),
+        ("L40S", "L40S"),
+        ("L4", "L4"),
+    ):
         if key in name and not (key == "L4" and not name.endswith("L4")):
             return f"1x{preset}"
     return f"1xGPU-{int(gb)}GB"
@@ -332,11 +438,13 @@ def throughput(args) -> int:
     import torch
 
     work = Path(args.work)
-    params = build(Path(args.model), args.size)
+    build(Path(args.model), args.size)
     hardware = args.hardware or hardware_description()
     cpu = hardware.lower().startswith("cpu")
     name = "CPU" if cpu else torch.cuda.get_device_name(0)
-    peak, source = (args.peak_tflops, "--peak-tflops") if args.peak_tflops else peak_tflops(name) if not cpu else (None, "CPU")
+    peak, source = (
+        (args.peak_tflops, "--peak-tflops") if args.peak_tflops else peak_tflops(name) if not cpu else (None, "CPU")
+    )
     measured = measured_matmul_tflops() if not cpu else None
     data = write_data(work / "data.jsonl", records=400 if args.size == "small" else 1500)
     runs, problems = [], []
@@ -344,9 +452,25 @@ def throughput(args) -> int:
         run = work / f"run-{adapter}"
         shutil.rmtree(run, ignore_errors=True)
         config = work / f"{adapter}.yaml"
-        config.write_text(job_yaml(Path(args.model), data, run, work / "cache", adapter=adapter, precision="fp32" if cpu else "bf16",
-                                   seq_len=args.seq_len, micro=args.micro, batch=args.micro, steps=args.steps))
-        print(f"throughput: ft train {config} --hardware {hardware} ({adapter}, {args.steps} steps of {args.micro} x {args.seq_len} tokens)", flush=True)
+        config.write_text(
+            job_yaml(
+                Path(args.model),
+                data,
+                run,
+                work / "cache",
+                adapter=adapter,
+                precision="fp32" if cpu else "bf16",
+                seq_len=args.seq_len,
+                micro=args.micro,
+                batch=args.micro,
+                steps=args.steps,
+            )
+        )
+        print(
+            f"throughput: ft train {config} --hardware {hardware} ({adapter}, {args.steps} steps of {args.micro} "
+            f"x {args.seq_len} tokens)",
+            flush=True,
+        )
         start = time.perf_counter()
         try:
             rows = train_metrics(config, hardware, run)
@@ -361,15 +485,37 @@ def throughput(args) -> int:
         tps = sum(r["tokens"] for r in steady) / seconds
         n = plan["params"]["total"]
         mfu = 6 * n * tps / (peak * 1e12) if peak else None
-        runs.append({"adapter": adapter, "params": n, "trainable": plan["params"]["trainable"], "steps": len(steps), "timed_steps": len(steady),
-                     "step_ms": 1000 * seconds / len(steady), "tokens_per_s": tps, "mfu": mfu,
-                     "mfu_measured_peak": 6 * n * tps / (measured * 1e12) if measured else None,
-                     "peak_memory_gib": max(r["memory_gib"] for r in steps), "planned_gib": plan["memory"]["per_device_gib"],
-                     "backend": plan["backend"], "attn": plan["attn_implementation"], "wall_s": time.perf_counter() - start,
-                     "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]]})
+        runs.append(
+            {
+                "adapter": adapter,
+                "params": n,
+                "trainable": plan["params"]["trainable"],
+                "steps": len(steps),
+                "timed_steps": len(steady),
+                "step_ms": 1000 * seconds / len(steady),
+                "tokens_per_s": tps,
+                "mfu": mfu,
+                "mfu_measured_peak": 6 * n * tps / (measured * 1e12) if measured else None,
+                "peak_memory_gib": max(r["memory_gib"] for r in steps),
+                "planned_gib": plan["memory"]["per_device_gib"],
+                "backend": plan["backend"],
+                "attn": plan["attn_implementation"],
+                "wall_s": time.perf_counter() - start,
+                "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+            }
+        )
         shutil.rmtree(run / "final", ignore_errors=True)  # the full model's weights: GBs
-    result = {"gpu": name, "hardware": hardware, "peak_tflops": peak, "peak_source": source, "measured_matmul_tflops": measured,
-              "seq_len": args.seq_len, "micro_batch": args.micro, "runs": runs, "problems": problems}
+    result = {
+        "gpu": name,
+        "hardware": hardware,
+        "peak_tflops": peak,
+        "peak_source": source,
+        "measured_matmul_tflops": measured,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro,
+        "runs": runs,
+        "problems": problems,
+    }
     print(throughput_report(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -381,18 +527,31 @@ def throughput(args) -> int:
 
 def throughput_report(b: dict) -> str:
     peak = f"{b['peak_tflops']:.0f} TFLOP/s ({b['peak_source']})" if b.get("peak_tflops") else b.get("peak_source")
-    measured = f"; 8192^3 bf16 matmul measured here: {b['measured_matmul_tflops']:.0f} TFLOP/s" if b.get("measured_matmul_tflops") else ""
-    lines = [f"throughput on {b['gpu']} (plan for {b['hardware']}), {b['micro_batch']} x {b['seq_len']} packed tokens per step; peak {peak}{measured}",
-             f"  {'run':<5} {'params':>7} {'trainable':>10} {'backend':>8} {'step ms':>8} {'tokens/s':>10} {'MFU(6N)':>8} {'MFU meas.':>9} "
-             f"{'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}"]
+    measured = (
+        f"; 8192^3 bf16 matmul measured here: {b['measured_matmul_tflops']:.0f} TFLOP/s"
+        if b.get("measured_matmul_tflops")
+        else ""
+    )
+    lines = [
+        f"throughput on {b['gpu']} (plan for {b['hardware']}), {b['micro_batch']} x {b['seq_len']} packed tokens "
+        f"per step; peak {peak}{measured}",
+        f"  {'run':<5} {'params':>7} {'trainable':>10} {'backend':>8} {'step ms':>8} {'tokens/s':>10} "
+        f"{'MFU(6N)':>8} {'MFU meas.':>9} "
+        f"{'peak GiB':>9} {'plan GiB':>9} {'peak/plan':>9}",
+    ]
     for r in b["runs"]:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
         mfu_m = f"{100 * r['mfu_measured_peak']:.1f}%" if r.get("mfu_measured_peak") is not None else "-"
-        lines.append(f"  {r['adapter']:<5} {r['params'] / 1e9:>6.2f}B {r['trainable'] / 1e6:>9.1f}M {r['backend']:>8} {r['step_ms']:>8.1f} "
-                     f"{r['tokens_per_s']:>10,.0f} {mfu:>8} {mfu_m:>9} {r['peak_memory_gib']:>9.2f} {r['planned_gib']:>9.2f} "
-                     f"{r['peak_memory_gib'] / r['planned_gib']:>9.2f}")
-    lines.append("  tokens/s: real tokens over the steps after the first few; MFU(6N): 6 x all parameters x tokens/s / peak "
-                 "(LoRA really does ~4N; attention FLOPs not counted); peak GiB: max_memory_allocated (metrics.jsonl memory_gib)")
+        lines.append(
+            f"  {r['adapter']:<5} {r['params'] / 1e9:>6.2f}B {r['trainable'] / 1e6:>9.1f}M {r['backend']:>8} "
+            f"{r['step_ms']:>8.1f} "
+            f"{r['tokens_per_s']:>10,.0f} {mfu:>8} {mfu_m:>9} {r['peak_memory_gib']:>9.2f} {r['planned_gib']:>9.2f} "
+            f"{r['peak_memory_gib'] / r['planned_gib']:>9.2f}"
+        )
+    lines.append(
+        "  tokens/s: real tokens over the steps after the first few; MFU(6N): 6 x all parameters x tokens/s / peak "
+        "(LoRA really does ~4N; attention FLOPs not counted); peak GiB: max_memory_allocated (metrics.jsonl memory_gib)"
+    )
     return "\n".join(lines)
 
 
@@ -413,14 +572,18 @@ def main() -> None:
     common.add_argument("--model", required=True, help="model folder (built if it does not hold this size)")
     common.add_argument("--size", choices=sorted(SIZES), default="1b")
     sub.add_parser("build", parents=[common], help="build the model folder (random bf16 weights, tiny tokenizer)")
-    m = sub.add_parser("memory", parents=[common], help="per-rank memory of LoRA under FSDP2 full_shard against the plan")
+    m = sub.add_parser(
+        "memory", parents=[common], help="per-rank memory of LoRA under FSDP2 full_shard against the plan"
+    )
     m.add_argument("--work", default="/tmp/ft-gpu-bench/memory")
     m.add_argument("--json", help="write the figures here")
     m.add_argument("--steps", type=int, default=3)
     m.add_argument("--seq-len", type=int, default=2048)
     m.add_argument("--micro", type=int, default=4, help="micro-batch (sequences per rank per step)")
     m.add_argument("--hardware", help="ft --hardware (default: ft probes the visible GPUs)")
-    t = sub.add_parser("throughput", parents=[common], help="tokens/s, MFU and peak memory of LoRA and full fine-tuning")
+    t = sub.add_parser(
+        "throughput", parents=[common], help="tokens/s, MFU and peak memory of LoRA and full fine-tuning"
+    )
     t.add_argument("--work", default="/tmp/ft-gpu-bench/throughput")
     t.add_argument("--json", help="write the figures here")
     t.add_argument("--steps", type=int, default=20)

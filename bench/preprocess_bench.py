@@ -24,13 +24,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def chat_records(n: int, seed: int = 0) -> list[dict]:
     """Multi-turn conversations of varied length."""
     rng = random.Random(seed)
-    words = "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    words = (
+        "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    )
     out = []
     for _ in range(n):
         msgs = []
         for _ in range(rng.choice([1, 1, 2, 3])):
-            msgs.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) + "?"})
-            msgs.append({"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 80))) + "."})
+            msgs.append(
+                {"role": "user", "content": " ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) + "?"}
+            )
+            msgs.append(
+                {"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(rng.randint(2, 80))) + "."}
+            )
         out.append({"messages": msgs})
     return out
 
@@ -61,12 +67,21 @@ output: {{dir: {tmp}/run}}
             seconds = time.perf_counter() - start
             s = prepared.summary
             results[num_proc] = seconds
-            print(f"num_proc={num_proc}: {seconds:6.1f} s  {s['records_read'] / seconds:9,.0f} records/s  {s['tokens_per_epoch'] / seconds:11,.0f} tokens/s")
+            print(
+                f"num_proc={num_proc}: {seconds:6.1f} s  {s['records_read'] / seconds:9,.0f} records/s  "
+                f"{s['tokens_per_epoch'] / seconds:11,.0f} tokens/s"
+            )
         print(f"speed-up num_proc 2 vs 1: {results[1] / results[2]:.2f}x")
         lengths = [len(r) for r in prepared.train["input_ids"]]  # packed rows
         unpacked = prepared.summary
-        print(f"tokens: {unpacked['tokens_per_epoch']:,} in {unpacked['train_samples']:,} samples (p50 {unpacked['token_lengths']['p50']}, p99 {unpacked['token_lengths']['p99']})")
-        print(f"packing efficiency (real tokens / slots): {100 * unpacked['packing_efficiency']:.1f}% in {len(lengths):,} rows")
+        print(
+            f"tokens: {unpacked['tokens_per_epoch']:,} in {unpacked['train_samples']:,} samples (p50 "
+            f"{unpacked['token_lengths']['p50']}, p99 {unpacked['token_lengths']['p99']})"
+        )
+        print(
+            f"packing efficiency (real tokens / slots): {100 * unpacked['packing_efficiency']:.1f}% in "
+            f"{len(lengths):,} rows"
+        )
         print(f"padding to seq_len:                      {100 * unpacked['padding_efficiency']:.1f}%")
         sample_lengths = _sample_lengths(prepared)
         for mb in (8, 32):

@@ -28,7 +28,9 @@ torch.set_num_threads(1)
 
 def chat_records(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
-    words = "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    words = (
+        "the model learns to add numbers and answer questions about text data while training on small examples".split()
+    )
     out = []
     for _ in range(n):
         user = " ".join(rng.choice(words) for _ in range(rng.randint(3, 60)))
@@ -43,8 +45,18 @@ def build_model(folder: Path):
     from finetune.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -53,11 +65,13 @@ def build_model(folder: Path):
 
 def job(tmp: Path, data: Path, packing: bool, micro: int, seq_len: int, steps: int, batch: int) -> str:
     return f"""
-model: {{name: {tmp / 'model'}}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: {seq_len}, packing: {str(packing).lower()}, cache_dir: {tmp / 'cache'}}}
+model: {{name: {tmp / "model"}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: {seq_len}, packing: {str(packing).lower()},
+  cache_dir: {tmp / "cache"}}}
 adapter: {{type: lora, r: 16, alpha: 32, dropout: 0.0}}
-train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: 1.0e-4, gradient_checkpointing: false, precision: fp32}}
-output: {{dir: {tmp / 'run'}}}
+train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: 1.0e-4,
+  gradient_checkpointing: false, precision: fp32}}
+output: {{dir: {tmp / "run"}}}
 """
 
 
@@ -88,7 +102,9 @@ def hand_stepper(text: str, micro: int, batch: int):
     rows = prepare(config).train
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(config.model.name, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0)).tolist()
     ids_col, lab_col = rows["input_ids"][:], rows["labels"][:]
@@ -99,7 +115,7 @@ def hand_stepper(text: str, micro: int, batch: int):
         state["k"] += 1
         idx = [order[(k * batch + i) % len(order)] for i in range(batch)]
         for m in range(0, batch, micro):
-            chunk = idx[m:m + micro]
+            chunk = idx[m : m + micro]
             width = max(len(ids_col[i]) for i in chunk)
             ids = torch.tensor([ids_col[i] + [pad] * (width - len(ids_col[i])) for i in chunk])
             labels = torch.tensor([lab_col[i] + [-100] * (width - len(lab_col[i])) for i in chunk])
@@ -156,20 +172,32 @@ def main() -> None:
         data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(2000)))
         plain, packed = (job(tmp, data, p, args.micro, args.seq_len, args.steps, args.batch) for p in (False, True))
         masked = packed.replace(f"name: {tmp / 'model'}}}", f"name: {tmp / 'model'}, attn_implementation: sdpa}}")
-        results = interleaved({
-            "hand loop (no packing)": hand_stepper(plain, args.micro, args.batch),
-            "ft (no packing)": ft_stepper(plain),
-            "ft (packing)": ft_stepper(packed),
-            "ft (packing, 4-D mask)": ft_stepper(masked),
-        }, args.steps)
+        results = interleaved(
+            {
+                "hand loop (no packing)": hand_stepper(plain, args.micro, args.batch),
+                "ft (no packing)": ft_stepper(plain),
+                "ft (packing)": ft_stepper(packed),
+                "ft (packing, 4-D mask)": ft_stepper(masked),
+            },
+            args.steps,
+        )
         peak = matmul_peak_gflops()
-        print(f"model: {params:,} parameters, LoRA r=16 on all linear layers, fp32, 1 thread; {args.steps} steps of {args.batch} rows (micro-batch {args.micro}), seq_len {args.seq_len}")
+        print(
+            f"model: {params:,} parameters, LoRA r=16 on all linear layers, fp32, 1 thread; {args.steps} steps "
+            f"of {args.batch} rows (micro-batch {args.micro}), seq_len {args.seq_len}"
+        )
         base = results["hand loop (no packing)"][1] / results["hand loop (no packing)"][0]
         for name, (cpu, tokens) in results.items():
             tps = tokens / cpu
             mfu = 4 * params * tps / (peak * 1e9)
-            print(f"{name:<24} {tps:9,.0f} real tokens per CPU-second   {tps / base:5.2f}x hand loop   MFU {100 * mfu:4.1f}%")
-        print("MFU: 4N FLOPs per token (forward 2N + input gradients 2N; frozen weights need no weight gradients; LoRA and attention FLOPs not counted)")
+            print(
+                f"{name:<24} {tps:9,.0f} real tokens per CPU-second   {tps / base:5.2f}x hand loop   MFU "
+                f"{100 * mfu:4.1f}%"
+            )
+        print(
+            "MFU: 4N FLOPs per token (forward 2N + input gradients 2N; frozen weights need no weight gradients; "
+            "LoRA and attention FLOPs not counted)"
+        )
         print(f"     against the fp32 matmul peak measured here: {peak:,.1f} GFLOP/s (1 thread, 1024x1024, best of 5)")
 
 

@@ -13,12 +13,16 @@ import math
 from finetune.config.schema import AdapterSection
 from finetune.errors import FtError
 
-_DRAWN = ("lora_A", "lora_embedding_B")  # random at the start (peft's default init); the other adapter tensors start at zero
+_DRAWN = (
+    "lora_A",
+    "lora_embedding_B",
+)  # random at the start (peft's default init); the other adapter tensors start at zero
 _ZERO = ("lora_B", "lora_embedding_A")
 
 
 def apply_adapter(model, adapter: AdapterSection, plan):
-    """Make the planned parameters trainable; returns the (possibly peft-wrapped) model. Works on a meta-device model too."""
+    """Make the planned parameters trainable; returns the (possibly peft-wrapped) model. Works on a meta-device model
+    too."""
     if plan.adapter == "full":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -26,18 +30,32 @@ def apply_adapter(model, adapter: AdapterSection, plan):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if plan.quantization in ("nf4", "int8"):
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=plan.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=plan.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     modules = list(adapter.modules_to_save)
     if plan.train_embeddings:  # tokens were added: their rows are trained in full
         modules = list(dict.fromkeys([*modules, "embed_tokens", "lm_head"]))
-    config = LoraConfig(r=adapter.r, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout, target_modules=adapter.target_modules,
-                        use_dora=adapter.dora, use_rslora=adapter.rslora, modules_to_save=modules or None, task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+        use_dora=adapter.dora,
+        use_rslora=adapter.rslora,
+        modules_to_save=modules or None,
+        task_type="CAUSAL_LM",
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as e:
         if "not found" in str(e) or "Target modules" in str(e):
-            raise FtError(f"adapter.target_modules: {adapter.target_modules} matches no module of this model; its linear layers are: {', '.join(linear_names(model))}") from None
+            raise FtError(
+                f"adapter.target_modules: {adapter.target_modules} matches no module of this model; its linear "
+                f"layers are: {', '.join(linear_names(model))}"
+            ) from None
         raise
 
 
@@ -48,7 +66,8 @@ def linear_names(model) -> list[str]:
 
 
 def is_initialised_here(name: str) -> bool:
-    """An adapter tensor whose starting value `initial_value` gives (not DoRA's magnitude, which comes from the base weights)."""
+    """An adapter tensor whose starting value `initial_value` gives (not DoRA's magnitude, which comes from the base
+    weights)."""
     parts = name.split(".")
     return any(k in parts for k in _DRAWN + _ZERO)
 
@@ -58,7 +77,8 @@ def is_dora_magnitude(name: str) -> bool:
 
 
 def initial_value(name: str, shape: tuple, seed: int):
-    """The starting value of adapter tensor `name` (fp32, on the CPU): drawn from a generator seeded by the job's seed and
+    """The starting value of adapter tensor `name` (fp32, on the CPU): drawn from a generator seeded by the job's seed
+    and
     the name, so it is the same however and wherever the model is built. Distributions as peft's default init."""
     import torch
 
@@ -66,7 +86,10 @@ def initial_value(name: str, shape: tuple, seed: int):
     parts = name.split(".")
     if not any(k in parts for k in _DRAWN):
         if not any(k in parts for k in _ZERO):
-            raise FtError(f"adapter: no starting value known for {name}; sharded loading initialises lora_A/lora_B (and DoRA) adapters only")
+            raise FtError(
+                f"adapter: no starting value known for {name}; sharded loading initialises lora_A/lora_B (and "
+                "DoRA) adapters only"
+            )
         return value
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)

@@ -32,7 +32,7 @@ _HALF = (torch.float16, torch.bfloat16)
 _last_cu: list = [None, 0]  # [cu_seq_lens tensor, its longest sample]: one host read per batch, not per layer
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_device(index: int) -> bool:
     return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(index)[0] >= 8
 
@@ -42,9 +42,16 @@ def uses_kernel(query: torch.Tensor, dropout_p: float) -> bool:
     # torch 2.13 nn/attention/varlen.py: varlen_attn runs aten::_flash_attention_forward (CUDA, sm80+,
     # fp16/bf16) with dropout hard-wired to 0, is causal for window_size=(-1, 0), and accepts Hkv < Hq
     # with enable_gqa=True, so on such GPUs one call does what the per-sample loop does.
-    return (_KERNEL is not None and query.is_cuda and query.dtype in _HALF and query.shape[0] == 1
-            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256 and dropout_p == 0.0
-            and _flash_device(query.get_device()))
+    return (
+        _KERNEL is not None
+        and query.is_cuda
+        and query.dtype in _HALF
+        and query.shape[0] == 1
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 256
+        and dropout_p == 0.0
+        and _flash_device(query.get_device())
+    )
 
 
 def _longest(cu: torch.Tensor, given) -> int:
@@ -59,32 +66,43 @@ def _kernel_path(query, key, value, cu, max_len, scaling):
     """(1, H, T, D) tensors -> (1, T, Hq, D), one varlen kernel call over the packed row."""
     cu = cu.to(device=query.device, dtype=torch.int32)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    out = _KERNEL(q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0),
-                  enable_gqa=q.shape[1] != k.shape[1])
+    out = _KERNEL(
+        q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out.unsqueeze(0)
 
 
 def _causal(q, k, v, dropout_p, scaling):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def _per_sample(query, key, value, cu, dropout_p, scaling):
     """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample (reads cu on the host)."""
     bounds = cu.tolist()
-    parts = [_causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling)
-             for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    parts = [
+        _causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling)
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
+    ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
 
-def sdpa_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+def sdpa_varlen_attention(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D) -> attention output (B, T, Hq, D); B is 1 when packed."""
     dropout_p = dropout if module.training else 0.0
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:  # not packed (generation with a KV cache, padded batches): exactly what attn_implementation sdpa does
+    if (
+        cu is None
+    ):  # not packed (generation with a KV cache, padded batches): exactly what attn_implementation sdpa does
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     if uses_kernel(query, dropout_p):
         return _kernel_path(query, key, value, cu, _longest(cu, kwargs.get("max_length_q")), scaling), None
     return _per_sample(query, key, value, cu, dropout_p, scaling), None
@@ -96,5 +114,7 @@ def register() -> str:
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(NAME, sdpa_varlen_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)  # unpacked calls (generation, padded batches) need sdpa's padding mask
+    AttentionMaskInterface.register(
+        NAME, sdpa_mask
+    )  # unpacked calls (generation, padded batches) need sdpa's padding mask
     return NAME

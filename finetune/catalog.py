@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.catalog_data import (ENTRIES, KEY_SPELLINGS, LAYOUTS, TEXT_MODEL_TYPES,
-                                    TIED_BY_DEFAULT, layout)
+from finetune.catalog_data import ENTRIES, KEY_SPELLINGS, LAYOUTS, TEXT_MODEL_TYPES, TIED_BY_DEFAULT, layout
 
 MLP_KINDS = ("gated", "plain")
 NORM_KINDS = ("rms", "layer")
@@ -122,8 +121,7 @@ class ModelFacts:
         if self.fused_gate_up:
             gate_up = (Linear("gate_up_proj", h, 2 * inter, bias=bias),)
         else:
-            gate_up = (Linear("gate_proj", h, inter, bias=bias),
-                       Linear("up_proj", h, inter, bias=bias))
+            gate_up = (Linear("gate_proj", h, inter, bias=bias), Linear("up_proj", h, inter, bias=bias))
         return gate_up + (Linear("down_proj", inter, h, bias=bias),)
 
     @property
@@ -175,25 +173,34 @@ class ModelFacts:
     @property
     def other_params(self) -> int:
         """Norms, routers and everything else that is not embedding, head, linear or expert."""
-        counted = (self.embedding_params + self.lm_head_params + self.linear_params
-                   + self.expert_params)
+        counted = self.embedding_params + self.lm_head_params + self.linear_params + self.expert_params
         return self.num_params - counted
 
 
 def _shape_problems(facts: ModelFacts) -> list[str]:
     """Every reason the facts cannot describe a model, all at once."""
     problems = []
-    positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                "num_attention_heads", "num_kv_heads", "head_dim", "max_position_embeddings")
-    problems += [f"{key} must be a positive integer, got {getattr(facts, key)!r}"
-                 for key in positive if not _positive_int(getattr(facts, key))]
+    positive = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    )
+    problems += [
+        f"{key} must be a positive integer, got {getattr(facts, key)!r}"
+        for key in positive
+        if not _positive_int(getattr(facts, key))
+    ]
     if facts.mlp not in MLP_KINDS:
         problems.append(f"mlp must be one of {MLP_KINDS}, got {facts.mlp!r}")
     if facts.norm not in NORM_KINDS:
         problems.append(f"norm must be one of {NORM_KINDS}, got {facts.norm!r}")
     if facts.num_experts and not (facts.experts_per_token > 0 and facts.moe_intermediate_size > 0):
-        problems.append("an MoE model (num_experts > 0) needs experts_per_token and "
-                        "moe_intermediate_size > 0")
+        problems.append("an MoE model (num_experts > 0) needs experts_per_token and moe_intermediate_size > 0")
     if isinstance(facts.aliases, (str, list)):
         problems.append("aliases must be a tuple of names")
     return problems
@@ -219,8 +226,7 @@ def _build_index(catalog: tuple[ModelFacts, ...]) -> dict[str, ModelFacts]:
             for variant in {key.lower(), _short(key)}:
                 owner = index.setdefault(variant, facts)
                 if owner is not facts:
-                    raise ValueError(f"catalog key {variant!r} names both {owner.name!r} and "
-                                     f"{facts.name!r}")
+                    raise ValueError(f"catalog key {variant!r} names both {owner.name!r} and {facts.name!r}")
     return index
 
 
@@ -322,12 +328,14 @@ def to_hf_config(facts: ModelFacts) -> dict:
         "mlp_bias": facts.mlp_bias,
     }
     if facts.model_type == "stablelm":
-        cfg.update(use_qkv_bias=facts.attention_bias,
-                   use_parallel_residual=facts.norms_per_layer == 1)
+        cfg.update(use_qkv_bias=facts.attention_bias, use_parallel_residual=facts.norms_per_layer == 1)
     if facts.is_moe:
-        cfg.update(num_local_experts=facts.num_experts, num_experts=facts.num_experts,
-                   num_experts_per_tok=facts.experts_per_token,
-                   moe_intermediate_size=facts.moe_intermediate_size)
+        cfg.update(
+            num_local_experts=facts.num_experts,
+            num_experts=facts.num_experts,
+            num_experts_per_tok=facts.experts_per_token,
+            moe_intermediate_size=facts.moe_intermediate_size,
+        )
     return cfg
 
 
@@ -342,13 +350,17 @@ class ModelNotFound(Exception):
         self.reason = reason
 
     def __str__(self) -> str:
-        text = (f"model.name {self.name!r} is not a local folder with config.json, not in ft's "
-                "catalog, and could not be fetched from the hub (offline?).")
+        text = (
+            f"model.name {self.name!r} is not a local folder with config.json, not in ft's "
+            "catalog, and could not be fetched from the hub (offline?)."
+        )
         if self.suggestions:
             text += " Did you mean: " + ", ".join(self.suggestions) + "?"
         else:
-            text += (" No catalog name is close to it; catalog names look like "
-                     "'meta-llama/Llama-3.1-8B', 'Qwen/Qwen2.5-7B-Instruct' or 'ft-tiny'.")
+            text += (
+                " No catalog name is close to it; catalog names look like "
+                "'meta-llama/Llama-3.1-8B', 'Qwen/Qwen2.5-7B-Instruct' or 'ft-tiny'."
+            )
         if self.reason:
             text += f" (hub: {self.reason})"
         return text
@@ -368,8 +380,7 @@ def _local_config(folder: Path, trust_remote_code: bool) -> dict:
 def _hub_config(name: str, revision: str, trust_remote_code: bool) -> dict:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(name, revision=revision,
-                                        trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(name, revision=revision, trust_remote_code=trust_remote_code)
     return config.to_dict()
 
 

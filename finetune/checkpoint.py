@@ -3,7 +3,8 @@
 RUN/checkpoints/step-00000100/
     trainable.safetensors   the parameters being trained (adapter weights, or the whole model)
     optimizer.pt, scheduler.pt, rng.pt
-    state.json              step, data position, tokens seen, ... (written last: its presence marks a complete checkpoint)
+    state.json              step, data position, tokens seen, ... (written last: its presence marks a complete
+    checkpoint)
 A checkpoint is written into a hidden temporary folder and renamed into place, so a crash or a full
 disk mid-save never leaves a folder that looks complete, and older checkpoints are deleted only
 after the new one is in place.
@@ -50,8 +51,11 @@ def rng_state() -> dict:
 
     version, keys, gauss = random.getstate()
     name, np_keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(keys), gauss], "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": [name, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -81,9 +85,13 @@ def load_tensors(path: Path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise FtError(f"checkpoint file {path} cannot be read safely ({first}): it holds something other than tensors and plain data, "
-                      "or it is damaged. ft loads checkpoints with weights_only=True and never runs code from them; resume from another "
-                      "checkpoint (delete this one) or start a new output.dir") from None
+        raise FtError(
+            f"checkpoint file {path} cannot be read safely ({first}): it holds something other than tensors and "
+            "plain data, "
+            "or it is damaged. ft loads checkpoints with weights_only=True and never runs code from them; resume "
+            "from another "
+            "checkpoint (delete this one) or start a new output.dir"
+        ) from None
 
 
 def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int) -> Path:
@@ -108,8 +116,11 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, kee
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         kept = ", ".join(p.name for p in checkpoints(run_dir)) or "none"
-        raise FtError(f"saving checkpoint step {step} to {root} failed: {write_failure(e, root)}. The partial checkpoint was removed; earlier checkpoints "
-                      f"are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume") from None
+        raise FtError(
+            f"saving checkpoint step {step} to {root} failed: {write_failure(e, root)}. The partial checkpoint was "
+            "removed; earlier checkpoints "
+            f"are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume"
+        ) from None
     for old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -122,7 +133,11 @@ def write_failure(error: BaseException, where: Path) -> str:
         free = shutil.disk_usage(where if where.exists() else where.parent).free
     except OSError:
         free = None
-    if getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error) or (free is not None and free < 64 * 2**20):
+    if (
+        getattr(error, "errno", None) == errno.ENOSPC
+        or "No space left" in str(error)
+        or (free is not None and free < 64 * 2**20)
+    ):
         return "the disk is full"
     return text[:300]
 
@@ -144,8 +159,11 @@ def atomic_folder(path: Path, what: str):
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not path.exists():
             os.replace(old, path)
-        raise FtError(f"saving {what} to {path} failed: {write_failure(e, path.parent)}. Nothing partial was left; the checkpoints "
-                      f"are intact. Free space, then resume with --resume (or write it from a checkpoint with ft consolidate)") from None
+        raise FtError(
+            f"saving {what} to {path} failed: {write_failure(e, path.parent)}. Nothing partial was left; the "
+            "checkpoints "
+            f"are intact. Free space, then resume with --resume (or write it from a checkpoint with ft consolidate)"
+        ) from None
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -164,8 +182,11 @@ def save_sharded(run_dir: Path, step: int, engine, state: dict, keep: int, runti
         engine.save_shards(tmp)
         torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
     except (OSError, RuntimeError) as e:
-        raise FtError(f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {write_failure(e, root)}; earlier checkpoints are intact. "
-                      "Free space and resume with --resume") from None
+        raise FtError(
+            f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {write_failure(e, root)}; "
+            "earlier checkpoints are intact. "
+            "Free space and resume with --resume"
+        ) from None
     runtime.barrier()
     if runtime.is_main:
         torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
@@ -189,8 +210,12 @@ def load(path: Path, engine, rank: int = 0) -> dict:
     from safetensors.torch import load_file
 
     if is_sharded(path) != engine.sharded:
-        raise FtError(f"checkpoint {path} was written by a {'sharded' if is_sharded(path) else 'single-copy'} backend and this job's backend is "
-                      f"{'sharded' if engine.sharded else 'not'}; resume with the distributed settings it was written with, or consolidate it first (ft consolidate)")
+        raise FtError(
+            f"checkpoint {path} was written by a {'sharded' if is_sharded(path) else 'single-copy'} backend and "
+            "this job's backend is "
+            f"{'sharded' if engine.sharded else 'not'}; resume with the distributed settings it was written with, "
+            "or consolidate it first (ft consolidate)"
+        )
     model, optimizer, scheduler = engine.inner, engine.optimizer, engine.scheduler
     if is_sharded(path):
         engine.load_shards(path)
@@ -202,12 +227,17 @@ def load(path: Path, engine, rank: int = 0) -> dict:
     expected = set(trainable_state(model))
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
-        raise FtError(f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the config changed since it was written? Resume with the same config, or start a new output.dir")
+        raise FtError(
+            f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the "
+            "config changed since it was written? Resume with the same config, or start a new output.dir"
+        )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(load_tensors(path / "optimizer.pt"))  # the optimizer casts its state to each parameter's device
+    optimizer.load_state_dict(
+        load_tensors(path / "optimizer.pt")
+    )  # the optimizer casts its state to each parameter's device
     scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
     set_rng_state(load_tensors(path / "rng.pt"))
     return json.loads((path / "state.json").read_text())

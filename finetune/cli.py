@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -17,14 +16,28 @@ from finetune.errors import FtError, run_main, set_debug
 
 app = typer.Typer(
     name="ft",
-    help="ft: declarative fine-tuning. Describe a job in one YAML file; ft validates it, plans it for your hardware and explains every choice.",
+    help="ft: declarative fine-tuning. Describe a job in one YAML file; ft validates it, plans it for your hardware "
+    "and explains every choice.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
 
-SetOption = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help="Override a key, e.g. --set train.lr=1e-4 --set data.seq_len=4096 (repeatable; `ft explain` lists keys).")
-HardwareOption = typer.Option(None, "--hardware", "-H", metavar="DESC", help="Plan for hardware you describe instead of this machine: cpu, cpu:2, 1xA10G-24GB, 8xH100-80GB, 2x8xA100-40GB, h100, ...")
+SetOption = typer.Option(
+    None,
+    "--set",
+    "-s",
+    metavar="KEY=VALUE",
+    help="Override a key, e.g. --set train.lr=1e-4 --set data.seq_len=4096 (repeatable; `ft explain` lists keys).",
+)
+HardwareOption = typer.Option(
+    None,
+    "--hardware",
+    "-H",
+    metavar="DESC",
+    help="Plan for hardware you describe instead of this machine: cpu, cpu:2, 1xA10G-24GB, 8xH100-80GB, "
+    "2x8xA100-40GB, h100, ...",
+)
 
 
 def _version(value: bool) -> None:
@@ -35,8 +48,12 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-    debug: bool = typer.Option(False, "--debug", help="On an unexpected error, print the full traceback (otherwise it goes to a log file)."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+    debug: bool = typer.Option(
+        False, "--debug", help="On an unexpected error, print the full traceback (otherwise it goes to a log file)."
+    ),
 ) -> None:
     """ft: declarative fine-tuning for large language models."""
     if debug:
@@ -44,7 +61,7 @@ def _root(
 
 
 @app.command()
-def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: Optional[List[str]] = SetOption) -> None:
+def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: list[str] | None = SetOption) -> None:
     """Check a job file: every problem at once, with file and line. Exit code 2 when invalid."""
     from finetune.config import load
 
@@ -53,16 +70,22 @@ def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: Op
 
     problems = check_paths(cfg)
     if problems:
-        raise FtError(f"{config}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n" + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems))
-    typer.echo(f"{config}: valid ({cfg.method.name}, model {cfg.model.name}, adapter {cfg.adapter.type}, output {cfg.output.dir})")
+        raise FtError(
+            f"{config}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n"
+            + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems)
+        )
+    typer.echo(
+        f"{config}: valid ({cfg.method.name}, model {cfg.model.name}, adapter {cfg.adapter.type}, output "
+        f"{cfg.output.dir})"
+    )
 
 
 @app.command()
 def plan(
     config: Path = typer.Argument(..., help="Job YAML file."),
-    hardware: Optional[str] = HardwareOption,
+    hardware: str | None = HardwareOption,
     json_: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    set_: Optional[List[str]] = SetOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Show what ft would run: every choice with its reason, memory per device and host, the launch command."""
     from finetune.report import print_plan
@@ -75,16 +98,30 @@ def plan(
 def train(
     config: Path = typer.Argument(..., help="Job YAML file."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output.dir."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the run already in output.dir (only what ft wrote there is removed)."),
-    allow_changes: bool = typer.Option(False, "--allow-changes", help="With --resume: accept a config that differs from the run's in keys that change training (recorded in the run folder)."),
-    hardware: Optional[str] = HardwareOption,
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Nodes in the job (default: the hardware's, or SLURM's)."),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="This node's rank, 0 .. nnodes-1 (default: SLURM_NODEID or 0)."),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0 (default: SLURM's first node)."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Port on node 0 for the rendezvous (default 29500)."),
-    set_: Optional[List[str]] = SetOption,
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the run already in output.dir (only what ft wrote there is removed)."
+    ),
+    allow_changes: bool = typer.Option(
+        False,
+        "--allow-changes",
+        help="With --resume: accept a config that differs from the run's in keys that change training (recorded in "
+        "the run folder).",
+    ),
+    hardware: str | None = HardwareOption,
+    nnodes: int | None = typer.Option(None, "--nnodes", help="Nodes in the job (default: the hardware's, or SLURM's)."),
+    node_rank: int | None = typer.Option(
+        None, "--node-rank", help="This node's rank, 0 .. nnodes-1 (default: SLURM_NODEID or 0)."
+    ),
+    master_addr: str | None = typer.Option(
+        None, "--master-addr", help="Address of node 0 (default: SLURM's first node)."
+    ),
+    master_port: int | None = typer.Option(
+        None, "--master-port", help="Port on node 0 for the rendezvous (default 29500)."
+    ),
+    set_: list[str] | None = SetOption,
 ) -> None:
-    """Plan, prepare the data, train (launching every rank of this node), and save the adapter or model into output.dir."""
+    """Plan, prepare the data, train (launching every rank of this node), and save the adapter or model into
+    output.dir."""
     from finetune.workflow import NodeRole, run_train
 
     role = NodeRole.from_env(nnodes, node_rank, master_addr, master_port)
@@ -95,11 +132,13 @@ def train(
 def launch(
     config: Path = typer.Argument(..., help="Job YAML file."),
     slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script for a SLURM cluster."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Where to write the script (default: OUTPUT_DIR/job.sbatch)."),
-    hardware: Optional[str] = HardwareOption,
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Where to write the script (default: OUTPUT_DIR/job.sbatch)."
+    ),
+    hardware: str | None = HardwareOption,
     time_limit: str = typer.Option("24:00:00", "--time", help="SLURM time limit."),
-    partition: Optional[str] = typer.Option(None, "--partition", help="SLURM partition."),
-    set_: Optional[List[str]] = SetOption,
+    partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Write what runs the job on a cluster (an sbatch script with --slurm), planned for --hardware."""
     from finetune.workflow import write_launch_script
@@ -112,11 +151,12 @@ def launch(
 @app.command()
 def consolidate(
     run: Path = typer.Argument(..., help="A run folder (output.dir of ft train)."),
-    step: Optional[int] = typer.Option(None, "--step", help="Checkpoint step (default: the newest complete one)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: RUN/consolidated/step-N)."),
+    step: int | None = typer.Option(None, "--step", help="Checkpoint step (default: the newest complete one)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: RUN/consolidated/step-N)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
 ) -> None:
-    """Write one safetensors adapter or model from a checkpoint, sharded (FSDP, DeepSpeed ZeRO) or not, in one process."""
+    """Write one safetensors adapter or model from a checkpoint, sharded (FSDP, DeepSpeed ZeRO) or not, in one
+    process."""
     from finetune.consolidate import consolidate as run_consolidate
 
     typer.echo(f"wrote {run_consolidate(run, step, out, overwrite)}")
@@ -126,111 +166,264 @@ def consolidate(
 def merge_lora(
     source: Path = typer.Argument(..., help="A run folder (RUN with RUN/final) or a peft adapter folder."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the merged model (sharded safetensors + tokenizer)."),
-    base: Optional[str] = typer.Option(None, "--base", help="Base model (default: the run's model.name or the adapter's base)."),
+    base: str | None = typer.Option(
+        None, "--base", help="Base model (default: the run's model.name or the adapter's base)."
+    ),
     dtype: str = typer.Option("auto", "--dtype", help="auto | bf16 | fp16 | fp32 (a QLoRA base is dequantized first)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB."),
-    check_inputs: int = typer.Option(4, "--check-inputs", help="Random inputs on which merged and base+adapter logits are compared."),
+    check_inputs: int = typer.Option(
+        4, "--check-inputs", help="Random inputs on which merged and base+adapter logits are compared."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output folder."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the base model's own Python code."),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Allow the base model's own Python code."
+    ),
 ) -> None:
     """Merge a LoRA adapter into its base model and report the largest logit difference."""
     from finetune.merge import merge_lora as merge
 
-    report = merge(source, out, base=base, dtype=dtype, max_shard_size=max_shard_size, check_inputs=check_inputs,
-                   overwrite=overwrite, trust_remote_code=trust_remote_code)
+    report = merge(
+        source,
+        out,
+        base=base,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        check_inputs=check_inputs,
+        overwrite=overwrite,
+        trust_remote_code=trust_remote_code,
+    )
     typer.echo(str(report))
 
 
-SourceArgument = typer.Argument(..., help="A run folder (config.yaml + final/), a model folder, an adapter folder (with --base or its recorded base), a hub id, or ft-tiny.")
-ProcessesOption = typer.Option(None, "--processes", "-n", help="Processes generating in parallel (default: one per GPU, per --tensor-parallel GPUs with vLLM; 1 on CPU).")
+SourceArgument = typer.Argument(
+    ...,
+    help="A run folder (config.yaml + final/), a model folder, an adapter folder (with --base or its recorded base), "
+    "a hub id, or ft-tiny.",
+)
+ProcessesOption = typer.Option(
+    None,
+    "--processes",
+    "-n",
+    help="Processes generating in parallel (default: one per GPU, per --tensor-parallel GPUs with vLLM; 1 on CPU).",
+)
 
 
 @app.command()
 def generate(
     source: str = SourceArgument,
-    prompts: str = typer.Option(..., "--prompts", "-p", help="Prompt file (.jsonl, .json, .csv, .parquet), or a job YAML whose dataset to read (see --dataset)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Output .jsonl: each input row with its id and the completion, in input order."),
+    prompts: str = typer.Option(
+        ...,
+        "--prompts",
+        "-p",
+        help="Prompt file (.jsonl, .json, .csv, .parquet), or a job YAML whose dataset to read (see --dataset).",
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Output .jsonl: each input row with its id and the completion, in input order."
+    ),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (deterministic); above 0: sampling."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens (0: off)."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed; each batch draws from its own seed, so results do not depend on --processes."),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Text that ends a completion (repeatable); not included in the output."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Prompts per batch (default 16; 256 with vLLM)."),
-    sort: bool = typer.Option(True, "--sort/--no-sort", help="Batch prompts of similar length together (less padding)."),
-    processes: Optional[int] = ProcessesOption,
+    seed: int = typer.Option(
+        0, "--seed", help="Sampling seed; each batch draws from its own seed, so results do not depend on --processes."
+    ),
+    stop: list[str] | None = typer.Option(
+        None, "--stop", help="Text that ends a completion (repeatable); not included in the output."
+    ),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", "-b", help="Prompts per batch (default 16; 256 with vLLM)."
+    ),
+    sort: bool = typer.Option(
+        True, "--sort/--no-sort", help="Batch prompts of similar length together (less padding)."
+    ),
+    processes: int | None = ProcessesOption,
     engine: str = typer.Option("auto", "--engine", help="auto (vLLM on GPUs where installed) | transformers | vllm."),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="GPUs per model copy, for models larger than one GPU (vLLM)."),
+    tensor_parallel: int = typer.Option(
+        1, "--tensor-parallel", help="GPUs per model copy, for models larger than one GPU (vLLM)."
+    ),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on GPUs) | bf16 | fp16 | fp32."),
-    template: Optional[str] = typer.Option(None, "--template", help="Chat template: tokenizer, a built-in, a .jinja file, or none for raw text (default: the run's data.template, else the tokenizer's)."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for prompts that have none."),
-    prompt_field: Optional[str] = typer.Option(None, "--prompt-field", help="Column holding the prompt (default: messages, conversations, prompt, instruction, question, input or text)."),
-    id_field: str = typer.Option("id", "--id-field", help="Column with each record's id (records without one are numbered from 0)."),
-    output_field: str = typer.Option("completion", "--output-field", help="Name of the completion's field in the output."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="With a job YAML: validation, or an index into data.datasets (default: validation when it is a dataset, else 0)."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Only the first N prompts."),
-    base: Optional[str] = typer.Option(None, "--base", help="Base model of an adapter (default: the run's model.name or the adapter's recorded base)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Discard the output and any unfinished parts, and start over."),
+    template: str | None = typer.Option(
+        None,
+        "--template",
+        help="Chat template: tokenizer, a built-in, a .jinja file, or none for raw text (default: the run's "
+        "data.template, else the tokenizer's).",
+    ),
+    system: str | None = typer.Option(None, "--system", help="System message for prompts that have none."),
+    prompt_field: str | None = typer.Option(
+        None,
+        "--prompt-field",
+        help="Column holding the prompt (default: messages, conversations, prompt, instruction, question, input or "
+        "text).",
+    ),
+    id_field: str = typer.Option(
+        "id", "--id-field", help="Column with each record's id (records without one are numbered from 0)."
+    ),
+    output_field: str = typer.Option(
+        "completion", "--output-field", help="Name of the completion's field in the output."
+    ),
+    dataset: str | None = typer.Option(
+        None,
+        "--dataset",
+        help="With a job YAML: validation, or an index into data.datasets (default: validation when it is a dataset, "
+        "else 0).",
+    ),
+    samples: int | None = typer.Option(None, "--samples", help="Only the first N prompts."),
+    base: str | None = typer.Option(
+        None, "--base", help="Base model of an adapter (default: the run's model.name or the adapter's recorded base)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Discard the output and any unfinished parts, and start over."
+    ),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Generate completions for a prompt file, data-parallel over GPUs or processes; a restart continues where it stopped."""
+    """Generate completions for a prompt file, data-parallel over GPUs or processes; a restart continues where it
+    stopped."""
     from finetune.infer.commands import run_generate
 
-    run_generate(source, prompts, str(out), base=base, dataset=dataset, template=template, system=system, prompt_field=prompt_field,
-                 id_field=id_field, output_field=output_field, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_p=top_p, top_k=top_k, seed=seed, stop=tuple(stop or ()), batch_size=batch_size, sort=sort, processes=processes,
-                 engine=engine, tensor_parallel=tensor_parallel, dtype=dtype, overwrite=overwrite, trust_remote_code=trust_remote_code, progress=not quiet)
+    run_generate(
+        source,
+        prompts,
+        str(out),
+        base=base,
+        dataset=dataset,
+        template=template,
+        system=system,
+        prompt_field=prompt_field,
+        id_field=id_field,
+        output_field=output_field,
+        samples=samples,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop or ()),
+        batch_size=batch_size,
+        sort=sort,
+        processes=processes,
+        engine=engine,
+        tensor_parallel=tensor_parallel,
+        dtype=dtype,
+        overwrite=overwrite,
+        trust_remote_code=trust_remote_code,
+        progress=not quiet,
+    )
 
 
 @app.command("eval")
 def eval_(
     source: str = SourceArgument,
-    data: Optional[str] = typer.Option(None, "--data", "-d", help="Prompt/answer file, or a job YAML (see --dataset). Default: the run's evaluation: section."),
-    metric: Optional[List[str]] = typer.Option(None, "--metric", "-m", help="exact_match | contains | regex (with --pattern) | loss (and perplexity) | a function module:function or file.py:function (repeatable; default exact_match)."),
-    pattern: Optional[str] = typer.Option(None, "--pattern", help="For --metric regex: the pattern extracting the answer (its first group if any), e.g. '####\\s*(-?\\d+)'."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the results as JSON to this file."),
+    data: str | None = typer.Option(
+        None,
+        "--data",
+        "-d",
+        help="Prompt/answer file, or a job YAML (see --dataset). Default: the run's evaluation: section.",
+    ),
+    metric: list[str] | None = typer.Option(
+        None,
+        "--metric",
+        "-m",
+        help="exact_match | contains | regex (with --pattern) | loss (and perplexity) | a function module:function or "
+        "file.py:function (repeatable; default exact_match).",
+    ),
+    pattern: str | None = typer.Option(
+        None,
+        "--pattern",
+        help="For --metric regex: the pattern extracting the answer (its first group if any), e.g. '####\\s*(-?\\d+)'.",
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the results as JSON to this file."),
     json_: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-    predictions: Optional[Path] = typer.Option(None, "--predictions", help="Keep the generated answers in this .jsonl (and resume from it)."),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Longest answer (default: the run's evaluation.max_new_tokens, else 256)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Prompts per batch."),
-    processes: Optional[int] = ProcessesOption,
+    predictions: Path | None = typer.Option(
+        None, "--predictions", help="Keep the generated answers in this .jsonl (and resume from it)."
+    ),
+    max_new_tokens: int | None = typer.Option(
+        None, "--max-new-tokens", help="Longest answer (default: the run's evaluation.max_new_tokens, else 256)."
+    ),
+    batch_size: int | None = typer.Option(None, "--batch-size", "-b", help="Prompts per batch."),
+    processes: int | None = ProcessesOption,
     engine: str = typer.Option("auto", "--engine", help="auto | transformers | vllm."),
     tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="GPUs per model copy (vLLM)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto | bf16 | fp16 | fp32."),
-    template: Optional[str] = typer.Option(None, "--template", help="Chat template (default: the run's data.template, else the tokenizer's); none for raw text."),
-    reference_field: Optional[str] = typer.Option(None, "--reference-field", help="Column with the reference answer (default: a final assistant message, else answer, reference, output, completion or target)."),
-    prompt_field: Optional[str] = typer.Option(None, "--prompt-field", help="Column holding the prompt."),
+    template: str | None = typer.Option(
+        None,
+        "--template",
+        help="Chat template (default: the run's data.template, else the tokenizer's); none for raw text.",
+    ),
+    reference_field: str | None = typer.Option(
+        None,
+        "--reference-field",
+        help="Column with the reference answer (default: a final assistant message, else answer, reference, output, "
+        "completion or target).",
+    ),
+    prompt_field: str | None = typer.Option(None, "--prompt-field", help="Column holding the prompt."),
     id_field: str = typer.Option("id", "--id-field", help="Column with each record's id."),
-    system: Optional[str] = typer.Option(None, "--system", help="System message for prompts that have none."),
-    dataset: Optional[str] = typer.Option(None, "--dataset", help="With a job YAML: validation, or an index into data.datasets."),
-    samples: Optional[int] = typer.Option(None, "--samples", help="Only the first N records."),
-    lm_eval: Optional[List[str]] = typer.Option(None, "--lm-eval", help="lm-evaluation-harness tasks, comma-separated or repeated (needs the lm-eval extra)."),
-    lm_eval_include: Optional[str] = typer.Option(None, "--lm-eval-include", help="Folder with your own lm-eval task YAML files."),
-    lm_eval_limit: Optional[int] = typer.Option(None, "--lm-eval-limit", help="At most N examples per lm-eval task."),
-    lm_eval_chat: bool = typer.Option(True, "--lm-eval-chat/--lm-eval-plain", help="Apply the chat template to lm-eval prompts (plain for base models)."),
-    base: Optional[str] = typer.Option(None, "--base", help="Base model of an adapter."),
+    system: str | None = typer.Option(None, "--system", help="System message for prompts that have none."),
+    dataset: str | None = typer.Option(
+        None, "--dataset", help="With a job YAML: validation, or an index into data.datasets."
+    ),
+    samples: int | None = typer.Option(None, "--samples", help="Only the first N records."),
+    lm_eval: list[str] | None = typer.Option(
+        None, "--lm-eval", help="lm-evaluation-harness tasks, comma-separated or repeated (needs the lm-eval extra)."
+    ),
+    lm_eval_include: str | None = typer.Option(
+        None, "--lm-eval-include", help="Folder with your own lm-eval task YAML files."
+    ),
+    lm_eval_limit: int | None = typer.Option(None, "--lm-eval-limit", help="At most N examples per lm-eval task."),
+    lm_eval_chat: bool = typer.Option(
+        True,
+        "--lm-eval-chat/--lm-eval-plain",
+        help="Apply the chat template to lm-eval prompts (plain for base models).",
+    ),
+    base: str | None = typer.Option(None, "--base", help="Base model of an adapter."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Generate again even when --predictions holds answers."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    """Measure a model: task metrics on a prompt/answer set, loss and perplexity, lm-eval-harness tasks. A table, or JSON."""
+    """Measure a model: task metrics on a prompt/answer set, loss and perplexity, lm-eval-harness tasks. A table, or
+    JSON."""
     from finetune.infer.commands import run_eval
 
-    run_eval(source, data=data, dataset=dataset, metrics=tuple(metric or ()), pattern=pattern, reference_field=reference_field,
-             prompt_field=prompt_field, id_field=id_field, system=system, samples=samples, template=template, max_new_tokens=max_new_tokens,
-             batch_size=batch_size, processes=processes, engine=engine, tensor_parallel=tensor_parallel, dtype=dtype,
-             predictions=str(predictions) if predictions else None, out=str(out) if out else None, as_json=json_, lm_eval=tuple(lm_eval or ()),
-             lm_eval_include=lm_eval_include, lm_eval_limit=lm_eval_limit, lm_eval_chat=lm_eval_chat, overwrite=overwrite, base=base,
-             trust_remote_code=trust_remote_code, progress=not quiet)
+    run_eval(
+        source,
+        data=data,
+        dataset=dataset,
+        metrics=tuple(metric or ()),
+        pattern=pattern,
+        reference_field=reference_field,
+        prompt_field=prompt_field,
+        id_field=id_field,
+        system=system,
+        samples=samples,
+        template=template,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        processes=processes,
+        engine=engine,
+        tensor_parallel=tensor_parallel,
+        dtype=dtype,
+        predictions=str(predictions) if predictions else None,
+        out=str(out) if out else None,
+        as_json=json_,
+        lm_eval=tuple(lm_eval or ()),
+        lm_eval_include=lm_eval_include,
+        lm_eval_limit=lm_eval_limit,
+        lm_eval_chat=lm_eval_chat,
+        overwrite=overwrite,
+        base=base,
+        trust_remote_code=trust_remote_code,
+        progress=not quiet,
+    )
 
 
 @app.command()
 def preprocess(
     config: Path = typer.Argument(..., help="Job YAML file."),
-    preview: int = typer.Option(0, "--preview", "-p", metavar="N", help="Show N tokenized samples with the trained tokens highlighted."),
+    preview: int = typer.Option(
+        0, "--preview", "-p", metavar="N", help="Show N tokenized samples with the trained tokens highlighted."
+    ),
     force: bool = typer.Option(False, "--force", help="Rebuild even when a matching cache entry exists."),
-    set_: Optional[List[str]] = SetOption,
+    set_: list[str] | None = SetOption,
 ) -> None:
     """Tokenize, mask, pack and cache the training data once; print a summary (and a preview)."""
     from finetune.workflow import run_preprocess
@@ -240,8 +433,12 @@ def preprocess(
 
 @app.command()
 def schema(
-    output: Path = typer.Option(Path("schemas/ft.schema.json"), "--output", "-o", help="Where to write the JSON Schema ('-' for stdout)."),
-    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the key reference as Markdown to this file."),
+    output: Path = typer.Option(
+        Path("schemas/ft.schema.json"), "--output", "-o", help="Where to write the JSON Schema ('-' for stdout)."
+    ),
+    markdown: Path | None = typer.Option(
+        None, "--markdown", help="Also write the key reference as Markdown to this file."
+    ),
 ) -> None:
     """Write the JSON Schema of job files (editors use it to complete and check YAML)."""
     from finetune.config.docs import json_schema_text, markdown_reference
@@ -260,14 +457,16 @@ def schema(
 
 
 @app.command()
-def explain(key: Optional[str] = typer.Argument(None, help="A section or dotted key, e.g. train or train.micro_batch_size.")) -> None:
+def explain(
+    key: str | None = typer.Argument(None, help="A section or dotted key, e.g. train or train.micro_batch_size."),
+) -> None:
     """Describe the keys of a job file (the same text as the JSON Schema and docs/config.md)."""
     from finetune.config.docs import explain_key
 
     typer.echo(explain_key(key))
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors print a message (no traceback) and exit with their code (2); anything
     unexpected prints one message and exits 1, its traceback in a log file (`ft --debug` prints it)."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -275,7 +474,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     run_main(lambda: _invoke(args), what=f"ft {shown}".strip())
 
 
-def _invoke(args: List[str]) -> int:
+def _invoke(args: list[str]) -> int:
     """Run the typer app on `args` and return its exit code; Ctrl-C comes back as KeyboardInterrupt."""
     try:
         code = app(args=args, prog_name="ft", standalone_mode=False)

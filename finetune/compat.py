@@ -17,7 +17,9 @@ def keep_4bit_layers_trainable_on_cpu(model) -> int:
         from bitsandbytes.nn import Linear4bit
     except ImportError:
         return 0
-    layers = [m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)]
+    layers = [
+        m for m in model.modules() if isinstance(m, Linear4bit) and getattr(m, "support_avx512bf16_for_cpu", False)
+    ]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
     return len(layers)

@@ -18,7 +18,9 @@ from finetune import checkpoint
 from finetune.errors import FtError
 
 
-def consolidate(run_dir: str | Path, step: int | None = None, out: str | Path | None = None, overwrite: bool = False) -> Path:
+def consolidate(
+    run_dir: str | Path, step: int | None = None, out: str | Path | None = None, overwrite: bool = False
+) -> Path:
     """Write the consolidated adapter or model of checkpoint `step` (default: the newest); return its folder."""
     import torch
 
@@ -35,7 +37,10 @@ def consolidate(run_dir: str | Path, step: int | None = None, out: str | Path | 
     missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered)[:3]
     extra = sorted(n for n in trained if n not in params or not params[n].requires_grad)[:3]
     if missing or extra:
-        raise FtError(f"checkpoint {ckpt} does not match the model of {run_dir / 'config.yaml'} (missing {missing}, unexpected {extra}); was the run folder's config edited?")
+        raise FtError(
+            f"checkpoint {ckpt} does not match the model of {run_dir / 'config.yaml'} (missing {missing}, "
+            f"unexpected {extra}); was the run folder's config edited?"
+        )
     with torch.no_grad():
         for name, value in trained.items():
             params[name].copy_(value)
@@ -44,7 +49,9 @@ def consolidate(run_dir: str | Path, step: int | None = None, out: str | Path | 
     tmp.mkdir(parents=True)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
-    (tmp / "consolidated.json").write_text(json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": _format(ckpt)}, indent=2))
+    (tmp / "consolidated.json").write_text(
+        json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": _format(ckpt)}, indent=2)
+    )
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -57,7 +64,10 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
     if step is None:
         found = checkpoint.latest(run_dir)
         if found is None:
-            raise FtError(f"{run_dir} has no complete checkpoint (checkpoints/step-*/state.json); its final weights, if training finished, are in {run_dir / 'final'}")
+            raise FtError(
+                f"{run_dir} has no complete checkpoint (checkpoints/step-*/state.json); its final weights, if "
+                f"training finished, are in {run_dir / 'final'}"
+            )
         return found
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     if not (path / "state.json").is_file():
@@ -75,9 +85,23 @@ def _run(run_dir: Path):
     from finetune.workflow import read_plan
 
     config = load(run_dir / "config.yaml")
-    plan = replace(read_plan(run_dir), quantization="none", quant_storage=None, precision="fp32", backend="single", sharding=None,
-                   offload="none", world_size=1, nodes=1, processes_per_node=1, process_group=False, loading="replica",
-                   generation="local", gradient_checkpointing=False, attn_implementation="sdpa")
+    plan = replace(
+        read_plan(run_dir),
+        quantization="none",
+        quant_storage=None,
+        precision="fp32",
+        backend="single",
+        sharding=None,
+        offload="none",
+        world_size=1,
+        nodes=1,
+        processes_per_node=1,
+        process_group=False,
+        loading="replica",
+        generation="local",
+        gradient_checkpointing=False,
+        attn_implementation="sdpa",
+    )
     return config, plan
 
 

@@ -17,7 +17,7 @@ def dotted(path: Path) -> str:
 
 def clip(text: str, limit: int = 80) -> str:
     """`text` cut to about `limit` characters for a message (a 5,000-character key is not printed whole)."""
-    return text if len(text) <= limit else f"{text[:limit - 20]}...({len(text):,} characters)"
+    return text if len(text) <= limit else f"{text[: limit - 20]}...({len(text):,} characters)"
 
 
 class FtError(Exception):
@@ -132,8 +132,10 @@ def _unexpected(e: BaseException, what: str) -> int:
         lines.append(f"  at {frame}")
     if input_error and getattr(e, "filename", None):
         lines.append(f"  the file: {e.filename}")
-    lines.append("  this is a bug in ft or an unexpected input: check the input named above; if it looks right, "
-                 "report this message with the traceback")
+    lines.append(
+        "  this is a bug in ft or an unexpected input: check the input named above; if it looks right, "
+        "report this message with the traceback"
+    )
     if _state["debug"] or os.environ.get("FT_DEBUG") == "1":
         sys.stderr.write(text)
     else:
@@ -153,7 +155,7 @@ def _innermost_ft_frame(e: BaseException) -> str | None:
     for frame in traceback.extract_tb(e.__traceback__):
         parts = frame.filename.replace("\\", "/").split("/")
         if "finetune" in parts:
-            found = f"{'/'.join(parts[parts.index('finetune'):])}:{frame.lineno} in {frame.name}"
+            found = f"{'/'.join(parts[parts.index('finetune') :])}:{frame.lineno} in {frame.name}"
     return found
 
 

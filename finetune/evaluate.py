@@ -12,7 +12,8 @@ def validation_loss(model, method, dataset, device, autocast, batch_rows: int = 
 
 @torch.no_grad()
 def validation_metrics(model, method, dataset, device, autocast, batch_rows: int = 32) -> dict[str, float]:
-    """eval_loss, plus the method's own metrics (e.g. DPO's reward accuracy) as eval_NAME, each weighted like the loss."""
+    """eval_loss, plus the method's own metrics (e.g. DPO's reward accuracy) as eval_NAME, each weighted like the
+    loss."""
     was_training = model.training
     model.eval()
     total, tokens, sums = 0.0, 0, {}
@@ -30,7 +31,9 @@ def validation_metrics(model, method, dataset, device, autocast, batch_rows: int
 
 
 @torch.no_grad()
-def task_score(model, tokenizer, jinja: str | None, section, device, batch_size: int = 32, context=None, synced: bool = False) -> float:
+def task_score(
+    model, tokenizer, jinja: str | None, section, device, batch_size: int = 32, context=None, synced: bool = False
+) -> float:
     """Mean score of the `evaluation:` section's metric over its prompt/answer file, answers generated greedily.
 
     Prompts are rendered with `jinja` (the job's chat template) and generated in length-sorted batches by
@@ -46,7 +49,9 @@ def task_score(model, tokenizer, jinja: str | None, section, device, batch_size:
     scorer = Scorer(from_section(section))
     prompts = read_prompts(PromptSpec(section.path, samples=section.samples)).prompts
     ids = [encode(p, tokenizer, jinja) for p in prompts]
-    engine = TransformersEngine(model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device, context=context, synced=synced)
+    engine = TransformersEngine(
+        model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device, context=context, synced=synced
+    )
     was_training = model.training
     model.eval()
     texts = [""] * len(prompts)

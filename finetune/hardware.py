@@ -16,8 +16,9 @@ import os
 import platform
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 _MIB, _GIB, _TIB = 1024**2, 1024**3, 1024**4
 
@@ -376,9 +377,7 @@ def probe() -> Hardware:
         free_disk: int | None = shutil.disk_usage(os.getcwd()).free
     except OSError:
         free_disk = None
-    return Hardware(
-        accelerator, per_node, nodes, _cpu_cores(), _host_memory_bytes(), free_disk, "probed", launch
-    )
+    return Hardware(accelerator, per_node, nodes, _cpu_cores(), _host_memory_bytes(), free_disk, "probed", launch)
 
 
 def _import_torch() -> Any:

@@ -48,12 +48,16 @@ class MergeReport:
         diff = "not checked" if math.isnan(self.max_abs_logit_diff) else f"{self.max_abs_logit_diff:.3g}"
         out = [
             f"merged {self.adapter} into {self.base}",
-            f"  wrote      {self.out_dir} ({self.shards} safetensors shard{'s' if self.shards != 1 else ''}, {self.params:,} parameters, {self.dtype})",
+            f"  wrote      {self.out_dir} ({self.shards} safetensors shard{'s' if self.shards != 1 else ''}, "
+            f"{self.params:,} parameters, {self.dtype})",
             f"  check      max |logit(base+adapter) - logit(merged)| = {diff}",
             f"  tokenizer  {self.tokenizer or 'none found (copy one into the folder before use)'}",
         ]
         if self.qlora:
-            out.append("  qlora      adapter trained on a 4-bit base; merged into the base loaded unquantized (dequantized base)")
+            out.append(
+                "  qlora      adapter trained on a 4-bit base; merged into the base loaded unquantized "
+                "(dequantized base)"
+            )
         out += [f"  note       {n}" for n in self.notes]
         return out
 
@@ -85,11 +89,15 @@ def _read_yaml(path: Path) -> dict:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         raise FtError(f"{path}: cannot read the run's config: {e}") from None
     if not isinstance(data, dict):
-        raise FtError(f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}")
+        raise FtError(
+            f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}"
+        )
     expansion = Expansion(os.environ, yaml.safe_load)
     data = expansion.value(data)
     if expansion.problems:
-        raise FtError(f"{path}: {expansion.problems[0].message}; set the variable the run was started with, or edit the file")
+        raise FtError(
+            f"{path}: {expansion.problems[0].message}; set the variable the run was started with, or edit the file"
+        )
     return data
 
 
@@ -103,21 +111,38 @@ def _read_plan(path: Path) -> dict:
 
 def _check_adapter_folder(folder: Path, what: str) -> None:
     if not (folder / "adapter_config.json").is_file():
-        hint = " It holds config.json: it is a full model already, there is nothing to merge." if (folder / "config.json").is_file() else ""
-        raise FtError(f"{what} {folder} has no adapter_config.json, so it is not a peft adapter.{hint}\n    fix: point ft merge-lora at a folder saved by peft (adapter_config.json + adapter_model.safetensors) or at an ft run folder")
+        hint = (
+            " It holds config.json: it is a full model already, there is nothing to merge."
+            if (folder / "config.json").is_file()
+            else ""
+        )
+        raise FtError(
+            f"{what} {folder} has no adapter_config.json, so it is not a peft adapter.{hint}\n    fix: point ft "
+            "merge-lora at a folder saved by peft (adapter_config.json + adapter_model.safetensors) or at an ft "
+            "run folder"
+        )
     if not any((folder / f).is_file() for f in ADAPTER_FILES):
-        raise FtError(f"{what} {folder} has adapter_config.json but no adapter_model.safetensors: the adapter's weights are missing.\n    fix: copy the weights next to adapter_config.json, or use a complete checkpoint")
+        raise FtError(
+            f"{what} {folder} has adapter_config.json but no adapter_model.safetensors: the adapter's weights "
+            "are missing.\n    fix: copy the weights next to adapter_config.json, or use a complete checkpoint"
+        )
 
 
 def _resolve_source(source: str | Path) -> _Source:
     """An adapter folder or a run folder (config.yaml + final/); anything else is an FtError."""
     src = Path(source).expanduser()
     if not src.is_dir():
-        raise FtError(f"{src}: no such folder.\n    fix: pass an adapter folder (adapter_config.json + adapter_model.safetensors) or an ft run folder (config.yaml + final/)")
+        raise FtError(
+            f"{src}: no such folder.\n    fix: pass an adapter folder (adapter_config.json + "
+            "adapter_model.safetensors) or an ft run folder (config.yaml + final/)"
+        )
     if (src / "config.yaml").is_file() and (src / "final").is_dir():
         cfg, plan = _read_yaml(src / "config.yaml"), _read_plan(src / "plan.json")
         if "full" in (str((cfg.get("adapter") or {}).get("type", "")), plan.get("adapter")):
-            raise FtError(f"{src}: this run trained all weights; {src / 'final'} is already a full model, there is nothing to merge")
+            raise FtError(
+                f"{src}: this run trained all weights; {src / 'final'} is already a full model, there is nothing "
+                "to merge"
+            )
         _check_adapter_folder(src / "final", "the run's final folder")
         tok = (cfg.get("model") or {}).get("tokenizer")
         dirs = [src / "final"] + ([Path(tok)] if tok and Path(tok).is_dir() else [])
@@ -126,7 +151,10 @@ def _resolve_source(source: str | Path) -> _Source:
         _check_adapter_folder(src, "the adapter folder")
         return _Source(adapter=src, run=None, run_config={}, run_plan={}, tokenizer_dirs=(src,))
     if (src / "config.json").is_file():
-        raise FtError(f"{src} holds config.json and no adapter_config.json: it is a full model, there is nothing to merge.\n    fix: pass the adapter folder (or the run folder) and give this model as --base")
+        raise FtError(
+            f"{src} holds config.json and no adapter_config.json: it is a full model, there is nothing to "
+            "merge.\n    fix: pass the adapter folder (or the run folder) and give this model as --base"
+        )
     found = ", ".join(sorted(p.name for p in src.iterdir())[:8]) or "nothing"
     raise FtError(
         f"{src} is neither an adapter folder nor an ft run folder (it holds: {found}).\n"
@@ -136,16 +164,23 @@ def _resolve_source(source: str | Path) -> _Source:
 
 
 def _resolve_base(base: str | None, src: _Source) -> tuple[str, str]:
-    """(path or hub id, where it was named): --base, else the run's model.name, else the adapter's base_model_name_or_path."""
+    """(path or hub id, where it was named): --base, else the run's model.name, else the adapter's
+    base_model_name_or_path."""
     if base:
         name, where = str(base), "--base"
     elif (src.run_config.get("model") or {}).get("name"):
         name, where = str(src.run_config["model"]["name"]), f"model.name in {src.run / 'config.yaml'}"
     else:
         cfg = json.loads((src.adapter / "adapter_config.json").read_text())
-        name, where = cfg.get("base_model_name_or_path") or "", f"base_model_name_or_path in {src.adapter / 'adapter_config.json'}"
+        name, where = (
+            cfg.get("base_model_name_or_path") or "",
+            f"base_model_name_or_path in {src.adapter / 'adapter_config.json'}",
+        )
         if not name:
-            raise FtError(f"{src.adapter}: the adapter does not name its base model.\n    fix: pass --base with the folder or hub id of the model it was trained on")
+            raise FtError(
+                f"{src.adapter}: the adapter does not name its base model.\n    fix: pass --base with the folder "
+                "or hub id of the model it was trained on"
+            )
     from finetune.models import BUILT_IN
 
     if name.lower() in BUILT_IN and not Path(name).exists():
@@ -155,7 +190,10 @@ def _resolve_base(base: str | None, src: _Source) -> tuple[str, str]:
         return model_path(ModelSection(name=name)), where
     path = Path(name).expanduser()
     if (path.is_absolute() or name.startswith(".")) and not path.is_dir():
-        raise FtError(f"{where}: the base model folder {name} does not exist.\n    fix: pass --base with the folder (config.json + safetensors) or hub id of the base")
+        raise FtError(
+            f"{where}: the base model folder {name} does not exist.\n    fix: pass --base with the folder "
+            "(config.json + safetensors) or hub id of the base"
+        )
     return (str(path) if path.exists() else name), where
 
 
@@ -180,7 +218,10 @@ def _resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
     try:
         cfg = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise FtError(f"cannot read the base model's config from {base!r}: {_first_line(e)}\n    fix: pass --base with a local folder holding config.json (or a hub id, online)") from None
+        raise FtError(
+            f"cannot read the base model's config from {base!r}: {_first_line(e)}\n    fix: pass --base with a "
+            "local folder holding config.json (or a hub id, online)"
+        ) from None
     found = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
     if isinstance(found, str):
         found = getattr(torch, found, None)
@@ -194,7 +235,11 @@ def _first_line(e: BaseException) -> str:
     """The line of an exception worth showing: a size mismatch when torch lists them, else the first line."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
     sizes = [line for line in lines if line.startswith("size mismatch")]
-    return (sizes[0] + (f" (and {len(sizes) - 1} more)" if len(sizes) > 1 else "")) if sizes else (lines[0] if lines else type(e).__name__)
+    return (
+        (sizes[0] + (f" (and {len(sizes) - 1} more)" if len(sizes) > 1 else ""))
+        if sizes
+        else (lines[0] if lines else type(e).__name__)
+    )
 
 
 # ---------------------------------------------------------------- out_dir
@@ -202,11 +247,17 @@ def _check_out_dir(out: Path, overwrite: bool, reads: list[Path]) -> None:
     """Refuse a non-empty out_dir (unless overwrite) and any out_dir that holds or is an input."""
     for src in reads:
         if src.exists() and (out.resolve() == src.resolve() or out.resolve() in src.resolve().parents):
-            raise FtError(f"out_dir {out} is or contains {src}, which the merge reads.\n    fix: write the merged model to a new folder")
+            raise FtError(
+                f"out_dir {out} is or contains {src}, which the merge reads.\n    fix: write the merged model to "
+                "a new folder"
+            )
     if out.exists() and not out.is_dir():
         raise FtError(f"out_dir {out} is a file.\n    fix: choose a folder path")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FtError(f"out_dir {out} is not empty.\n    fix: choose an empty or new folder, or pass --overwrite to replace its contents")
+        raise FtError(
+            f"out_dir {out} is not empty.\n    fix: choose an empty or new folder, or pass --overwrite to "
+            "replace its contents"
+        )
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -225,9 +276,14 @@ def _load_base(base: str, dtype, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
-        raise FtError(f"cannot load the base model {base!r}: {_first_line(e)}\n    fix: pass --base with a local folder holding config.json and safetensors weights (or a hub id, online)") from None
+        raise FtError(
+            f"cannot load the base model {base!r}: {_first_line(e)}\n    fix: pass --base with a local folder "
+            "holding config.json and safetensors weights (or a hub id, online)"
+        ) from None
     return model.eval()
 
 
@@ -287,13 +343,20 @@ def _check_fits(model, adapter: Path, base: str, where: str) -> None:
     missing, wrong = _mismatches(model, _adapter_shapes(adapter))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise FtError(f"the adapter {adapter} does not fit the base {base} ({where}): the base has no module {shown}.\n    fix: pass --base with the model the adapter was trained on")
+        raise FtError(
+            f"the adapter {adapter} does not fit the base {base} ({where}): the base has no module {shown}.\n    "
+            "fix: pass --base with the model the adapter was trained on"
+        )
     if not wrong:
         return
     hidden = getattr(model.config.get_text_config(), "hidden_size", None)
     ours = [w for w in wrong if w[1] == "input" and w[3] == hidden]
-    head = (f"the adapter was trained for a base with hidden size {ours[0][2]}; {where} points at a model with {hidden} ({base})"
-            if ours else f"the adapter's layer sizes differ from those of the base {base} ({where})")
+    head = (
+        f"the adapter was trained for a base with hidden size {ours[0][2]}; {where} points at a model with "
+        f"{hidden} ({base})"
+        if ours
+        else f"the adapter's layer sizes differ from those of the base {base} ({where})"
+    )
     detail = "; ".join(f"{p}: {side} size {a} in the adapter, {b} in the base" for p, side, a, b in wrong[:3])
     raise FtError(f"{head}.\n    e.g. {detail}\n    fix: pass --base with the model the adapter was trained on")
 
@@ -307,12 +370,23 @@ def _attach(model, adapter: Path, base: str, where: str):
     try:
         peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
     except (RuntimeError, ValueError, KeyError) as e:
-        raise FtError(f"peft cannot apply the adapter {adapter} to the base {base} ({where}): {_first_line(e)}\n    fix: pass --base with the model the adapter was trained on") from None
+        raise FtError(
+            f"peft cannot apply the adapter {adapter} to the base {base} ({where}): {_first_line(e)}\n    fix: "
+            "pass --base with the model the adapter was trained on"
+        ) from None
     shapes = _adapter_shapes(adapter)
     if shapes:
-        unfilled = sorted(k for k in get_peft_model_state_dict(peft_model, save_embedding_layers=False) if (".lora_A." in k or ".lora_B." in k) and k not in shapes)
+        unfilled = sorted(
+            k
+            for k in get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+            if (".lora_A." in k or ".lora_B." in k) and k not in shapes
+        )
         if unfilled:
-            raise FtError(f"the adapter {adapter} has no weights for {len(unfilled)} adapter modules peft created on the base {base} ({where}) (e.g. {unfilled[0]}): the base has layers the adapter was not trained with.\n    fix: pass --base with the model the adapter was trained on")
+            raise FtError(
+                f"the adapter {adapter} has no weights for {len(unfilled)} adapter modules peft created on the "
+                f"base {base} ({where}) (e.g. {unfilled[0]}): the base has layers the adapter was not trained "
+                "with.\n    fix: pass --base with the model the adapter was trained on"
+            )
     return peft_model.eval()
 
 
@@ -321,7 +395,9 @@ def _check_tokens(model, n: int):
     import torch
 
     vocab = model.get_input_embeddings().weight.shape[0]
-    return torch.randint(0, vocab, (n, CHECK_LEN), generator=torch.Generator().manual_seed(CHECK_SEED)) if n > 0 else None
+    return (
+        torch.randint(0, vocab, (n, CHECK_LEN), generator=torch.Generator().manual_seed(CHECK_SEED)) if n > 0 else None
+    )
 
 
 def _logits(model, tokens):
@@ -337,7 +413,10 @@ def _merge(peft_model, adapter: Path):
     try:
         return peft_model.merge_and_unload(safe_merge=True).eval()
     except ValueError as e:  # safe_merge found NaNs
-        raise FtError(f"merging {adapter} gives broken weights: {_first_line(e)}\n    fix: check the adapter (it may have diverged in training), or merge to --dtype fp32") from None
+        raise FtError(
+            f"merging {adapter} gives broken weights: {_first_line(e)}\n    fix: check the adapter (it may have "
+            "diverged in training), or merge to --dtype fp32"
+        ) from None
 
 
 def _save(model, tokenizer, tmp: Path, max_shard_size: str) -> int:
@@ -352,7 +431,9 @@ def _save(model, tokenizer, tmp: Path, max_shard_size: str) -> int:
 
 
 # ---------------------------------------------------------------- the verb
-def _merged_model(base: str, where: str, src: _Source, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool):
+def _merged_model(
+    base: str, where: str, src: _Source, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool
+):
     """(merged model, max |logit diff| base+adapter vs merged, notes)."""
     model = _load_base(base, torch_dtype, trust_remote_code)
     notes = []
@@ -378,15 +459,25 @@ def _write_record(report: MergeReport, folder: Path) -> None:
 
 def _check_args(max_shard_size: str | int, check_inputs: int) -> None:
     size = str(max_shard_size).strip()
-    if not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B)?", size, flags=re.IGNORECASE) or float(re.match(r"[\d.]+", size)[0]) <= 0:
+    if (
+        not re.fullmatch(r"\d+(\.\d+)?\s*([KMGT]i?B)?", size, flags=re.IGNORECASE)
+        or float(re.match(r"[\d.]+", size)[0]) <= 0
+    ):
         raise FtError(f"--max-shard-size {max_shard_size!r}: not a size.\n    fix: write it like 2GB, 500MB or 200KB")
     if check_inputs < 0:
         raise FtError(f"--check-inputs {check_inputs}: must be 0 (no check) or more")
 
 
-def merge_lora(source: str | Path, out_dir: str | Path, base: str | None = None, dtype: str = "auto",
-               max_shard_size: str = "2GB", check_inputs: int = 4, overwrite: bool = False,
-               trust_remote_code: bool = False) -> MergeReport:
+def merge_lora(
+    source: str | Path,
+    out_dir: str | Path,
+    base: str | None = None,
+    dtype: str = "auto",
+    max_shard_size: str = "2GB",
+    check_inputs: int = 4,
+    overwrite: bool = False,
+    trust_remote_code: bool = False,
+) -> MergeReport:
     """Merge the adapter at `source` (adapter folder or run folder) into its base; save to out_dir."""
     src = _resolve_source(source)
     base_name, where = _resolve_base(base, src)
@@ -398,15 +489,27 @@ def merge_lora(source: str | Path, out_dir: str | Path, base: str | None = None,
     merged, diff, notes = _merged_model(base_name, where, src, torch_dtype, tokenizer, check_inputs, trust_remote_code)
     qlora = _is_qlora(src)
     if qlora:
-        notes.append("the check compares with base+adapter on the unquantized base; the 4-bit model used in training differs from both by the quantization error")
+        notes.append(
+            "the check compares with base+adapter on the unquantized base; the 4-bit model used in training "
+            "differs from both by the quantization error"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # not mkdtemp: its 0700 mode would make the published folder private
     try:
         shards = _save(merged, tokenizer, tmp, max_shard_size)
-        report = MergeReport(out_dir=out, base=base_name, adapter=src.adapter, dtype=dtype_name, max_abs_logit_diff=diff,
-                             shards=shards, params=sum(p.numel() for p in merged.parameters()), qlora=qlora,
-                             tokenizer=tok_from, notes=tuple(notes))
+        report = MergeReport(
+            out_dir=out,
+            base=base_name,
+            adapter=src.adapter,
+            dtype=dtype_name,
+            max_abs_logit_diff=diff,
+            shards=shards,
+            params=sum(p.numel() for p in merged.parameters()),
+            qlora=qlora,
+            tokenizer=tok_from,
+            notes=tuple(notes),
+        )
         _write_record(report, tmp)
         _publish(tmp, out)
     finally:

@@ -4,9 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune.config.schema import ModelSection
 from finetune.errors import FtError
+
+if TYPE_CHECKING:
+    import torch
 
 BUILT_IN = ("ft-tiny", "tiny")
 
@@ -25,7 +29,10 @@ def load_tokenizer(model: ModelSection):
         return AutoTokenizer.from_pretrained(name, revision=model.revision, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FtError(f"{key}: cannot load a tokenizer from {name!r}: {first}. Use a local folder with tokenizer files, a hub id (online), or ft-tiny") from None
+        raise FtError(
+            f"{key}: cannot load a tokenizer from {name!r}: {first}. Use a local folder with tokenizer files, a "
+            "hub id (online), or ft-tiny"
+        ) from None
 
 
 def add_special_tokens(tokenizer, tokens: list[str]) -> list[str]:
@@ -45,7 +52,10 @@ def model_path(model: ModelSection) -> str:
         return str(ensure_model())
     p = Path(model.name).expanduser()
     if (p.is_absolute() or model.name.startswith(".")) and not p.exists():
-        raise FtError(f"model.name: the folder {model.name} does not exist; point it at a folder with config.json and safetensors weights, or use a hub id")
+        raise FtError(
+            f"model.name: the folder {model.name} does not exist; point it at a folder with config.json and "
+            "safetensors weights, or use a hub id"
+        )
     return str(p) if p.exists() else model.name
 
 
@@ -56,7 +66,8 @@ def torch_dtype(name: str):
 
 
 def runtime_attention(model: ModelSection, planned: str) -> str:
-    """The attention kernel to run: the plan's, upgraded to flash-attention 2 when ft chose it (model.attn_implementation
+    """The attention kernel to run: the plan's, upgraded to flash-attention 2 when ft chose it
+    (model.attn_implementation
     auto), flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either."""
     import importlib.util
 
@@ -64,7 +75,11 @@ def runtime_attention(model: ModelSection, planned: str) -> str:
 
     if model.attn_implementation != "auto" or planned not in ("sdpa", "sdpa_varlen"):
         return planned
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8 and importlib.util.find_spec("flash_attn") is not None:
+    if (
+        torch.cuda.is_available()
+        and torch.cuda.get_device_capability()[0] >= 8
+        and importlib.util.find_spec("flash_attn") is not None
+    ):
         return "flash_attention_2"
     return planned
 
@@ -77,20 +92,28 @@ def load_dtype(model: ModelSection, plan) -> str:
     return model.dtype if model.dtype != "auto" else plan.precision
 
 
-def load_model(model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None, dtype: str | None = None):
+def load_model(
+    model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None, dtype: str | None = None
+):
     """The whole model on this rank as the plan says: dtype (`dtype` overrides it, e.g. for a frozen reference),
     attention kernel, 4/8-bit base, resized embeddings, checkpointing."""
     import torch
     from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or plan.attn_implementation
-    kwargs = {"attn_implementation": attn, "use_safetensors": True, "trust_remote_code": model.trust_remote_code,
-              "dtype": torch_dtype(dtype or load_dtype(model, plan))}
+    kwargs = {
+        "attn_implementation": attn,
+        "use_safetensors": True,
+        "trust_remote_code": model.trust_remote_code,
+        "dtype": torch_dtype(dtype or load_dtype(model, plan)),
+    }
     if plan.quantization in ("nf4", "int8"):
         kwargs["quantization_config"] = quantization_config(plan)
     if torch.cuda.is_available() and plan.loading != "partitioned":
-        # GPU: load straight onto this rank's device. Not under ZeRO-3: from_pretrained then constructs the model partitioned
-        # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ... device_map")
+        # GPU: load straight onto this rank's device. Not under ZeRO-3: from_pretrained then constructs the model
+        # partitioned
+        # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ...
+        # device_map")
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     _register_attention(attn)
     path = model_path(model)
@@ -113,9 +136,13 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=model.trust_remote_code)
     _register_attention(attn)
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code)
+        net = AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code
+        )
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
-        net.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # on meta: shapes only; rows are filled by fill_rows
+        net.resize_token_embeddings(
+            len(tokenizer), mean_resizing=False
+        )  # on meta: shapes only; rows are filled by fill_rows
     return _finish(net, plan)
 
 
@@ -145,7 +172,7 @@ def _finish(net, plan):
 ROW_CHUNK = 4096  # rows summed at a time for the mean of an embedding table (the same chunks in every loading path)
 
 
-def row_mean(chunks) -> "torch.Tensor":
+def row_mean(chunks) -> torch.Tensor:
     """The mean row of a table given as consecutive row chunks, summed in float64 chunk by chunk: the same value
     whether the rows come from a whole tensor in memory or are read from a file piece by piece."""
     total, rows = None, 0
@@ -165,10 +192,12 @@ def resize_embeddings(net, size: int) -> None:
     if size <= old:
         return
     net.resize_token_embeddings(size, mean_resizing=False)
-    tables = {id(m.weight): m.weight for m in (net.get_input_embeddings(), net.get_output_embeddings()) if m is not None}
+    tables = {
+        id(m.weight): m.weight for m in (net.get_input_embeddings(), net.get_output_embeddings()) if m is not None
+    }
     with torch.no_grad():
         for w in tables.values():
-            w[old:] = row_mean(w[s:min(s + ROW_CHUNK, old)] for s in range(0, old, ROW_CHUNK)).to(w.dtype)
+            w[old:] = row_mean(w[s : min(s + ROW_CHUNK, old)] for s in range(0, old, ROW_CHUNK)).to(w.dtype)
 
 
 def quantization_config(plan):
@@ -179,7 +208,13 @@ def quantization_config(plan):
         return BitsAndBytesConfig(load_in_8bit=True)
     storage = plan.quant_storage  # FSDP/ZeRO-3 shard flat tensors of one dtype: 4-bit weights packed in it
     kwargs = {"bnb_4bit_quant_storage": torch_dtype(storage)} if storage else {}
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute, **kwargs)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+        **kwargs,
+    )
 
 
 # ---------------------------------------------------------------- safetensors, read piece by piece
@@ -192,20 +227,43 @@ def weights_folder(model: ModelSection):
         from huggingface_hub import snapshot_download
 
         try:
-            path = Path(snapshot_download(model.name, revision=model.revision, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model"]))
+            path = Path(
+                snapshot_download(
+                    model.name, revision=model.revision, allow_patterns=["*.json", "*.safetensors", "*.py", "*.model"]
+                )
+            )
         except Exception as e:  # offline without a cached copy, unknown id, no access
-            raise FtError(f"model.name: cannot fetch {model.name!r}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+            raise FtError(
+                f"model.name: cannot fetch {model.name!r}: "
+                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+            ) from None
     if not any(path.glob("*.safetensors")):
         bins = sorted(p.name for p in path.glob("*.bin"))
         found = f"it has {', '.join(bins[:3])}" if bins else "it has none"
-        raise FtError(f"model.name: sharded loading reads safetensors weights, and {path} has no *.safetensors ({found}). Convert the "
-                      "weights once: python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('IN').save_pretrained('OUT')\" "
-                      "and point model.name at OUT")
+        raise FtError(
+            f"model.name: sharded loading reads safetensors weights, and {path} has no *.safetensors ({found}). "
+            "Convert the "
+            'weights once: python -c "from transformers import AutoModelForCausalLM as M; '
+            "M.from_pretrained('IN').save_pretrained('OUT')\" "
+            "and point model.name at OUT"
+        )
     return path
 
 
-_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
-                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_SAFETENSORS_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 class Checkpoint:
@@ -221,7 +279,11 @@ class Checkpoint:
         if index.exists():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            files = ["model.safetensors"] if (folder / "model.safetensors").exists() else sorted(p.name for p in folder.glob("*.safetensors"))
+            files = (
+                ["model.safetensors"]
+                if (folder / "model.safetensors").exists()
+                else sorted(p.name for p in folder.glob("*.safetensors"))
+            )
         self.entries: dict[str, tuple] = {}
         for name in files:
             self.entries.update(self._header(folder / name))
@@ -236,7 +298,15 @@ class Checkpoint:
             size = int.from_bytes(f.read(8), "little")
             head = json.loads(f.read(size))
         head.pop("__metadata__", None)
-        return {k: (path, getattr(torch, _SAFETENSORS_DTYPES[v["dtype"]]), tuple(v["shape"]), 8 + size + v["data_offsets"][0]) for k, v in head.items()}
+        return {
+            k: (
+                path,
+                getattr(torch, _SAFETENSORS_DTYPES[v["dtype"]]),
+                tuple(v["shape"]),
+                8 + size + v["data_offsets"][0],
+            )
+            for k, v in head.items()
+        }
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -245,7 +315,8 @@ class Checkpoint:
         return self.entries[key][2]
 
     def read(self, key: str, start: int = 0, stop: int | None = None, out=None):
-        """Rows [start, stop) of tensor `key` as a CPU tensor in the file's dtype (a scalar reads as one row); into `out`
+        """Rows [start, stop) of tensor `key` as a CPU tensor in the file's dtype (a scalar reads as one row); into
+        `out`
         when given (contiguous, on the CPU, of that dtype and shape)."""
         import math
 
@@ -263,7 +334,9 @@ class Checkpoint:
             while done < len(view):
                 n = f.readinto(view[done:])
                 if not n:
-                    raise FtError(f"{path}: the file ends inside tensor {key}; the checkpoint is truncated, download it again")
+                    raise FtError(
+                        f"{path}: the file ends inside tensor {key}; the checkpoint is truncated, download it again"
+                    )
                 done += n
         return buf
 
@@ -285,7 +358,8 @@ def fill_rows(ckpt: Checkpoint, key: str, start: int, out) -> None:
 
 
 def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
-    """For each parameter and persistent buffer of `net` (by object id): the checkpoint tensor holding its values. A tied
+    """For each parameter and persistent buffer of `net` (by object id): the checkpoint tensor holding its values. A
+    tied
     tensor (one object, several names) takes whichever of its names the checkpoint has."""
     prefix = getattr(net, "base_model_prefix", "")
     keys: dict[int, str] = {}
@@ -296,9 +370,13 @@ def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
                 keys[id(t)] = key
     missing = [name for name, t in state.items() if id(t) not in keys]
     if missing:
-        raise FtError(f"model.name: the checkpoint has no tensor for {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (its layout differs from "
-                      "the model's, e.g. fused experts that transformers converts while loading); sharded loading needs one checkpoint tensor "
-                      "per parameter: use distributed.backend: deepspeed or ddp for this model")
+        raise FtError(
+            "model.name: the checkpoint has no tensor for "
+            f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (its layout differs from "
+            "the model's, e.g. fused experts that transformers converts while loading); sharded loading needs one "
+            "checkpoint tensor "
+            "per parameter: use distributed.backend: deepspeed or ddp for this model"
+        )
     return keys
 
 

@@ -14,7 +14,11 @@ def param_groups(model, weight_decay: float) -> list[dict]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 or any(k in name.lower() for k in NO_DECAY) else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if g["params"]
+    ]
 
 
 def build_optimizer(model, train: TrainSection, lr: float):
@@ -28,7 +32,11 @@ def build_optimizer(model, train: TrainSection, lr: float):
         import bitsandbytes as bnb
     except ImportError as e:
         raise FtError(f"train.optimizer: {kind} needs bitsandbytes ({e}); install it or use adamw_torch") from None
-    cls = {"adamw_8bit": bnb.optim.AdamW8bit, "paged_adamw_8bit": bnb.optim.PagedAdamW8bit, "paged_adamw_32bit": bnb.optim.PagedAdamW32bit}[kind]
+    cls = {
+        "adamw_8bit": bnb.optim.AdamW8bit,
+        "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+        "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+    }[kind]
     return cls(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8)
 
 

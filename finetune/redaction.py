@@ -29,8 +29,10 @@ _SECRET_VALUES = [
     (re.compile(r"(?<![A-Za-z0-9])sk-[A-Za-z0-9_-]{20,}"), REDACTED),  # OpenAI-style key
     (re.compile(r"(\bBearer\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE), r"\1" + REDACTED),
     (re.compile(r"(://[^/\s:@]+:)[^/\s@]+@"), r"\1" + REDACTED + "@"),  # password in a URL
-    (re.compile(r"([?&](?:[a-z_]*token|api_?key|key|secret|password|sig|signature)=)[^&#\s]+", re.IGNORECASE),
-     r"\1" + REDACTED),  # credential in a URL query
+    (
+        re.compile(r"([?&](?:[a-z_]*token|api_?key|key|secret|password|sig|signature)=)[^&#\s]+", re.IGNORECASE),
+        r"\1" + REDACTED,
+    ),  # credential in a URL query
 ]
 # A wandb API key is 40 lowercase hex characters; so is a git commit or a model revision, hence the key check.
 _HEX40 = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{40}(?![0-9a-zA-Z])")
@@ -96,7 +98,13 @@ def _holder(data: Any, path: tuple) -> tuple[Any, Any]:
             return None, None
     if not path or not isinstance(data, (dict, list)):
         return None, None
-    if isinstance(data, dict) and path[-1] in data or isinstance(data, list) and isinstance(path[-1], int) and path[-1] < len(data):
+    if (
+        isinstance(data, dict)
+        and path[-1] in data
+        or isinstance(data, list)
+        and isinstance(path[-1], int)
+        and path[-1] < len(data)
+    ):
         return data, path[-1]
     return None, None
 

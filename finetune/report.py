@@ -20,7 +20,10 @@ def print_plan(plan: Plan, as_json: bool = False) -> None:
     console = Console(highlight=False)
     e = plan.estimate
     console.print(f"[bold]{plan.model}[/] · {plan.method} · on {plan.hardware}")
-    console.print(f"{e.total_params:,} parameters, {e.trainable_params:,} trained ({100 * e.trainable_params / e.total_params:.2f}%)")
+    console.print(
+        f"{e.total_params:,} parameters, {e.trainable_params:,} trained "
+        f"({100 * e.trainable_params / e.total_params:.2f}%)"
+    )
 
     choices = Table(title="Decisions", title_justify="left", show_lines=False)
     for col in ("choice", "value", "by", "why"):
@@ -40,13 +43,24 @@ def print_plan(plan: Plan, as_json: bool = False) -> None:
     console.print(memory)
     if e.host:
         host = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.host.items())
-        console.print(f"Host RAM per node: {e.host_bytes / GiB:.1f} GiB of {plan.host_capacity_bytes / GiB:.1f} usable ({host})")
-    console.print(f"Step: {plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step:,} tokens "
-                  f"({plan.micro_batch_size} micro × {plan.gradient_accumulation_steps} accumulation × {plan.world_size} ranks)")
+        console.print(
+            f"Host RAM per node: {e.host_bytes / GiB:.1f} GiB of {plan.host_capacity_bytes / GiB:.1f} usable ({host})"
+        )
+    console.print(
+        f"Step: {plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step:,} tokens "
+        f"({plan.micro_batch_size} micro × {plan.gradient_accumulation_steps} accumulation × {plan.world_size} ranks)"
+    )
     if plan.communication:
         traffic = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in plan.communication.items())
-        console.print(f"Network per rank and step: {traffic} (about {plan.communication_seconds:.2f} s at the bandwidths assumed in plan/comm.py)")
-    console.print("Launch: " + " ".join(shlex.quote(a) if not a.startswith("--node-rank=$") and "$" not in a else a for a in plan.launch), soft_wrap=True)
+        console.print(
+            f"Network per rank and step: {traffic} (about {plan.communication_seconds:.2f} s at the bandwidths "
+            "assumed in plan/comm.py)"
+        )
+    console.print(
+        "Launch: "
+        + " ".join(shlex.quote(a) if not a.startswith("--node-rank=$") and "$" not in a else a for a in plan.launch),
+        soft_wrap=True,
+    )
 
 
 def _fmt(value) -> str:

@@ -25,13 +25,43 @@ __all__ = ["REDACTED", "SECRET_KEY", "redact", "redact_config"]  # redaction liv
 
 
 # ---------------------------------------------------------------- environment
-PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "deepspeed", "trl",
-            "tokenizers", "safetensors", "finetune")
-ENV_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING",
-            "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM",
-            "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE",
-            "HF_DATASETS_CACHE", "HF_HUB_ENABLE_HF_TRANSFER", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
-            "WANDB_MODE", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "datasets",
+    "bitsandbytes",
+    "deepspeed",
+    "trl",
+    "tokenizers",
+    "safetensors",
+    "finetune",
+)
+ENV_VARS = (
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "CUDA_LAUNCH_BLOCKING",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "HF_HOME",
+    "HF_HUB_CACHE",
+    "HF_DATASETS_CACHE",
+    "HF_HUB_ENABLE_HF_TRANSFER",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "WANDB_MODE",
+    "WANDB_PROJECT",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+)
 ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "PYTORCH_", "ACCELERATE_", "FI_")
 
 
@@ -127,7 +157,7 @@ class MetricsWriter:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "MetricsWriter":
+    def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -164,8 +194,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError as e:
             if any(rest.strip() for rest in lines[number:]):
-                raise FtError(f"{path}:{number}: not a JSON record ({e.msg}); "
-                              f"fix or delete that line") from None
+                raise FtError(f"{path}:{number}: not a JSON record ({e.msg}); fix or delete that line") from None
     return records
 
 
@@ -201,16 +230,25 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
         ax2.set_ylabel("learning rate")
         ax2.set_ylim(bottom=0)
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    ax.legend(lines, [line.get_label() for line in lines], loc="lower center", bbox_to_anchor=(0.5, 1.0),
-              ncol=len(lines), frameon=False)
+    ax.legend(
+        lines,
+        [line.get_label() for line in lines],
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=len(lines),
+        frameon=False,
+    )
     fig.tight_layout()
     _atomic_write(Path(out_png), lambda f: fig.savefig(f, format="png"), binary=True)
     return Path(out_png)
 
 
 def _points(records: list[dict], name: str) -> list[tuple[int, float]]:
-    return [(r["step"], r[name]) for r in records
-            if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool) and "step" in r]
+    return [
+        (r["step"], r[name])
+        for r in records
+        if isinstance(r.get(name), (int, float)) and not isinstance(r.get(name), bool) and "step" in r
+    ]
 
 
 # ---------------------------------------------------------------- files
@@ -244,7 +282,9 @@ def model_card(run: dict) -> str:
     environment is shown as the reference everywhere in the card, not only in the config.
     """
     job = run.get("config")
-    run = redact({**run, "config": redact_config(job)} if is_config(job) else run, config=job if is_config(job) else None)
+    run = redact(
+        {**run, "config": redact_config(job)} if is_config(job) else run, config=job if is_config(job) else None
+    )
     cfg, plan, data, metrics = (run.get(k) or {} for k in ("config", "plan", "data", "metrics"))
     base = (cfg.get("model") or {}).get("name") or plan.get("model") or "(base model not recorded)"
     adapter = {**(cfg.get("adapter") or {})}
@@ -254,15 +294,21 @@ def model_card(run: dict) -> str:
     title = run.get("name") or (cfg.get("output") or {}).get("run_name") or f"{base} fine-tuned with ft"
     kind = _ADAPTER_NAMES.get(adapter["type"], adapter["type"])
     what = f"a {kind} adapter for" if artifact == "adapter" else "a fully fine-tuned"
-    front = {"base_model": base, "library_name": "peft" if artifact == "adapter" else "transformers",
-             "tags": ["ft", method] + ([adapter["type"]] if artifact == "adapter" else [])}
-    parts = ["---\n" + "".join(f"{k}: {json.dumps(v)}\n" for k, v in front.items()) + "---",
-             f"# {title}", f"This is {what} `{base}`, trained with ft ({method.upper()}).",
-             "## Model\n\n" + _table(_model_rows(cfg, plan, adapter, artifact, base)),
-             "## Data\n\n" + _table(_data_rows(cfg, data)),
-             "## Training\n\n" + _table(_training_rows(cfg, plan)),
-             "## Results\n\n" + _table(_result_rows(metrics)),
-             _usage(base, artifact, run, data)]
+    front = {
+        "base_model": base,
+        "library_name": "peft" if artifact == "adapter" else "transformers",
+        "tags": ["ft", method] + ([adapter["type"]] if artifact == "adapter" else []),
+    }
+    parts = [
+        "---\n" + "".join(f"{k}: {json.dumps(v)}\n" for k, v in front.items()) + "---",
+        f"# {title}",
+        f"This is {what} `{base}`, trained with ft ({method.upper()}).",
+        "## Model\n\n" + _table(_model_rows(cfg, plan, adapter, artifact, base)),
+        "## Data\n\n" + _table(_data_rows(cfg, data)),
+        "## Training\n\n" + _table(_training_rows(cfg, plan)),
+        "## Results\n\n" + _table(_result_rows(metrics)),
+        _usage(base, artifact, run, data),
+    ]
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
@@ -278,31 +324,49 @@ def _table(rows: list[tuple[str, Any]]) -> str:
 
 def _model_rows(cfg: dict, plan: dict, adapter: dict, artifact: str, base: str) -> list:
     model = cfg.get("model") or {}
-    rows = [("base model", f"`{base}`"), ("revision", model.get("revision")),
-            ("method", ((cfg.get("method") or {}).get("name") or plan.get("method") or "").upper()),
-            ("trained", "all weights" if artifact == "model" else
-             f"{_ADAPTER_NAMES.get(adapter['type'], adapter['type'])} adapter")]
+    rows = [
+        ("base model", f"`{base}`"),
+        ("revision", model.get("revision")),
+        ("method", ((cfg.get("method") or {}).get("name") or plan.get("method") or "").upper()),
+        (
+            "trained",
+            "all weights" if artifact == "model" else f"{_ADAPTER_NAMES.get(adapter['type'], adapter['type'])} adapter",
+        ),
+    ]
     if artifact == "adapter":
         targets = adapter.get("target_modules")
-        rows += [("rank r / alpha", f"{adapter.get('r', '?')} / {adapter.get('alpha', '?')}"),
-                 ("target modules", ", ".join(targets) if isinstance(targets, list) else targets),
-                 ("dropout", adapter.get("dropout")), ("DoRA", "yes" if adapter.get("dora") else None),
-                 ("rsLoRA", "yes" if adapter.get("rslora") else None),
-                 ("modules trained in full", ", ".join(adapter.get("modules_to_save") or []))]
-    rows.append(("base quantization", plan.get("quantization") if plan.get("quantization") not in (None, "none") else None))
+        rows += [
+            ("rank r / alpha", f"{adapter.get('r', '?')} / {adapter.get('alpha', '?')}"),
+            ("target modules", ", ".join(targets) if isinstance(targets, list) else targets),
+            ("dropout", adapter.get("dropout")),
+            ("DoRA", "yes" if adapter.get("dora") else None),
+            ("rsLoRA", "yes" if adapter.get("rslora") else None),
+            ("modules trained in full", ", ".join(adapter.get("modules_to_save") or [])),
+        ]
+    rows.append(
+        ("base quantization", plan.get("quantization") if plan.get("quantization") not in (None, "none") else None)
+    )
     params = plan.get("params") or {}
     if params.get("total") and params.get("trainable"):
-        rows.append(("trained parameters", f"{params['trainable']:,} of {params['total']:,} "
-                                           f"({100 * params['trainable'] / params['total']:.2f}%)"))
+        rows.append(
+            (
+                "trained parameters",
+                f"{params['trainable']:,} of {params['total']:,} ({100 * params['trainable'] / params['total']:.2f}%)",
+            )
+        )
     return rows
 
 
 def _data_rows(cfg: dict, data: dict) -> list:
     sources = data.get("sources") or (cfg.get("data") or {}).get("datasets") or []
     rows = [(f"source {i + 1}", _source(s)) for i, s in enumerate(sources)]
-    names = (("train_samples", "training samples"), ("validation_samples", "validation samples"),
-             ("tokens_per_epoch", "tokens per epoch"), ("trained_tokens_per_epoch", "trained tokens per epoch"),
-             ("packed_rows", "packed rows"))
+    names = (
+        ("train_samples", "training samples"),
+        ("validation_samples", "validation samples"),
+        ("tokens_per_epoch", "tokens per epoch"),
+        ("trained_tokens_per_epoch", "trained tokens per epoch"),
+        ("packed_rows", "packed rows"),
+    )
     rows += [(label, f"{data[k]:,}" if isinstance(data.get(k), int) else data.get(k)) for k, label in names]
     rows.append(("special tokens added", ", ".join(data.get("added_tokens") or [])))
     return rows
@@ -323,18 +387,25 @@ def _training_rows(cfg: dict, plan: dict) -> list:
     train, data = cfg.get("train") or {}, cfg.get("data") or {}
     batch = None
     if all(k in plan for k in ("micro_batch_size", "gradient_accumulation_steps", "world_size", "global_batch_size")):
-        batch = (f"{plan['micro_batch_size']} micro × {plan['gradient_accumulation_steps']} accumulation × "
-                 f"{plan['world_size']} ranks = {plan['global_batch_size']} sequences per step")
+        batch = (
+            f"{plan['micro_batch_size']} micro × {plan['gradient_accumulation_steps']} accumulation × "
+            f"{plan['world_size']} ranks = {plan['global_batch_size']} sequences per step"
+        )
     backend = plan.get("backend")
     if backend and plan.get("sharding") not in (None, "none"):
         backend = f"{backend} ({plan['sharding']})"
     seq_len = plan.get("seq_len") or data.get("seq_len")
-    return [("hardware", plan.get("hardware")), ("precision", plan.get("precision") or train.get("precision")),
-            ("backend", backend), ("offload", plan.get("offload_target") if plan.get("offload") else None),
-            ("batch", batch), ("sequence length", f"{seq_len}{', packed' if data.get('packing') else ''}" if seq_len else None),
-            ("learning rate", _g(plan.get("lr") or train.get("lr"))),
-            ("schedule / optimizer", " / ".join(str(train[k]) for k in ("scheduler", "optimizer") if train.get(k))),
-            ("gradient checkpointing", {True: "on", False: "off"}.get(plan.get("gradient_checkpointing")))]
+    return [
+        ("hardware", plan.get("hardware")),
+        ("precision", plan.get("precision") or train.get("precision")),
+        ("backend", backend),
+        ("offload", plan.get("offload_target") if plan.get("offload") else None),
+        ("batch", batch),
+        ("sequence length", f"{seq_len}{', packed' if data.get('packing') else ''}" if seq_len else None),
+        ("learning rate", _g(plan.get("lr") or train.get("lr"))),
+        ("schedule / optimizer", " / ".join(str(train[k]) for k in ("scheduler", "optimizer") if train.get(k))),
+        ("gradient checkpointing", {True: "on", False: "off"}.get(plan.get("gradient_checkpointing"))),
+    ]
 
 
 def _g(value: Any) -> Any:
@@ -350,21 +421,29 @@ def _result_rows(metrics: dict) -> list:
     if isinstance(seconds, (int, float)):
         h, rest = divmod(int(round(seconds)), 3600)
         duration = f"{h}h {rest // 60:02d}m {rest % 60:02d}s"
-    return [("final train loss", loss(metrics.get("final_loss"))),
-            ("final eval loss", loss(metrics.get("final_eval_loss"))),
-            ("optimizer steps", metrics.get("steps")), ("training time", duration)]
+    return [
+        ("final train loss", loss(metrics.get("final_loss"))),
+        ("final eval loss", loss(metrics.get("final_eval_loss"))),
+        ("optimizer steps", metrics.get("steps")),
+        ("training time", duration),
+    ]
 
 
 def _usage(base: str, artifact: str, run: dict, data: dict) -> str:
     run_dir = run.get("run_dir") or "RUN"
     path = run.get("path") or f"{run_dir}/final"
     if artifact == "model":
-        return ("## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-                f'model = AutoModelForCausalLM.from_pretrained("{path}", dtype="auto")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n```')
+        return (
+            "## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+            f'model = AutoModelForCausalLM.from_pretrained("{path}", dtype="auto")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n```'
+        )
     resize = "base.resize_token_embeddings(len(tokenizer))\n" if data.get("added_tokens") else ""
-    return ("## Use\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
-            f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n'
-            f'base = AutoModelForCausalLM.from_pretrained("{base}", dtype="auto")\n{resize}'
-            f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
-            f"To merge the adapter into the base weights for a standalone model: `ft merge-lora {run_dir}`")
+    return (
+        "## Use\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, "
+        "AutoTokenizer\n\n"
+        f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n'
+        f'base = AutoModelForCausalLM.from_pretrained("{base}", dtype="auto")\n{resize}'
+        f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
+        f"To merge the adapter into the base weights for a standalone model: `ft merge-lora {run_dir}`"
+    )

@@ -12,17 +12,30 @@ import random
 from pathlib import Path
 
 TEMPLATE_TOKENS = [
-    "<|im_start|>", "<|im_end|>",  # chatml, qwen
-    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",  # llama3
-    "<s>", "</s>", "[INST]", "[/INST]",  # mistral
-    "<bos>", "<start_of_turn>", "<end_of_turn>",  # gemma
-    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",  # phi3
+    "<|im_start|>",
+    "<|im_end|>",  # chatml, qwen
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",  # llama3
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",  # mistral
+    "<bos>",
+    "<start_of_turn>",
+    "<end_of_turn>",  # gemma
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",  # phi3
 ]
 TINY_VERSION = 2  # bump when the tokenizer corpus or the model construction changes
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' "
+    "+ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -30,8 +43,10 @@ CHATML = (
 def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     """Text the BPE is trained on: arithmetic, short English, chat role names."""
     rng = random.Random(seed)
-    words = ("the model learns to add numbers and answer questions about text data while training on "
-             "small examples user assistant system you are a helpful what is how many please").split()
+    words = (
+        "the model learns to add numbers and answer questions about text data while training on "
+        "small examples user assistant system you are a helpful what is how many please"
+    ).split()
     lines = []
     for _ in range(n):
         a, b = rng.randint(0, 999), rng.randint(0, 999)
@@ -40,17 +55,26 @@ def _corpus(n: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 512, extra_special: tuple[str, ...] = tuple(TEMPLATE_TOKENS)):
+def build_tokenizer(
+    out_dir: str | Path | None = None, vocab_size: int = 512, extra_special: tuple[str, ...] = tuple(TEMPLATE_TOKENS)
+):
     """Train the tiny tokenizer; save it to out_dir when given. Returns a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     # digits are single tokens, as in the Qwen and Llama 3 tokenizers: arithmetic stays learnable
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     special = [EOS, PAD, *extra_special]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, bos_token=None)
     fast.chat_template = CHATML
@@ -69,10 +93,18 @@ def build_model(out_dir: str | Path, name: str = "ft-tiny", seed: int = 0, token
     facts = lookup(name)
     tokenizer = tokenizer or build_tokenizer(vocab_size=facts.vocab_size)
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=facts.hidden_size, intermediate_size=facts.intermediate_size,
-        num_hidden_layers=facts.num_layers, num_attention_heads=facts.num_attention_heads, num_key_value_heads=facts.num_kv_heads,
-        head_dim=facts.head_dim, max_position_embeddings=facts.max_position_embeddings, tie_word_embeddings=facts.tie_word_embeddings,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=facts.hidden_size,
+        intermediate_size=facts.intermediate_size,
+        num_hidden_layers=facts.num_layers,
+        num_attention_heads=facts.num_attention_heads,
+        num_key_value_heads=facts.num_kv_heads,
+        head_dim=facts.head_dim,
+        max_position_embeddings=facts.max_position_embeddings,
+        tie_word_embeddings=facts.tie_word_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
@@ -100,7 +132,7 @@ def _wrong(answer: str, rng: random.Random) -> str:
     """A plausible wrong answer: one digit changed."""
     i = rng.randrange(len(answer))
     digit = rng.choice([d for d in "0123456789" if d != answer[i]])
-    return answer[:i] + digit + answer[i + 1:]
+    return answer[:i] + digit + answer[i + 1 :]
 
 
 def preference_records(n: int, seed: int = 0) -> list[dict]:
@@ -109,14 +141,22 @@ def preference_records(n: int, seed: int = 0) -> list[dict]:
     out = []
     for rec in arithmetic_records(n, seed):
         prompt, answer = rec["messages"][0]["content"], rec["messages"][1]["content"]
-        out.append({"prompt": [{"role": "user", "content": prompt}], "chosen": [{"role": "assistant", "content": answer}],
-                    "rejected": [{"role": "assistant", "content": _wrong(answer, rng)}]})
+        out.append(
+            {
+                "prompt": [{"role": "user", "content": prompt}],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": _wrong(answer, rng)}],
+            }
+        )
     return out
 
 
 def prompt_records(n: int, seed: int = 0) -> list[dict]:
     """Prompt-only arithmetic tasks with their answer in a column of its own (for GRPO rewards)."""
-    return [{"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in arithmetic_records(n, seed)]
+    return [
+        {"prompt": r["messages"][0]["content"], "answer": r["messages"][1]["content"]}
+        for r in arithmetic_records(n, seed)
+    ]
 
 
 def write_jsonl(records: list[dict], path: str | Path) -> Path:

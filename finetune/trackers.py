@@ -36,8 +36,13 @@ def check_installed(names: list[str]) -> None:
         try:
             importlib.import_module(MODULES[name])
         except ImportError as e:
-            problems.append(Problem((KEY,), f"{name!r} is configured but its package does not import ({e})",
-                                    f"pip install 'finetune[{name}]', or remove {name!r} from output.trackers"))
+            problems.append(
+                Problem(
+                    (KEY,),
+                    f"{name!r} is configured but its package does not import ({e})",
+                    f"pip install 'finetune[{name}]', or remove {name!r} from output.trackers",
+                )
+            )
     if problems:
         raise FtError("\n".join(p.render() for p in problems))
 
@@ -66,8 +71,9 @@ class Trackers:
             except Exception as e:
                 self.close(failed=True)
                 fix = f"pip install 'finetune[{name}]'" if isinstance(e, ImportError) else _START_FIX[name]
-                raise FtError(f"output.trackers: {name} could not start: {type(e).__name__}: {e}\n"
-                              f"    fix: {fix}") from e
+                raise FtError(
+                    f"output.trackers: {name} could not start: {type(e).__name__}: {e}\n    fix: {fix}"
+                ) from e
 
     @property
     def active(self) -> list[str]:
@@ -82,8 +88,14 @@ class Trackers:
             try:
                 sink.log(step, numbers)
             except Exception as e:
-                log.warning("tracker %s failed at step %d (%s: %s); ft stops logging to it, training goes on "
-                            "(metrics.jsonl still has every step)", name, step, type(e).__name__, e)
+                log.warning(
+                    "tracker %s failed at step %d (%s: %s); ft stops logging to it, training goes on "
+                    "(metrics.jsonl still has every step)",
+                    name,
+                    step,
+                    type(e).__name__,
+                    e,
+                )
                 self._sinks.pop(name, None)
                 _close_quietly(name, sink, failed=True)
 
@@ -93,7 +105,7 @@ class Trackers:
         for name, sink in sinks.items():
             _close_quietly(name, sink, failed)
 
-    def __enter__(self) -> "Trackers":
+    def __enter__(self) -> Trackers:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
@@ -121,7 +133,7 @@ def _close_quietly(name: str, sink, failed: bool) -> None:
 _START_FIX = {
     "tensorboard": "check that the run folder is writable",
     "wandb": "run `wandb login` or set WANDB_API_KEY in the environment (never in the job file), "
-             "or set WANDB_MODE=offline and `wandb sync` later",
+    "or set WANDB_MODE=offline and `wandb sync` later",
     "mlflow": "check MLFLOW_TRACKING_URI (unset it to log to mlflow.db in the run folder) and the server's credentials",
 }
 
@@ -150,8 +162,9 @@ class _WandB:
         import wandb
 
         # The API key comes from wandb's own login or WANDB_API_KEY; WANDB_MODE=offline needs none.
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "ft", name=run_name, dir=str(run_dir),
-                              config=config)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "ft", name=run_name, dir=str(run_dir), config=config
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -177,7 +190,7 @@ class _MLflow:
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         params = [Param(re.sub(r"[^\w\-. /:]", "_", k)[:250], v[:500]) for k, v in flatten(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -195,7 +208,8 @@ _SINKS = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, str]:
-    """{"train": {"lr": 1e-4}, "data": {"datasets": [{"path": "x"}]}} -> {"train.lr": "0.0001", "data.datasets.0.path": "x"}."""
+    """{"train": {"lr": 1e-4}, "data": {"datasets": [{"path": "x"}]}} -> {"train.lr": "0.0001", "data.datasets.0.path":
+    "x"}."""
     if isinstance(config, dict):
         items = config.items()
     elif isinstance(config, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in config):

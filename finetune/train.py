@@ -105,7 +105,11 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     from finetune.models import runtime_attention
 
     with activity("joining the process group"):
-        runtime = start(config.distributed.timeout_minutes, needs_group=True) if needs_launcher(plan.backend, plan.world_size) else Runtime()
+        runtime = (
+            start(config.distributed.timeout_minutes, needs_group=True)
+            if needs_launcher(plan.backend, plan.world_size)
+            else Runtime()
+        )
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation)
@@ -114,22 +118,34 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
 
         return_freed_memory()
     with activity(f"creating the model ({plan.loading})"):
-        model = engine.create_model(config.model, config.adapter, plan, prepared.tokenizer, attn, device, config.train.seed,
-                                    config.train, config.distributed)
+        model = engine.create_model(
+            config.model,
+            config.adapter,
+            plan,
+            prepared.tokenizer,
+            attn,
+            device,
+            config.train.seed,
+            config.train,
+            config.distributed,
+        )
     model.train()
     rows = methods.rows_per_step(config.method, plan.global_batch_size)
     total = steps_for(len(prepared.train), rows, config.train.max_steps, config.train.epochs)
     with activity(f"wrapping the model ({plan.backend})"):
         wrapped = engine.build(model, plan, config.train, config.distributed, device, total)
     with activity(f"setting up {config.method.name}"):
-        method = methods.build(config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device))
+        method = methods.build(
+            config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device)
+        )
     stream = Stream(len(prepared.train), rows, config.train.seed, runtime.rank, runtime.world_size)
     validation = prepared.validation if getattr(method, "validates", True) else None
     return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime)
 
 
 def autocast_for(precision: str, device: torch.device):
-    """Mixed precision for the forward pass: fp32 weights (full) or a half-precision base, computing in the plan's precision."""
+    """Mixed precision for the forward pass: fp32 weights (full) or a half-precision base, computing in the plan's
+    precision."""
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
@@ -149,7 +165,10 @@ def train_step(job: Job) -> dict:
     for i, batch in enumerate(batches):
         tokens += batch.pop("num_tokens", 0)
         batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-        with activity(f"forward/backward of micro-batch {i + 1} of {len(batches)}"), job.engine.accumulating(last=i == len(batches) - 1):
+        with (
+            activity(f"forward/backward of micro-batch {i + 1} of {len(batches)}"),
+            job.engine.accumulating(last=i == len(batches) - 1),
+        ):
             with autocast(job):
                 loss, metrics = job.method.loss(job.model, batch, normaliser)
             job.engine.backward(loss)
@@ -157,7 +176,9 @@ def train_step(job: Job) -> dict:
         reported.append(metrics)
     with activity("optimizer step (gradient reduction, clipping, update)"):
         grad_norm = job.engine.step()
-        loss_total = rt.sum(loss_total) / rt.world_size  # each rank's share is scaled by world size (see methods/loss.py)
+        loss_total = (
+            rt.sum(loss_total) / rt.world_size
+        )  # each rank's share is scaled by world size (see methods/loss.py)
     with activity("averaging the method's metrics over ranks"):
         extra = rt.mean(_mean_metrics(reported))
     return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": int(rt.sum(tokens)), **extra}
@@ -179,7 +200,10 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
     """Sharded models: every rank writes its shards; otherwise rank 0 writes (replicas are identical)."""
-    state = {**extra, "position": job.stream.position}  # this step's data position, never an older one carried in `extra`
+    state = {
+        **extra,
+        "position": job.stream.position,
+    }  # this step's data position, never an older one carried in `extra`
     keep = job.config.output.keep_checkpoints
     e = job.engine
     if e.sharded:
@@ -201,8 +225,12 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
     if resume_from is not None:
         saved = checkpoint.load(resume_from, job.engine, job.runtime.rank)
         start, job.stream.position = saved["step"], saved["position"]
-        state = {"tokens": saved["tokens"], "seconds": saved["seconds"]}  # running totals only: position and stop cause are per checkpoint
-    # From step 0 too: a fresh start in a folder an earlier attempt wrote to (resume: auto before any checkpoint) starts a fresh log.
+        state = {
+            "tokens": saved["tokens"],
+            "seconds": saved["seconds"],
+        }  # running totals only: position and stop cause are per checkpoint
+    # From step 0 too: a fresh start in a folder an earlier attempt wrote to (resume: auto before any checkpoint) starts
+    # a fresh log.
     metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start) if job.runtime.is_main else _NoMetrics()
     stop = stop or SignalStop()
     last = {}
@@ -215,12 +243,22 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
             seconds = time.perf_counter() - t0
             state["tokens"] += last["tokens"]
             state["seconds"] += seconds
-            row = {**last, "tokens_per_s": last["tokens"] / max(seconds, 1e-9), "epoch": job.stream.epoch, "memory_gib": peak_memory_gib(job.device)}
+            row = {
+                **last,
+                "tokens_per_s": last["tokens"] / max(seconds, 1e-9),
+                "epoch": job.stream.epoch,
+                "memory_gib": peak_memory_gib(job.device),
+            }
             if step % out.log_steps == 0 or step == job.total_steps:
                 metrics.log(step, **row)
-            if job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps:  # the last: below
+            if (
+                job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps
+            ):  # the last: below
                 with activity(f"validation at step {step}"):
-                    metrics.log(step, **validation_metrics(job.model, job.method, job.validation, job.device, lambda: autocast(job)))
+                    metrics.log(
+                        step,
+                        **validation_metrics(job.model, job.method, job.validation, job.device, lambda: autocast(job)),
+                    )
             if on_step is not None:
                 on_step(step, job.total_steps, row)
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
@@ -231,11 +269,22 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
             with activity(f"agreeing after step {step} whether to stop"):
                 stopping = job.runtime.any(bool(stop.signum))
             if stopping:  # every rank stops after the same step
-                path = save_checkpoint(job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name})
+                path = save_checkpoint(
+                    job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name}
+                )
                 metrics.close()
                 signum = stop.signum or signal.SIGTERM
-                raise Stopped(f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; checkpoint saved to {path}. Resume with: ft train CONFIG --resume", signum)
-    result = {"steps": job.total_steps, "final_loss": last.get("loss"), "seconds": state["seconds"], "tokens": state["tokens"]}
+                raise Stopped(
+                    f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; "
+                    f"checkpoint saved to {path}. Resume with: ft train CONFIG --resume",
+                    signum,
+                )
+    result = {
+        "steps": job.total_steps,
+        "final_loss": last.get("loss"),
+        "seconds": state["seconds"],
+        "tokens": state["tokens"],
+    }
     if job.validation is not None:
         final = validation_metrics(job.model, job.method, job.validation, job.device, lambda: autocast(job))
         result["final_eval_loss"] = final["eval_loss"]
@@ -253,7 +302,9 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     failed = None
     if job.runtime.is_main:
         try:
-            with checkpoint.atomic_folder(final, "the final weights") as tmp:  # a full disk leaves no half-written final/
+            with checkpoint.atomic_folder(
+                final, "the final weights"
+            ) as tmp:  # a full disk leaves no half-written final/
                 job.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
                 tokenizer.save_pretrained(str(tmp))
         except FtError as e:

@@ -13,8 +13,8 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from finetune.errors import FtError
 
@@ -32,12 +32,21 @@ def load_function(spec: str, key: str) -> Callable:
     looks_like_file = where.endswith(".py") or "/" in where or "\\" in where
     module = _from_file(where, spec, key) if looks_like_file else _from_module(where, spec, key)
     if not hasattr(module, name):
-        found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        found = sorted(
+            n
+            for n, v in vars(module).items()
+            if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__
+        )
         listed = f" (it defines: {', '.join(found[:10])})" if found else ""
-        raise FtError(f"{key}: {spec!r}: {where} has no attribute {name!r}{listed}.\n    fix: correct the name after the colon")
+        raise FtError(
+            f"{key}: {spec!r}: {where} has no attribute {name!r}{listed}.\n    fix: correct the name after the colon"
+        )
     fn = getattr(module, name)
     if not callable(fn):
-        raise FtError(f"{key}: {spec!r}: {name} in {where} is a {type(fn).__name__}, not a function.\n    fix: point at a function (def {name}(...))")
+        raise FtError(
+            f"{key}: {spec!r}: {name} in {where} is a {type(fn).__name__}, not a function.\n    fix: point at a "
+            f"function (def {name}(...))"
+        )
     return fn
 
 
@@ -51,8 +60,11 @@ def _from_module(where: str, spec: str, key: str):
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
         if e.name and (where == e.name or where.startswith(e.name + ".")):
-            raise FtError(f"{key}: {spec!r}: no module named {e.name!r} (searched the Python path and {cwd}).\n"
-                          f"    fix: install the package, run from the folder that holds it, or give the file: path/to/{where.replace('.', '/')}.py:{spec.rpartition(':')[2]}") from None
+            raise FtError(
+                f"{key}: {spec!r}: no module named {e.name!r} (searched the Python path and {cwd}).\n"
+                "    fix: install the package, run from the folder that holds it, or give the file: "
+                f"path/to/{where.replace('.', '/')}.py:{spec.rpartition(':')[2]}"
+            ) from None
         raise _import_failed(key, spec, where, e) from None
     except Exception as e:  # the module's own code failed while importing
         raise _import_failed(key, spec, where, e) from None
@@ -63,8 +75,10 @@ def _from_file(where: str, spec: str, key: str):
     path = path if path.is_absolute() else Path.cwd() / path
     if not path.is_file():
         hint = " (a folder: name the .py file inside it)" if path.is_dir() else ""
-        raise FtError(f"{key}: {spec!r}: the file {where} does not exist{hint}; relative paths are read from {os.getcwd()}.\n"
-                      "    fix: correct the path, or give an absolute one")
+        raise FtError(
+            f"{key}: {spec!r}: the file {where} does not exist{hint}; relative paths are read from {os.getcwd()}.\n"
+            "    fix: correct the path, or give an absolute one"
+        )
     if path.suffix != ".py":
         raise FtError(f"{key}: {spec!r}: {where} is not a .py file.\n    fix: {_FORMS}")
     resolved = path.resolve()
@@ -86,5 +100,7 @@ def _from_file(where: str, spec: str, key: str):
 def _import_failed(key: str, spec: str, where: str, e: BaseException) -> FtError:
     first = (str(e).strip().splitlines() or [""])[0]
     run = f"python {where}" if where.endswith(".py") else f"python -c 'import {where}'"
-    return FtError(f"{key}: {spec!r}: importing {where} failed with {type(e).__name__}: {first}\n"
-                   f"    fix: run `{run}` to see the full error, and correct the code")
+    return FtError(
+        f"{key}: {spec!r}: importing {where} failed with {type(e).__name__}: {first}\n"
+        f"    fix: run `{run}` to see the full error, and correct the code"
+    )

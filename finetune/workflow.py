@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from finetune.errors import FtError, HardwareError, set_run_dir
 from finetune.plan.plan import Plan
@@ -30,7 +30,10 @@ def model_facts(model) -> object:
     from finetune.catalog import ModelNotFound, resolve
 
     if model.name.startswith((".", "/", "~")) and not Path(model.name).expanduser().exists():
-        raise FtError(f"model.name: the folder {model.name} does not exist; point it at a folder with config.json and safetensors weights, a hub id, or ft-tiny")
+        raise FtError(
+            f"model.name: the folder {model.name} does not exist; point it at a folder with config.json and "
+            "safetensors weights, a hub id, or ft-tiny"
+        )
     try:
         return resolve(model.name, revision=model.revision, trust_remote_code=model.trust_remote_code)
     except ModelNotFound as e:
@@ -47,7 +50,9 @@ def compile_plan(config_path: str | os.PathLike, overrides: Iterable[str] = (), 
     return plan(config, hw, model_facts(config.model), str(config_path))
 
 
-def run_preprocess(config_path: str | os.PathLike, overrides: Iterable[str] = (), preview: int = 0, force: bool = False):
+def run_preprocess(
+    config_path: str | os.PathLike, overrides: Iterable[str] = (), preview: int = 0, force: bool = False
+):
     """`ft preprocess`: prepare (or reuse) the cached data with a progress bar, then summarise it."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -86,17 +91,28 @@ class NodeRole:
     master_port: int = 29500
 
     @classmethod
-    def from_env(cls, nnodes=None, node_rank=None, master_addr=None, master_port=None) -> "NodeRole":
+    def from_env(cls, nnodes=None, node_rank=None, master_addr=None, master_port=None) -> NodeRole:
         from finetune.hardware import launch_env
 
         env = launch_env()
         slurm = env.launcher == "slurm"
-        return cls(nnodes or (env.nnodes if slurm else None), node_rank if node_rank is not None else (env.node_rank if slurm else 0),
-                   master_addr or (env.master_addr if slurm else None), master_port or env.master_port or 29500)
+        return cls(
+            nnodes or (env.nnodes if slurm else None),
+            node_rank if node_rank is not None else (env.node_rank if slurm else 0),
+            master_addr or (env.master_addr if slurm else None),
+            master_port or env.master_port or 29500,
+        )
 
 
-def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, resume: bool = False,
-              overwrite: bool = False, role: NodeRole | None = None, allow_changes: bool = False) -> dict:
+def run_train(
+    config_path: str | os.PathLike,
+    overrides: Iterable[str] = (),
+    hardware: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    role: NodeRole | None = None,
+    allow_changes: bool = False,
+) -> dict:
     """`ft train`: plan once, prepare the data once per node, write the run folder, then start the ranks from it
     (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe."""
     import sys
@@ -119,7 +135,10 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
     job_plan = make_plan(config, hw, facts, str(config_path))
     run_dir = Path(config.output.dir).expanduser()
     if job_plan.nodes > 1 and role.master_addr is None:
-        raise FtError(f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and --master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)")
+        raise FtError(
+            f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
+            "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
+        )
     resuming = resume or config.output.resume == "auto"
     if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
         from finetune.runfolder import check_output_dir
@@ -134,10 +153,20 @@ def run_train(config_path: str | os.PathLike, overrides: Iterable[str] = (), har
         finished = _resume_checks(run_dir, config, job_plan, prepared, allow_changes)
         if finished is not None:
             return finished
-    cmd = rank_command(str(run_dir), job_plan.nodes, job_plan.processes_per_node, job_plan.process_group, node_rank=role.node_rank,
-                       master_addr=role.master_addr, master_port=role.master_port, python=sys.executable,
-                       resume_from=str(resume_from) if resume_from else None)
-    if role.node_rank == 0:  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
+    cmd = rank_command(
+        str(run_dir),
+        job_plan.nodes,
+        job_plan.processes_per_node,
+        job_plan.process_group,
+        node_rank=role.node_rank,
+        master_addr=role.master_addr,
+        master_port=role.master_port,
+        python=sys.executable,
+        resume_from=str(resume_from) if resume_from else None,
+    )
+    if (
+        role.node_rank == 0
+    ):  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
         if overwrite and not resuming:
             _overwrite(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
         _write_run_folder(run_dir, config, job_plan, prepared, cmd)
@@ -171,9 +200,14 @@ def read_plan(run_dir) -> Plan:
     try:
         return Plan.from_json(json.loads(path.read_text()))
     except FileNotFoundError:
-        raise FtError(f"{path} does not exist: a rank starts from a run folder that ft train wrote; run ft train CONFIG") from None
+        raise FtError(
+            f"{path} does not exist: a rank starts from a run folder that ft train wrote; run ft train CONFIG"
+        ) from None
     except (KeyError, TypeError, ValueError) as e:
-        raise FtError(f"{path} is not a plan this version of ft wrote ({type(e).__name__}: {e}); run ft train CONFIG again to re-plan") from None
+        raise FtError(
+            f"{path} is not a plan this version of ft wrote ({type(e).__name__}: {e}); run ft train CONFIG again "
+            "to re-plan"
+        ) from None
 
 
 def _replan(config, hw, facts, config_path, prepared, job_plan):
@@ -182,7 +216,9 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
         return job_plan
     from finetune.plan import plan as make_plan
 
-    return make_plan(config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens))
+    return make_plan(
+        config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens)
+    )
 
 
 def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
@@ -207,10 +243,16 @@ def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
     if code < 0:  # torchrun itself was killed (its ranks get SIGTERM: they stop after their step and save a checkpoint)
         from finetune.distributed.lifecycle import signal_name
 
-        raise FtError(f"training failed: torchrun, which runs the ranks, was killed by {signal_name(-code)}; the ranks stop after their "
-                      f"current step and save a checkpoint. Resume with: ft train CONFIG --resume")
+        raise FtError(
+            f"training failed: torchrun, which runs the ranks, was killed by {signal_name(-code)}; the ranks stop "
+            "after their "
+            f"current step and save a checkpoint. Resume with: ft train CONFIG --resume"
+        )
     if code:
-        raise FtError(f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same command by hand with: {line}")
+        raise FtError(
+            f"training failed: a rank exited with code {code} (its error is printed above). Re-run the same "
+            f"command by hand with: {line}"
+        )
     return {"steps": None, "launched": cmd}
 
 
@@ -270,17 +312,27 @@ def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
     if stopped:  # its checkpoint is complete (a second signal may have come while torchrun exited)
         raise Stopped(stopped[0]["message"], signal_number(stopped[0]["signal"]))
     last = checkpoint.latest(Path(load(config_path, overrides).output.dir))
-    kept = f"the newest checkpoint is {last}. Resume with: ft train CONFIG --resume" if last else "no checkpoint was written"
+    kept = (
+        f"the newest checkpoint is {last}. Resume with: ft train CONFIG --resume"
+        if last
+        else "no checkpoint was written"
+    )
     if exchange.aborted:
-        raise Stopped(f"stopped at once by a second {signal_name(exchange.aborted)} (the work in progress is lost); {kept}", exchange.aborted)
+        raise Stopped(
+            f"stopped at once by a second {signal_name(exchange.aborted)} (the work in progress is lost); {kept}",
+            exchange.aborted,
+        )
     signum = signal_number(reports[0]["signal"])
     during = next((r["during"] for r in reports if r.get("during") not in (None, "setting up")), "setup")
-    raise Stopped(f"stopped by {signal_name(signum)} during {during}, with no step in progress to finish; {kept}", signum)
+    raise Stopped(
+        f"stopped by {signal_name(signum)} during {during}, with no step in progress to finish; {kept}", signum
+    )
 
 
 def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
     """The checkpoint to resume from, or None; refuses to replace another run, or to write into a folder that is not
-    a run, by accident. Reads only: `--overwrite` removes the old run later, once the new one has planned and prepared."""
+    a run, by accident. Reads only: `--overwrite` removes the old run later, once the new one has planned and
+    prepared."""
     import sys
 
     from finetune import checkpoint
@@ -288,7 +340,10 @@ def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
 
     holds_run = looks_like_run(run_dir)
     if not holds_run and run_dir.exists() and any(run_dir.iterdir()):
-        raise FtError(f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder (nothing was written)")
+        raise FtError(
+            f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder "
+            "(nothing was written)"
+        )
     if resume:
         last = checkpoint.latest(run_dir)
         if last is None and explicit:
@@ -296,8 +351,11 @@ def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
         return last
     if holds_run and not overwrite:
         steps = [p.name for p in checkpoint.checkpoints(run_dir)]
-        raise FtError(f"output.dir {run_dir} already holds a run ({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
-                      "use --resume to continue it, --overwrite to replace it, or choose another output.dir")
+        raise FtError(
+            f"output.dir {run_dir} already holds a run "
+            f"({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
+            "use --resume to continue it, --overwrite to replace it, or choose another output.dir"
+        )
     return None
 
 
@@ -311,12 +369,25 @@ def _overwrite(run_dir, job_file) -> None:
         return
     left = remove_run(run_dir, job_file)
     if left:
-        sys.stderr.write(f"--overwrite: removed the old run; kept {len(left)} entries ft did not write: {', '.join(left[:8])}\n")
+        sys.stderr.write(
+            f"--overwrite: removed the old run; kept {len(left)} entries ft did not write: {', '.join(left[:8])}\n"
+        )
 
 
 # Keys a resumed run may change: they do not change what is trained or how (only how long, and what is logged or kept).
-RESUME_SAFE = ("train.max_steps", "train.epochs", "output.log_steps", "output.save_steps", "output.eval_steps", "output.keep_checkpoints",
-               "output.trackers", "output.resume", "output.run_name", "distributed.timeout_minutes", "evaluation.every_steps")
+RESUME_SAFE = (
+    "train.max_steps",
+    "train.epochs",
+    "output.log_steps",
+    "output.save_steps",
+    "output.eval_steps",
+    "output.keep_checkpoints",
+    "output.trackers",
+    "output.resume",
+    "output.run_name",
+    "distributed.timeout_minutes",
+    "evaluation.every_steps",
+)
 
 
 def _resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> dict | None:
@@ -334,20 +405,39 @@ def _resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> 
 
     if (run_dir / "result.json").exists():
         done = json.loads((run_dir / "result.json").read_text()).get("steps") or 0
-        total = steps_for(len(prepared.train), rows_per_step(config.method, job_plan.global_batch_size), config.train.max_steps, config.train.epochs)
+        total = steps_for(
+            len(prepared.train),
+            rows_per_step(config.method, job_plan.global_batch_size),
+            config.train.max_steps,
+            config.train.epochs,
+        )
         if total <= done:
-            sys.stderr.write(f"{run_dir} finished all {done} steps (final {'model' if job_plan.adapter == 'full' else 'adapter'} in {run_dir / 'final'}); "
-                             "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n")
+            sys.stderr.write(
+                f"{run_dir} finished all {done} steps (final "
+                f"{'model' if job_plan.adapter == 'full' else 'adapter'} in {run_dir / 'final'}); "
+                "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n"
+            )
             return {"steps": done, "finished": True, "final": str(run_dir / "final")}
-    changes = _config_changes(yaml.safe_load((run_dir / "config.yaml").read_text()) or {}, redact_config(config, exclude_unset=True))
+    changes = _config_changes(
+        yaml.safe_load((run_dir / "config.yaml").read_text()) or {}, redact_config(config, exclude_unset=True)
+    )
     unsafe = [c for c in changes if not c[0].startswith(RESUME_SAFE)]
     if unsafe and not allow_changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])
-        raise FtError(f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that change what is trained: "
-                      f"{listed}. Resume with the run's config, start a new output.dir, or pass --allow-changes to resume anyway (recorded in the run folder)")
+        raise FtError(
+            f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that "
+            "change what is trained: "
+            f"{listed}. Resume with the run's config, start a new output.dir, or pass --allow-changes to resume "
+            "anyway (recorded in the run folder)"
+        )
     if changes:
         with open(run_dir / "resume-changes.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
+                )
+                + "\n"
+            )
     return None
 
 
@@ -369,22 +459,32 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
 
     import yaml
 
+    from finetune.runfolder import mark
     from finetune.runlog import atomic_write_text, environment_snapshot, redact_config
 
-    from finetune.runfolder import mark
-
     mark(run_dir)  # first: from now on this folder is ft's run folder (and --overwrite may remove what ft writes here)
-    # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every derived value.
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False))
+    # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every
+    # derived value.
+    atomic_write_text(
+        run_dir / "config.yaml", yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False)
+    )
     atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
     atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
-    atomic_write_text(run_dir / "data.json", json.dumps({"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2))
+    atomic_write_text(
+        run_dir / "data.json",
+        json.dumps(
+            {"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2
+        ),
+    )
     how = "" if job_plan.process_group else "# run inside the ft train process; the same as running:\n"
     atomic_write_text(run_dir / "launch.txt", how + " ".join(shlex.quote(a) for a in cmd) + "\n")
     if job_plan.backend == "deepspeed":  # what the ranks pass to deepspeed.initialize, for the record and for re-use
         from finetune.distributed import deepspeed
 
-        atomic_write_text(run_dir / deepspeed.FILE, json.dumps(deepspeed.config_for(job_plan, config.train, config.distributed), indent=2))
+        atomic_write_text(
+            run_dir / deepspeed.FILE,
+            json.dumps(deepspeed.config_for(job_plan, config.train, config.distributed), indent=2),
+        )
 
 
 def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
@@ -407,7 +507,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) 
     main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)
     before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
-    with (_progress(console, job.total_steps) if main else contextlib.nullcontext(lambda *a: None)) as on_step:
+    with _progress(console, job.total_steps) if main else contextlib.nullcontext(lambda *a: None) as on_step:
+
         def step_hook(step, total, row):
             on_step(step, total, row)
             if step % config.output.log_steps == 0:
@@ -421,13 +522,30 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) 
             raise
     trackers.close()
     final = train.save_final(job, run_dir, prepared.tokenizer)
-    after = _task_eval(config, job, prepared.tokenizer)  # before the return of other ranks: a sharded model generates on all
+    after = _task_eval(
+        config, job, prepared.tokenizer
+    )  # before the return of other ranks: a sharded model generates on all
     if not main:
         return result
-    result.update({"task_before": before, "task_after": after, "final": str(final), "artifact": "model" if job_plan.adapter == "full" else "adapter"})
+    result.update(
+        {
+            "task_before": before,
+            "task_after": after,
+            "final": str(final),
+            "artifact": "model" if job_plan.adapter == "full" else "adapter",
+        }
+    )
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    card = {"config": config, "plan": job_plan.to_json(), "data": prepared.summary, "metrics": result,
-            "artifact": result["artifact"], "run_dir": str(run_dir), "path": str(final), "name": config.output.run_name or run_dir.name}
+    card = {
+        "config": config,
+        "plan": job_plan.to_json(),
+        "data": prepared.summary,
+        "metrics": result,
+        "artifact": result["artifact"],
+        "run_dir": str(run_dir),
+        "path": str(final),
+        "name": config.output.run_name or run_dir.name,
+    }
     atomic_write_text(run_dir / "README.md", model_card(card))
     atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2))
     _report(console, config, result)
@@ -457,8 +575,15 @@ def _task_eval(config, job, tokenizer):
         with job.engine.generation(), autocast(job):
             yield
 
-    return task_score(job.inner, tokenizer, template_for(tokenizer, config.data.template), e, job.device, context=context,
-                      synced=job.engine.synced_generation)
+    return task_score(
+        job.inner,
+        tokenizer,
+        template_for(tokenizer, config.data.template),
+        e,
+        job.device,
+        context=context,
+        synced=job.engine.synced_generation,
+    )
 
 
 def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:
@@ -478,10 +603,23 @@ def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: 
 @contextlib.contextmanager
 def _progress(console, total: int):
     """A progress bar with loss, tokens/s and ETA; yields the per-step callback."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    columns = (TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
         yield lambda step, _total, row: bar.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
@@ -512,6 +650,11 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     out = Path(out) if out else Path(config.output.dir) / "job.sbatch"
     out.parent.mkdir(parents=True, exist_ok=True)
     name = config.output.run_name or Path(config.output.dir).name
-    atomic_write_text(out, sbatch_script(str(config_path), job_plan, config.output.dir, f"ft-{name}", time_limit, partition, tuple(overrides)))
+    atomic_write_text(
+        out,
+        sbatch_script(
+            str(config_path), job_plan, config.output.dir, f"ft-{name}", time_limit, partition, tuple(overrides)
+        ),
+    )
     out.chmod(0o755)
     return out

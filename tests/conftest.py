@@ -87,16 +87,38 @@ def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout:
     from tests.test_distributed import free_port
 
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(script), "cpu:2", str(out), *configs, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        "cpu:2",
+        str(out),
+        *configs,
+        *flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
 
 
-def random_llama(folder: Path, *, hidden: int, layers: int, intermediate: int, heads: int, tied: bool = False,
-                 kv_heads: int | None = None) -> int:
+def random_llama(
+    folder: Path,
+    *,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    heads: int,
+    tied: bool = False,
+    kv_heads: int | None = None,
+) -> int:
     """Save a Llama with random bf16 weights (uniform, norms at 1) and ft's tiny tokenizer; returns its parameter count.
     Built on the meta device and then filled: seconds even at 400M parameters."""
     import torch
@@ -105,9 +127,19 @@ def random_llama(folder: Path, *, hidden: int, layers: int, intermediate: int, h
     from finetune.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads or max(1, heads // 2), max_position_embeddings=256, tie_word_embeddings=tied,
-                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or max(1, heads // 2),
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.to_empty(device="cpu")

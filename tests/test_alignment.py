@@ -23,10 +23,10 @@ def sft_model(tmp_path_factory):
     cfg = tmp / "sft.yaml"
     cfg.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / 'cache'}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / "cache"}}}
 adapter: {{type: full}}
 train: {{global_batch_size: 64, lr: 2.0e-3, max_steps: 250, warmup_steps: 25}}
-output: {{dir: {tmp / 'run'}, save_steps: 0, log_steps: 50}}
+output: {{dir: {tmp / "run"}, save_steps: 0, log_steps: 50}}
 """)
     r = ft_train(str(cfg), "--hardware", "cpu", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -37,14 +37,21 @@ def rows(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def dpo_job(tmp_path, name: str, model, *, adapter: str = "{type: lora, r: 16, alpha: 32, dropout: 0.0}", method: str = "{name: dpo, beta: 0.1}",
-            steps: int = 20) -> str:
+def dpo_job(
+    tmp_path,
+    name: str,
+    model,
+    *,
+    adapter: str = "{type: lora, r: 16, alpha: 32, dropout: 0.0}",
+    method: str = "{name: dpo, beta: 0.1}",
+    steps: int = 20,
+) -> str:
     train = write_jsonl(preference_records(960, seed=3), tmp_path / "pairs.jsonl")
     held_out = write_jsonl(preference_records(100, seed=4), tmp_path / "held-out.jsonl")
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {train}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'cache'},
+data: {{datasets: [{{path: {train}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"},
         validation: {{path: {held_out}, format: preference}}}}
 method: {method}
 adapter: {adapter}
@@ -60,11 +67,15 @@ def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_pa
     two = ft_train(dpo_job(tmp_path, "two", sft_model), "--hardware", "cpu:2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["backend"] == "ddp"
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)  # the same global batch
+    assert losses(tmp_path / "two") == pytest.approx(
+        losses(tmp_path / "one"), rel=1e-4, abs=1e-5
+    )  # the same global batch
     for name in ("one", "two"):
         final = [r for r in rows(tmp_path / name / "metrics.jsonl") if "eval_loss" in r][-1]
         # at the start the policy is the reference: every implicit reward is 0, accuracy 0 and loss ln 2 = 0.693
-        assert final["eval_rewards/accuracy"] > 0.65 and final["eval_loss"] < 0.69, final  # measured: 0.80 and 0.68 after 20 steps
+        assert final["eval_rewards/accuracy"] > 0.65 and final["eval_loss"] < 0.69, (
+            final
+        )  # measured: 0.80 and 0.68 after 20 steps
         assert (tmp_path / name / "final" / "adapter_model.safetensors").exists()
     trained = [r for r in rows(tmp_path / "one" / "metrics.jsonl") if "rewards/margin" in r]
     assert trained[-1]["rewards/margin"] > trained[0]["rewards/margin"]
@@ -72,13 +83,27 @@ def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_pa
 
 def test_dpo_full_fine_tuning_with_precomputed_reference_matches_a_frozen_copy(tmp_path, sft_model):
     full = "{type: full}"
-    copy = ft_train(dpo_job(tmp_path, "copy", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: copy}", steps=3), "--hardware", "cpu")
+    copy = ft_train(
+        dpo_job(tmp_path, "copy", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: copy}", steps=3),
+        "--hardware",
+        "cpu",
+    )
     assert copy.returncode == 0, copy.stderr[-3000:]
-    pre = ft_train(dpo_job(tmp_path, "pre", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: precomputed}", steps=3), "--hardware", "cpu")
+    pre = ft_train(
+        dpo_job(
+            tmp_path, "pre", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: precomputed}", steps=3
+        ),
+        "--hardware",
+        "cpu",
+    )
     assert pre.returncode == 0, pre.stderr[-3000:]
     assert losses(tmp_path / "pre") == pytest.approx(losses(tmp_path / "copy"), rel=1e-5)
     plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("copy", "pre")]
-    memory = [p["memory"]["per_device_breakdown_gib"].get("reference model", 0) + p["memory"]["host_breakdown_gib"].get("reference model", 0) for p in plans]
+    memory = [
+        p["memory"]["per_device_breakdown_gib"].get("reference model", 0)
+        + p["memory"]["host_breakdown_gib"].get("reference model", 0)
+        for p in plans
+    ]
     assert memory[0] > 0 and memory[1] == 0  # the plan counts the copy, and only the copy
 
 
@@ -87,9 +112,10 @@ def grpo_job(tmp_path, name: str, model, steps: int = 60, extra: str = "") -> st
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / 'cache'}}}
-method: {{name: grpo, num_generations: 8, max_new_tokens: 8, rewards: [{{function: exact_match, args: {{column: answer}}}},
-         {{function: {REPO / 'examples/rewards/arithmetic.py'}:digits_right, weight: 0.5}}]}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, num_generations: 8, max_new_tokens: 8, rewards: [{{function: exact_match,
+  args: {{column: answer}}}},
+         {{function: {REPO / "examples/rewards/arithmetic.py"}:digits_right, weight: 0.5}}]}}
 adapter: {{type: full}}
 train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-4, scheduler: constant}}
 output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
@@ -110,7 +136,11 @@ def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model, hardwa
     first, last = sum(got[:10]) / 10, sum(got[-10:]) / 10  # measured: 0.44 -> 0.79 (1 process), 0.47 -> 0.74 (2)
     assert last > first + 0.12, got
     row = rows(tmp_path / "grpo" / "metrics.jsonl")[-1]
-    assert {"rewards/exact_match", "rewards/" + str(REPO / "examples/rewards/arithmetic.py") + ":digits_right", "completion_length"} <= row.keys()
+    assert {
+        "rewards/exact_match",
+        "rewards/" + str(REPO / "examples/rewards/arithmetic.py") + ":digits_right",
+        "completion_length",
+    } <= row.keys()
 
 
 def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_model):
@@ -121,14 +151,25 @@ def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_mo
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     resumed = ft_train(job, "--hardware", "cpu", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert rewards(tmp_path / "stopped") == pytest.approx(rewards(tmp_path / "straight"), abs=1e-6)  # the same samples: RNG restored
+    assert rewards(tmp_path / "stopped") == pytest.approx(
+        rewards(tmp_path / "straight"), abs=1e-6
+    )  # the same samples: RNG restored
     assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
 
 
 def test_grpo_with_a_lora_adapter_and_kl_under_fsdp_on_two_processes(tmp_path, sft_model):
     job = grpo_job(tmp_path, "fsdp", sft_model, steps=3, extra="distributed: {backend: fsdp, sharding: full_shard}\n")
-    r = ft_train(job, "--hardware", "cpu:2", "--set", "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}", "--set", "method.kl_coef=0.05",
-                 "--set", "train.lr=2.0e-3")
+    r = ft_train(
+        job,
+        "--hardware",
+        "cpu:2",
+        "--set",
+        "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}",
+        "--set",
+        "method.kl_coef=0.05",
+        "--set",
+        "train.lr=2.0e-3",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = rows(tmp_path / "fsdp" / "metrics.jsonl")
     assert len(got) == 3 and all(row["kl"] >= 0 for row in got)

@@ -41,8 +41,11 @@ def reference(q, k, v, lengths, scale):
     parts, start = [], 0
     for n in lengths:
         s = slice(start, start + n)
-        parts.append(F.scaled_dot_product_attention(q[:, :, s].float(), k[:, :, s].float(), v[:, :, s].float(),
-                                                    is_causal=True, scale=scale))
+        parts.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s].float(), k[:, :, s].float(), v[:, :, s].float(), is_causal=True, scale=scale
+            )
+        )
         start += n
     return torch.cat(parts, dim=2).transpose(1, 2).to(q.dtype)
 
@@ -61,8 +64,14 @@ class EmulatedKernel:
         pos = torch.arange(q.shape[0])
         seg = torch.searchsorted(cu_q[1:].long(), pos, right=True)
         allowed = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
         return out.transpose(0, 1)
 
 
@@ -100,8 +109,9 @@ def test_cpu_takes_per_sample_fallback_and_matches_reference(monkeypatch, dtype,
     monkeypatch.setattr(attention, "_KERNEL", fake)  # even with a kernel present, CPU tensors do not use it
     q, k, v, cu = rand_qkv(LENGTHS, dtype)
     assert not attention.uses_kernel(q, 0.0)
-    out, weights = attention.sdpa_varlen_attention(Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu,
-                                                   max_length_q=max(LENGTHS))
+    out, weights = attention.sdpa_varlen_attention(
+        Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+    )
     assert fake.calls == 0 and weights is None
     torch.testing.assert_close(out, reference(q, k, v, LENGTHS, SCALE), **tol)
 
@@ -111,8 +121,9 @@ def test_kernel_path_is_one_call_without_host_sync_and_matches_fallback(monkeypa
     q, k, v, cu = rand_qkv(LENGTHS, dtype)
     fallback = attention._per_sample(q, k, v, cu, 0.0, SCALE)
     forbid_host_reads(monkeypatch)
-    out, _ = attention.sdpa_varlen_attention(Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu,
-                                             max_length_q=max(LENGTHS))
+    out, _ = attention.sdpa_varlen_attention(
+        Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+    )
     monkeypatch.undo()
     assert kernel_path.calls == 1 and out.shape == (1, sum(LENGTHS), 4, 16)
     torch.testing.assert_close(out, fallback, **tol)
@@ -127,8 +138,9 @@ def test_real_kernel_wrapper_takes_our_call_on_meta_tensors(monkeypatch):
     q, k, v, cu = (t.to("meta") for t in rand_qkv(LENGTHS, torch.bfloat16, d=64))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     forbid_host_reads(monkeypatch)
-    out, _ = attention.sdpa_varlen_attention(Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu,
-                                             max_length_q=max(LENGTHS))
+    out, _ = attention.sdpa_varlen_attention(
+        Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+    )
     out.sum().backward()
     assert out.shape == (1, sum(LENGTHS), 4, 64) and k.grad.shape == k.shape
 
@@ -159,7 +171,7 @@ def test_tiny_llama_on_kernel_path_packed_equals_separate_runs(kernel_path, pack
         for row, members in zip(rows, bins):
             for i, n in zip(members, row["seq_lens"]):
                 alone = model(input_ids=torch.tensor([examples[i]["input_ids"]])).logits[0]
-                torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(packed[start : start + n], alone, atol=1e-5, rtol=1e-5)
                 start += n
     assert kernel_path.calls == model.config.num_hidden_layers  # unpacked rows have no boundaries: plain SDPA
 
@@ -180,8 +192,9 @@ def test_cuda_bf16_kernel_matches_per_sample_sdpa_forward_and_backward(monkeypat
     monkeypatch.setattr(attention, "_KERNEL", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     forbid_host_reads(monkeypatch)
-    out, _ = attention.sdpa_varlen_attention(Module().eval(), *leaves, None, scaling=SCALE, cu_seq_lens_q=cu,
-                                             max_length_q=max(LENGTHS))
+    out, _ = attention.sdpa_varlen_attention(
+        Module().eval(), *leaves, None, scaling=SCALE, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+    )
     monkeypatch.undo()
     assert len(calls) == 1
     torch.testing.assert_close(out, reference(q, k, v, LENGTHS, SCALE), **BF16)
@@ -219,7 +232,7 @@ def test_cuda_bf16_tiny_llama_packed_equals_separate_runs(packed_rows):  # noqa:
         for row, members in zip(rows, bins):
             for i, n in zip(members, row["seq_lens"]):
                 alone = model(input_ids=torch.tensor([examples[i]["input_ids"]], device="cuda")).logits[0].float()
-                torch.testing.assert_close(packed[start:start + n], alone, **BF16)
+                torch.testing.assert_close(packed[start : start + n], alone, **BF16)
                 start += n
 
 
@@ -232,15 +245,28 @@ def test_unpacked_calls_are_plain_sdpa_with_padding_masks():
 
     register()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]])
     outs = {}
     for impl in ("sdpa", "sdpa_varlen"):
         model.config._attn_implementation = impl
-        outs[impl] = model.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=6, do_sample=False,
-                                    output_logits=True, return_dict_in_generate=True)
+        outs[impl] = model.generate(
+            input_ids=ids,
+            attention_mask=(ids != 0).long(),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     assert torch.equal(outs["sdpa"].sequences, outs["sdpa_varlen"].sequences)
     for a, b in zip(outs["sdpa"].logits, outs["sdpa_varlen"].logits):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

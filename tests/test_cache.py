@@ -30,15 +30,18 @@ def test_fingerprint_ignores_key_order():
     assert len(fingerprint(PARTS)) == 64
 
 
-@pytest.mark.parametrize("change", [
-    {"model": "tiny2"},
-    {"seed": 1},
-    {"data": {**PARTS["data"], "seq_len": 1024}},
-    {"data": {**PARTS["data"], "files": ["b.jsonl", "a.jsonl"]}},
-    {"data": {**PARTS["data"], "packing": False}},
-    {"data": {**PARTS["data"], "seq_len": "512"}},
-    {"extra": None},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "tiny2"},
+        {"seed": 1},
+        {"data": {**PARTS["data"], "seq_len": 1024}},
+        {"data": {**PARTS["data"], "files": ["b.jsonl", "a.jsonl"]}},
+        {"data": {**PARTS["data"], "packing": False}},
+        {"data": {**PARTS["data"], "seq_len": "512"}},
+        {"extra": None},
+    ],
+)
 def test_fingerprint_changes_with_any_part(change):
     assert fingerprint({**PARTS, **change}) != fingerprint(PARTS)
 
@@ -174,7 +177,9 @@ def test_racing_processes_build_once(tmp_path):
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(2)
     counter = tmp_path / "builds.txt"
-    procs = [ctx.Process(target=build_under_lock, args=(str(tmp_path / "cache"), str(counter), start)) for _ in range(2)]
+    procs = [
+        ctx.Process(target=build_under_lock, args=(str(tmp_path / "cache"), str(counter), start)) for _ in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -194,7 +199,9 @@ with DataCache(sys.argv[1]).lock("k1"):
 
 
 def test_lock_timeout_names_the_entry(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(DataError, match="cache entry k1"):

@@ -32,12 +32,20 @@ from finetune.catalog import (
     to_hf_config,
 )
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-            pad_token_id=0)
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def _meta_model(model_type: str, cfg: dict) -> torch.nn.Module:
     config = AutoConfig.for_model(model_type, **cfg)
@@ -78,17 +86,14 @@ def _real_breakdown(model: torch.nn.Module) -> dict[str, int]:
         "num_params": _count(model.parameters()),
         "embedding_params": model.get_input_embeddings().weight.numel(),
         "lm_head_params": _count(p for n, p in named.items() if n.startswith("lm_head.")),
-        "linear_params": _count(
-            p for m in layers.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()
-        ),
+        "linear_params": _count(p for m in layers.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()),
         "expert_params": _count(p for n, p in layers.named_parameters() if ".experts." in n),
         "layer_params": _count(layers[0].parameters()),
     }
 
 
 def _fact_breakdown(facts: ModelFacts) -> dict[str, int]:
-    keys = ("num_params", "embedding_params", "lm_head_params", "linear_params", "expert_params",
-            "layer_params")
+    keys = ("num_params", "embedding_params", "lm_head_params", "linear_params", "expert_params", "layer_params")
     return {key: getattr(facts, key) for key in keys}
 
 
@@ -145,10 +150,10 @@ def test_moe_experts_are_fused_parameters_not_linears():
 
 # ----------------------------------------------------------------------------- config.json
 
+
 @pytest.mark.parametrize("model_type", sorted(EXACT_MODEL_TYPES))
 def test_from_hf_config_is_exact_for_every_known_layout(model_type: str):
-    cfg = dict(TINY, head_dim=16, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=24)
+    cfg = dict(TINY, head_dim=16, num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
     config = AutoConfig.for_model(model_type, **cfg)
     facts = from_hf_config(config.to_dict(), "tiny")
     with torch.device("meta"):
@@ -158,9 +163,9 @@ def test_from_hf_config_is_exact_for_every_known_layout(model_type: str):
     assert _fact_linears(facts) == _real_linears(model.model.layers[0])
 
 
-@pytest.mark.parametrize("facts", KNOWN_TO_TRANSFORMERS[:1] + [lookup("Qwen/Qwen3-30B-A3B"),
-                                                               lookup("microsoft/phi-2")],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "facts", KNOWN_TO_TRANSFORMERS[:1] + [lookup("Qwen/Qwen3-30B-A3B"), lookup("microsoft/phi-2")], ids=lambda f: f.name
+)
 def test_to_hf_config_round_trips(facts: ModelFacts):
     config = AutoConfig.for_model(facts.model_type, **to_hf_config(facts))
     again = from_hf_config(config.to_dict(), facts.name)
@@ -187,24 +192,46 @@ def test_gemma3_multimodal_config_describes_the_text_tower():
 
 
 def test_sparse_nested_text_config_takes_the_outer_model_type():
-    cfg = {"model_type": "gemma3", "text_config": {"hidden_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "vocab_size": 96, "max_position_embeddings": 64}}
+    cfg = {
+        "model_type": "gemma3",
+        "text_config": {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "vocab_size": 96,
+            "max_position_embeddings": 64,
+        },
+    }
     facts = from_hf_config(cfg, "x")
     assert (facts.model_type, facts.head_dim, facts.num_kv_heads) == ("gemma3_text", 16, 4)
     assert facts.tie_word_embeddings
 
 
 def test_missing_head_dim_and_kv_heads_take_their_defaults():
-    cfg = {"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 8, "max_position_embeddings": 32,
-           "head_dim": None}
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "max_position_embeddings": 32,
+        "head_dim": None,
+    }
     facts = from_hf_config(cfg, "x")
     assert (facts.head_dim, facts.num_kv_heads, facts.tie_word_embeddings) == (8, 8, False)
 
 
 def test_gpt_style_keys_and_unknown_model_type():
-    cfg = {"model_type": "gpt2", "vocab_size": 100, "n_embd": 64, "n_layer": 3, "n_head": 4,
-           "n_positions": 128, "n_inner": None}
+    cfg = {
+        "model_type": "gpt2",
+        "vocab_size": 100,
+        "n_embd": 64,
+        "n_layer": 3,
+        "n_head": 4,
+        "n_positions": 128,
+        "n_inner": None,
+    }
     facts = from_hf_config(cfg, "gpt2")
     assert (facts.hidden_size, facts.num_layers, facts.num_attention_heads) == (64, 3, 4)
     assert (facts.intermediate_size, facts.max_position_embeddings) == (256, 128)
@@ -214,15 +241,13 @@ def test_gpt_style_keys_and_unknown_model_type():
 def test_missing_keys_are_all_named_at_once():
     with pytest.raises(ValueError) as err:
         from_hf_config({"model_type": "llama", "vocab_size": 10}, "broken")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                "max_position_embeddings"):
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings"):
         assert key in str(err.value)
 
 
 def test_layouts_ft_cannot_count_exactly_are_flagged():
     moe = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    assert not from_hf_config({"model_type": "qwen3_moe", **moe, "mlp_only_layers": [0]},
-                              "x").counts_exact
+    assert not from_hf_config({"model_type": "qwen3_moe", **moe, "mlp_only_layers": [0]}, "x").counts_exact
     assert not from_hf_config({"model_type": "phi", **TINY, "qk_layernorm": True}, "x").counts_exact
 
 
@@ -239,11 +264,18 @@ def test_linear_params():
 
 # ----------------------------------------------------------------------------- lookup, resolve
 
+
 def test_lookup_by_alias_case_and_short_name():
     llama = lookup("meta-llama/Llama-3.1-8B")
     assert llama is not None and llama.name == "meta-llama/Llama-3.1-8B"
-    for query in ("meta-llama/Llama-3.1-8B-Instruct", "META-LLAMA/llama-3.1-8b", "Llama-3.1-8B",
-                  "llama-3.1-8b", "Meta-Llama-3.1-8B-Instruct", " llama-3.1-8b "):
+    for query in (
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "META-LLAMA/llama-3.1-8b",
+        "Llama-3.1-8B",
+        "llama-3.1-8b",
+        "Meta-Llama-3.1-8B-Instruct",
+        " llama-3.1-8b ",
+    ):
         assert lookup(query) is llama, query
     assert lookup("tiny").name == "ft-tiny"
     assert lookup("someone-else/Llama-3.1-8B") is None
@@ -260,10 +292,8 @@ def test_variants_keep_their_own_config_values():
 
 def test_ft_tiny_entry():
     tiny = lookup("ft-tiny")
-    assert (tiny.model_type, tiny.vocab_size, tiny.hidden_size, tiny.intermediate_size) == (
-        "llama", 512, 128, 384)
-    assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_kv_heads, tiny.head_dim) == (
-        4, 4, 2, 32)
+    assert (tiny.model_type, tiny.vocab_size, tiny.hidden_size, tiny.intermediate_size) == ("llama", 512, 128, 384)
+    assert (tiny.num_layers, tiny.num_attention_heads, tiny.num_kv_heads, tiny.head_dim) == (4, 4, 2, 32)
     assert tiny.tie_word_embeddings and tiny.max_position_embeddings == 512
 
 
@@ -300,9 +330,10 @@ def test_model_not_found_pickles():
 
 
 def test_import_is_light():
-    code = ("import finetune.catalog, sys; "
-            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    code = "import finetune.catalog, sys; assert 'torch' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
-    code = ("import sys; from finetune.catalog import resolve; resolve('Llama-3.1-8B'); "
-            "assert 'transformers' not in sys.modules")
+    code = (
+        "import sys; from finetune.catalog import resolve; resolve('Llama-3.1-8B'); "
+        "assert 'transformers' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,8 +15,14 @@ QUICKSTART = str(REPO / "examples" / "yaml" / "quickstart.yaml")
 
 
 def ft(*args, cwd=None, env=None):
-    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=cwd or REPO,
-                          env={**os.environ, **(env or {})}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_help_lists_the_verbs():
@@ -28,9 +34,13 @@ def test_help_lists_the_verbs():
 
 
 def test_validate_and_plan_do_not_import_heavy_libraries():
-    code = ("import sys; from finetune.cli import app; from finetune.config import load; from finetune.workflow import compile_plan;"
-            f"compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
-            "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; print(heavy); assert not heavy")
+    code = (
+        "import sys; from finetune.cli import app; from finetune.config import load; from finetune.workflow import "
+        "compile_plan;"
+        f"compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; "
+        "print(heavy); assert not heavy"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -45,7 +55,11 @@ def test_validate_ok_and_bad(write_yaml):
 
 
 def test_validate_with_set_and_env(write_yaml):
-    path = write_yaml(MINIMAL.replace("max_steps: 1000", "max_steps: ${FT_TEST_STEPS}").replace("data/train.jsonl", "'${FT_TEST_DATA}'"))
+    path = write_yaml(
+        MINIMAL.replace("max_steps: 1000", "max_steps: ${FT_TEST_STEPS}").replace(
+            "data/train.jsonl", "'${FT_TEST_DATA}'"
+        )
+    )
     (path.parent / "train.jsonl").write_text("")  # ft validate checks that local data files exist
     env = {"FT_TEST_STEPS": "10", "FT_TEST_DATA": str(path.parent / "train.jsonl")}
     assert ft("validate", str(path), env=env).returncode == 0
@@ -57,7 +71,11 @@ def test_plan_json_for_described_hardware():
     r = ft("plan", QUICKSTART, "--hardware", "cpu", "--json")
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
-    assert plan["backend"] == "single" and plan["world_size"] == 1 and plan["launch"][:3] == ["python", "-m", "finetune.train"]
+    assert (
+        plan["backend"] == "single"
+        and plan["world_size"] == 1
+        and plan["launch"][:3] == ["python", "-m", "finetune.train"]
+    )
 
 
 def test_plan_table_shows_decisions_memory_and_launch():
@@ -73,13 +91,28 @@ def test_plan_on_this_machine_probes_it():
     assert json.loads(r.stdout)["precision"] == "fp32"  # no GPU in CI
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["plan", QUICKSTART, "--hardware", "9xPotato"], "Accepted forms"),
-    (["plan", QUICKSTART, "--set", "model.name=no-such-model-anywhere"], "model.name"),
-    (["plan", QUICKSTART, "--set", "adapter.type=lora", "--set", "model.name=meta-llama/Llama-3.1-70B", "--hardware", "cpu,host=16GB"], "does not fit"),
-    (["validate", "missing.yaml"], "config file not found"),
-    (["explain", "train.lrr"], "did you mean"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["plan", QUICKSTART, "--hardware", "9xPotato"], "Accepted forms"),
+        (["plan", QUICKSTART, "--set", "model.name=no-such-model-anywhere"], "model.name"),
+        (
+            [
+                "plan",
+                QUICKSTART,
+                "--set",
+                "adapter.type=lora",
+                "--set",
+                "model.name=meta-llama/Llama-3.1-70B",
+                "--hardware",
+                "cpu,host=16GB",
+            ],
+            "does not fit",
+        ),
+        (["validate", "missing.yaml"], "config file not found"),
+        (["explain", "train.lrr"], "did you mean"),
+    ],
+)
 def test_user_errors_exit_2_without_traceback(args, needle):
     r = ft(*args, env={"HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -96,13 +129,21 @@ def test_schema_and_explain():
 # ---------------------------------------------------------------- the top-level handler
 def _ft_raising(exc: str, *args, tmp_path):
     """`ft ARGS` in a subprocess where planning raises `exc` (a Python expression)."""
-    code = ("import sys, finetune.workflow as w\n"
-            f"def boom(*a, **k):\n    raise {exc}\n"
-            "w.compile_plan = boom\n"
-            f"sys.argv = ['ft', *{list(args)!r}]\n"
-            "from finetune.cli import main\nmain()\n")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "TMPDIR": str(tmp_path)})
+    code = (
+        "import sys, finetune.workflow as w\n"
+        f"def boom(*a, **k):\n    raise {exc}\n"
+        "w.compile_plan = boom\n"
+        f"sys.argv = ['ft', *{list(args)!r}]\n"
+        "from finetune.cli import main\nmain()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
 
 
 def test_an_unexpected_error_is_one_message_with_the_traceback_in_a_log(tmp_path):
@@ -121,7 +162,12 @@ def test_debug_prints_the_traceback(tmp_path):
 
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     r = _ft_raising("KeyboardInterrupt", "plan", QUICKSTART, tmp_path=tmp_path)
-    assert r.returncode == 130 and "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0 and "interrupted" in r.stderr
+    assert (
+        r.returncode == 130
+        and "Traceback" not in r.stderr
+        and r.stderr.strip().count("\n") == 0
+        and "interrupted" in r.stderr
+    )
 
 
 def test_an_os_error_is_an_input_error(tmp_path):
@@ -147,7 +193,10 @@ def test_run_main_writes_the_log_into_the_run_folder(tmp_path, capsys):
 
 def test_validate_names_missing_local_data_files(tmp_path):
     job = tmp_path / "job.yaml"
-    job.write_text(f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {tmp_path / 'nope.jsonl'}, format: chat}}]}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
+    job.write_text(
+        f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {tmp_path / 'nope.jsonl'}, format: "
+        f"chat}}]}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
+    )
     r = ft("validate", str(job))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "data.datasets[0].path" in r.stderr and "nope.jsonl" in r.stderr

@@ -42,10 +42,23 @@ def test_chat_openai_style_keeps_origin():
 
 
 def test_chat_sharegpt_conversations_are_detected():
-    record = {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
-                                {"from": "function", "value": "{}"}, {"from": "model", "value": "done"}]}
+    record = {
+        "conversations": [
+            {"from": "system", "value": "be brief"},
+            {"from": "human", "value": "hi"},
+            {"from": "gpt", "value": "yo"},
+            {"from": "function", "value": "{}"},
+            {"from": "model", "value": "done"},
+        ]
+    }
     out = normalize(record, spec("chat"))
-    assert out["messages"] == [system("be brief"), user("hi"), bot("yo"), {"role": "tool", "content": "{}"}, bot("done")]
+    assert out["messages"] == [
+        system("be brief"),
+        user("hi"),
+        bot("yo"),
+        {"role": "tool", "content": "{}"},
+        bot("done"),
+    ]
 
 
 def test_chat_styles_mix_per_message_and_map_columns():
@@ -57,7 +70,11 @@ def test_chat_system_column_and_system_prompt():
     record = {"messages": [user("hi"), bot("yo")], "sys": "from the column"}
     assert normalize(record, spec("chat", columns={"system": "sys"}))["messages"][0] == system("from the column")
     plain = {"messages": [user("hi"), bot("yo")]}
-    assert normalize(plain, spec("chat", system_prompt="default"))["messages"] == [system("default"), user("hi"), bot("yo")]
+    assert normalize(plain, spec("chat", system_prompt="default"))["messages"] == [
+        system("default"),
+        user("hi"),
+        bot("yo"),
+    ]
     own = {"messages": [system("own"), user("hi"), bot("yo")]}
     assert normalize(own, spec("chat", system_prompt="default"))["messages"] == own["messages"]
 
@@ -67,15 +84,24 @@ def test_chat_conversation_as_json_text():
     assert normalize(record, spec("chat"))["messages"] == [user("hi"), bot("yo")]
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([], r"'messages' is an empty conversation"),
-    ("hello", r"'messages' must be a list of messages, got a string"),
-    ([user("hi"), {"text": "yo"}], r"message messages\[1\] has no role: expected role/content .* keys present: text"),
-    ([user("hi"), {"role": "narrator", "content": "x"}], r"message messages\[1\] has an unknown role 'narrator'"),
-    ([user("hi"), {"role": "assistant", "content": ["parts"]}], r"message messages\[1\] \(assistant\): 'content' must be a string, got a list"),
-    ([user("hi"), {"from": "gpt"}], r"message messages\[1\] \(gpt\) has no 'value'"),
-    ([user("hi"), user("anyone?")], r"'messages' has no assistant message"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], r"'messages' is an empty conversation"),
+        ("hello", r"'messages' must be a list of messages, got a string"),
+        (
+            [user("hi"), {"text": "yo"}],
+            r"message messages\[1\] has no role: expected role/content .* keys present: text",
+        ),
+        ([user("hi"), {"role": "narrator", "content": "x"}], r"message messages\[1\] has an unknown role 'narrator'"),
+        (
+            [user("hi"), {"role": "assistant", "content": ["parts"]}],
+            r"message messages\[1\] \(assistant\): 'content' must be a string, got a list",
+        ),
+        ([user("hi"), {"from": "gpt"}], r"message messages\[1\] \(gpt\) has no 'value'"),
+        ([user("hi"), user("anyone?")], r"'messages' has no assistant message"),
+    ],
+)
 def test_chat_bad_records(messages, message):
     with pytest.raises(RecordError, match=message):
         normalize({"messages": messages}, spec("chat"))
@@ -99,13 +125,18 @@ def test_instruction_mapped_columns_and_system_column():
 def test_missing_column_lists_present_columns_and_suggests_a_mapping():
     with pytest.raises(RecordError) as e:
         normalize({"instruction": "Q", "response": "A", "_origin": "x:1"}, spec("instruction"))
-    assert str(e.value) == ("no column 'output' (mapped from ft field 'output'); columns present: instruction, response; "
-                            "map it with columns: {output: response}")
+    assert str(e.value) == (
+        "no column 'output' (mapped from ft field 'output'); columns present: instruction, response; "
+        "map it with columns: {output: response}"
+    )
 
 
 def test_completion_and_prompt_completion():
     assert normalize({"text": "a document"}, spec("completion")) == {"text": "a document"}
-    assert normalize({"q": "2+2=", "completion": "4"}, spec("prompt_completion", columns={"prompt": "q"})) == {"prompt": "2+2=", "completion": "4"}
+    assert normalize({"q": "2+2=", "completion": "4"}, spec("prompt_completion", columns={"prompt": "q"})) == {
+        "prompt": "2+2=",
+        "completion": "4",
+    }
     with pytest.raises(RecordError, match=r"'text' is empty"):
         normalize({"text": "  "}, spec("completion"))
     with pytest.raises(RecordError, match=r"'completion' must be text, got a number"):
@@ -122,7 +153,11 @@ def test_preference_strings():
 
 def test_preference_strips_the_shared_prompt_prefix():
     prompt = [user("Q?")]
-    record = {"prompt": prompt, "chosen": prompt + [bot("good")], "rejected": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "bad"}]}
+    record = {
+        "prompt": prompt,
+        "chosen": prompt + [bot("good")],
+        "rejected": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "bad"}],
+    }
     out = normalize(record, spec("preference"))
     assert out == {"prompt": [user("Q?")], "chosen": [bot("good")], "rejected": [bot("bad")]}
 
@@ -135,7 +170,11 @@ def test_preference_prompt_from_shared_leading_messages():
 
 
 def test_preference_bad_records():
-    with pytest.raises(RecordError, match=r"no column 'rejected' .*columns present: prompt, chosen, worse; map it with columns: \{rejected: worse\}"):
+    with pytest.raises(
+        RecordError,
+        match=r"no column 'rejected' .*columns present: prompt, chosen, worse; "
+        r"map it with columns: \{rejected: worse\}",
+    ):
         normalize({"prompt": "Q", "chosen": "a", "worse": "b"}, spec("preference"))
     with pytest.raises(RecordError, match=r"'chosen' has no assistant message after the prompt"):
         normalize({"prompt": [user("Q")], "chosen": [user("Q")], "rejected": "b"}, spec("preference"))
@@ -219,10 +258,17 @@ def test_every_record_bad_is_an_error_even_when_skipping():
 def test_skipped_records_are_named_and_reported(caplog):
     examples: list[str] = []
     seen = []
-    out, skipped = normalize_dataset(dataset([GOOD, BAD, GOOD, BAD]), spec("chat"), skip_bad_records=True, examples=examples,
-                                     progress=lambda stage, done, total: seen.append((done, total)))
-    assert skipped == 2 and examples == ["data/train.jsonl:2: 'messages' has no assistant message, so there is nothing to train on",
-                                         "data/train.jsonl:4: 'messages' has no assistant message, so there is nothing to train on"]
+    out, skipped = normalize_dataset(
+        dataset([GOOD, BAD, GOOD, BAD]),
+        spec("chat"),
+        skip_bad_records=True,
+        examples=examples,
+        progress=lambda stage, done, total: seen.append((done, total)),
+    )
+    assert skipped == 2 and examples == [
+        "data/train.jsonl:2: 'messages' has no assistant message, so there is nothing to train on",
+        "data/train.jsonl:4: 'messages' has no assistant message, so there is nothing to train on",
+    ]
     assert "skipped 2 bad records" in caplog.text and "data/train.jsonl:2" in caplog.text
     assert seen[-1] == (4, 4)
 
@@ -230,7 +276,10 @@ def test_skipped_records_are_named_and_reported(caplog):
 def test_a_number_among_text_answers_spoils_only_its_own_record():
     records = [{"messages": [user(f"{i} + 1?"), bot(str(i + 1))]} for i in range(40)]
     records[30]["messages"][1]["content"] = 31
-    with pytest.raises(DataError, match=r"^data/train.jsonl:31: message messages\[1\] \(assistant\): 'content' must be a string, got a number"):
+    with pytest.raises(
+        DataError,
+        match=r"^data/train.jsonl:31: message messages\[1\] \(assistant\): 'content' must be a string, got a number",
+    ):
         normalize_dataset(dataset(records), spec("chat"))
     out, skipped = normalize_dataset(dataset(records), spec("chat"), skip_bad_records=True)
     assert skipped == 1 and out["messages"][0][1]["content"] == "1"

@@ -116,7 +116,10 @@ def test_folder_reads_supported_files_recursively(tmp_path):
     (root / "README.md").write_text("ignored")
     ds, stats = load_source(spec(root, "completion"))
     assert sorted(ds["text"]) == ["hello", "record 0"]
-    assert [f.rsplit("/", 1)[-1] for f in stats.files] == ["two.txt", "one.jsonl"]  # sorted by path: data/two.txt < data/x/...
+    assert [f.rsplit("/", 1)[-1] for f in stats.files] == [
+        "two.txt",
+        "one.jsonl",
+    ]  # sorted by path: data/two.txt < data/x/...
 
 
 def test_glob_without_matches(tmp_path):
@@ -222,7 +225,10 @@ def test_a_string_that_reads_as_json_stays_a_string_beside_a_number(tmp_path):
 def test_csv_quoting_errors_name_the_row_start(tmp_path):
     path = tmp_path / "t.csv"
     path.write_text('prompt,answer\nq1,a1\nq2,"a2\nq3,a3\n')
-    with pytest.raises(DataError, match=r"t.csv:3: not valid CSV \(unexpected end of data; the row that starts on this line runs to line 4\)"):
+    with pytest.raises(
+        DataError,
+        match=r"t.csv:3: not valid CSV \(unexpected end of data; the row that starts on this line runs to line 4\)",
+    ):
         load_source(spec(path, "prompt_only"))
 
 
@@ -234,9 +240,10 @@ def test_check_paths_names_the_key_and_the_path(tmp_path):
     config = loads(f"""
 model: {{name: ft-tiny}}
 data:
-  datasets: [{{path: {good}, format: completion}}, {{path: {tmp_path / 'missing.jsonl'}, format: completion}}, {{path: org/name, format: chat}}]
-  validation: {{path: {tmp_path / 'nothing-*.jsonl'}, format: completion}}
-output: {{dir: {tmp_path / 'run'}}}
+  datasets: [{{path: {good}, format: completion}}, {{path: {tmp_path / "missing.jsonl"}, format: completion}},
+    {{path: org/name, format: chat}}]
+  validation: {{path: {tmp_path / "nothing-*.jsonl"}, format: completion}}
+output: {{dir: {tmp_path / "run"}}}
 """)
     problems = check_paths(config)
     assert len(problems) == 2
@@ -250,10 +257,19 @@ def test_reserved_origin_column(tmp_path):
         load_source(spec(path, "completion"))
 
 
-@pytest.mark.parametrize("path, hub", [
-    ("HuggingFaceH4/ultrachat_200k", True), ("gsm8k", True), ("org/name-v2.1", True),
-    ("data/train.jsonl", False), ("./org/name", False), ("/abs/org", False), ("data/*", False), ("a/b/c", False),
-])
+@pytest.mark.parametrize(
+    "path, hub",
+    [
+        ("HuggingFaceH4/ultrachat_200k", True),
+        ("gsm8k", True),
+        ("org/name-v2.1", True),
+        ("data/train.jsonl", False),
+        ("./org/name", False),
+        ("/abs/org", False),
+        ("data/*", False),
+        ("a/b/c", False),
+    ],
+)
 def test_looks_like_hub_id(path, hub):
     assert looks_like_hub_id(path) is hub
 
@@ -277,16 +293,23 @@ def test_unreachable_hub_dataset(monkeypatch):
         raise ConnectionError("Couldn't reach 'org/name' on the Hub (offline)")
 
     monkeypatch.setattr(datasets, "load_dataset", fail)
-    with pytest.raises(DataError, match=r"org/name: no such local file or folder, and loading it as a hub dataset failed: Couldn't reach"):
+    with pytest.raises(
+        DataError,
+        match=r"org/name: no such local file or folder, and loading it as a hub dataset failed: Couldn't reach",
+    ):
         load_source(spec("org/name"))
 
 
 # ---------------------------------------------------------------- take
 def source(n: int, name: str = "src.jsonl") -> datasets.Dataset:
-    return datasets.Dataset.from_dict({"text": [f"r{i}" for i in range(n)], "_origin": [f"{name}:{i + 1}" for i in range(n)]})
+    return datasets.Dataset.from_dict(
+        {"text": [f"r{i}" for i in range(n)], "_origin": [f"{name}:{i + 1}" for i in range(n)]}
+    )
 
 
-@pytest.mark.parametrize("n, weight, expected", [(10, 1.0, 10), (10, 0.5, 5), (5, 0.5, 3), (10, 2.0, 20), (10, 1.5, 15), (10, 0.01, 1)])
+@pytest.mark.parametrize(
+    "n, weight, expected", [(10, 1.0, 10), (10, 0.5, 5), (5, 0.5, 3), (10, 2.0, 20), (10, 1.5, 15), (10, 0.01, 1)]
+)
 def test_take_weight_counts(n, weight, expected):
     ds = source(n)
     out = take(ds, spec("src.jsonl", weight=weight), seed=1)
@@ -302,7 +325,9 @@ def test_take_samples_counts(n, samples):
     out = take(source(n), spec("src.jsonl", samples=samples), seed=1)
     counts = Counter(out["text"])
     assert len(out) == samples
-    assert sorted(counts.values(), reverse=True) == [samples // n + 1] * (samples % n) + [samples // n] * (n - samples % n if samples >= n else 0)
+    assert sorted(counts.values(), reverse=True) == [samples // n + 1] * (samples % n) + [samples // n] * (
+        n - samples % n if samples >= n else 0
+    )
 
 
 def test_take_is_deterministic_per_seed():
@@ -344,7 +369,9 @@ def test_split_validation_sizes_and_determinism():
     assert (len(train), len(val)) == (8, 2)
     assert set(train["text"]).isdisjoint(val["text"])
     assert split_validation(ds, 0.2, 1)[1]["text"] == val["text"]
-    assert split_validation(ds, 0.2, 2)[1]["text"] != val["text"] or split_validation(ds, 0.2, 3)[1]["text"] != val["text"]
+    assert (
+        split_validation(ds, 0.2, 2)[1]["text"] != val["text"] or split_validation(ds, 0.2, 3)[1]["text"] != val["text"]
+    )
     assert len(split_validation(ds, 0.01, 1)[1]) == 1  # at least one record held out
 
 

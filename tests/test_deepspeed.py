@@ -41,7 +41,11 @@ def test_deepspeed_json_follows_the_plan(sharding, offload):
     plan, config = planned("2x8xH200-141GB", f"distributed.sharding={sharding}", f"distributed.offload={offload}")
     ds = config_for(plan, config.train, config.distributed)
     assert ds["zero_optimization"]["stage"] == int(sharding[-1])
-    assert ds["train_batch_size"] == plan.global_batch_size == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * plan.world_size
+    assert (
+        ds["train_batch_size"]
+        == plan.global_batch_size
+        == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * plan.world_size
+    )
     assert ds["bf16"]["enabled"] == (plan.precision == "bf16") and ds["fp16"]["enabled"] == (plan.precision == "fp16")
     assert ds["gradient_clipping"] == config.train.max_grad_norm
     assert ("offload_optimizer" in ds["zero_optimization"]) == (offload != "none")
@@ -49,22 +53,40 @@ def test_deepspeed_json_follows_the_plan(sharding, offload):
     assert ds["managed_gradient_accumulation"] is False  # ft's loop owns accumulation
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    one_rank = {**ds, "train_batch_size": ds["train_batch_size"] // plan.world_size}  # parsed without a process group: world size 1
+    one_rank = {
+        **ds,
+        "train_batch_size": ds["train_batch_size"] // plan.world_size,
+    }  # parsed without a process group: world size 1
     parsed = DeepSpeedConfig(one_rank)  # DeepSpeed itself accepts every key and derives the same accumulation
-    assert parsed.gradient_accumulation_steps == plan.gradient_accumulation_steps and parsed.zero_optimization_stage == int(sharding[-1])
+    assert (
+        parsed.gradient_accumulation_steps == plan.gradient_accumulation_steps
+        and parsed.zero_optimization_stage == int(sharding[-1])
+    )
 
 
 def test_a_users_deepspeed_file_is_used_with_auto_values_filled_from_the_plan(tmp_path):
     from finetune.distributed.deepspeed import config_for
 
     own = tmp_path / "ds.json"
-    own.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                               "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8}}))
+    own.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "bf16": {"enabled": "auto"},
+                "zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1e8},
+            }
+        )
+    )
     plan, config = planned("2x8xA100-40GB", f"distributed.deepspeed_config={own}")
     ds = config_for(plan, config.train, config.distributed)
     assert ds["zero_optimization"] == {"stage": 3, "stage3_max_live_parameters": 1e8}  # as written
-    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == \
-        (plan.global_batch_size, plan.micro_batch_size, plan.gradient_accumulation_steps)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (
+        plan.global_batch_size,
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+    )
     assert ds["bf16"]["enabled"] is True
     own.write_text('{"train_batch_size": 8,\n "zero_optimization": {stage: 3}}')
     with pytest.raises(FtError, match=r"ds.json line 2: not valid JSON"):
@@ -85,11 +107,15 @@ def test_a_users_deepspeed_file_is_refused_for_overlap_comm_below_stage_2_and_fo
     own = tmp_path / "ds.json"
     own.write_text(json.dumps({"zero_optimization": {"stage": 1, "overlap_comm": True}}))
     plan, config = planned("2x8xH200-141GB", "distributed.sharding=zero1", f"distributed.deepspeed_config={own}")
-    with pytest.raises(FtError, match=r"distributed.deepspeed_config: .*ds.json sets zero_optimization.overlap_comm true with stage 1"):
+    with pytest.raises(
+        FtError, match=r"distributed.deepspeed_config: .*ds.json sets zero_optimization.overlap_comm true with stage 1"
+    ):
         config_for(plan, config.train, config.distributed)
     own.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     plan, config = planned("2x8xH200-141GB", "distributed.sharding=zero3", f"distributed.deepspeed_config={own}")
-    with pytest.raises(FtError, match=r"sets zero_optimization.stage 2, but the plan is zero3 .*distributed.sharding: zero2"):
+    with pytest.raises(
+        FtError, match=r"sets zero_optimization.stage 2, but the plan is zero3 .*distributed.sharding: zero2"
+    ):
         config_for(plan, config.train, config.distributed)
 
 
@@ -114,9 +140,13 @@ def test_zero3_matches_one_process_resumes_after_a_stop_and_consolidates(tmp_pat
     from finetune.consolidate import consolidate
 
     c1 = AutoModelForCausalLM.from_pretrained(str(consolidate(one_process, step=3, out=tmp_path / "c1")))
-    c2 = AutoModelForCausalLM.from_pretrained(str(consolidate(tmp_path / "zero3", step=3)))  # from ZeRO partitions, one process
+    c2 = AutoModelForCausalLM.from_pretrained(
+        str(consolidate(tmp_path / "zero3", step=3))
+    )  # from ZeRO partitions, one process
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), c2.parameters())) < 1e-4
-    assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3  # step 3, not the final weights
+    assert (
+        max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
+    )  # step 3, not the final weights
 
 
 def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp_path):
@@ -130,15 +160,17 @@ def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp
     assert one.returncode == 0, one.stderr[-3000:]
     two = ft_train(job(tmp_path, "zero3"), *ZERO, "--set", "distributed.sharding=zero3", *lora, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert losses(tmp_path / "zero3") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)  # from the same start
+    assert losses(tmp_path / "zero3") == pytest.approx(
+        losses(tmp_path / "one"), rel=1e-4, abs=1e-5
+    )  # from the same start
     a = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "zero3" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
         assert a[k].shape == b[k].shape and a[k].numel() > 0  # not the empty tensors of an ungathered ZeRO-3 save
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
-    from finetune.models import model_path
     from finetune.config.schema import ModelSection
+    from finetune.models import model_path
 
     base = AutoModelForCausalLM.from_pretrained(model_path(ModelSection(name="ft-tiny")))
     ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -147,7 +179,9 @@ def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp
         reloaded = PeftModel.from_pretrained(base, str(tmp_path / "zero3" / "final")).eval()
         trained = reloaded(ids).logits
     assert (trained - untrained).abs().max() > 1e-3  # the adapter changes outputs
-    one_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path(ModelSection(name="ft-tiny"))), str(tmp_path / "one" / "final")).eval()
+    one_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_path(ModelSection(name="ft-tiny"))), str(tmp_path / "one" / "final")
+    ).eval()
     with torch.no_grad():
         torch.testing.assert_close(trained, one_model(ids).logits, atol=1e-4, rtol=1e-3)
 
@@ -166,11 +200,12 @@ def test_grpo_generates_and_trains_under_zero3_with_a_lora_adapter_and_kl(tmp_pa
     cfg = tmp_path / "grpo.yaml"
     cfg.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / 'cache'}}}
-method: {{name: grpo, num_generations: 4, max_new_tokens: 8, kl_coef: 0.05, rewards: [{{function: length_penalty, args: {{limit: 4}}}}]}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, num_generations: 4, max_new_tokens: 8, kl_coef: 0.05,
+  rewards: [{{function: length_penalty, args: {{limit: 4}}}}]}}
 adapter: {{type: lora, r: 8, alpha: 16, dropout: 0.0}}
 train: {{global_batch_size: 16, micro_batch_size: 8, max_steps: 2, lr: 1.0e-3}}
-output: {{dir: {tmp_path / 'run'}, log_steps: 1, save_steps: 0}}
+output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
 """)
     r = ft_train(str(cfg), *ZERO, "--set", "distributed.sharding=zero3", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -184,17 +219,27 @@ PROBE = REPO / "tests" / "scripts" / "zero3_load_probe.py"
 SMALL_LORA = "{type: lora, r: 8, alpha: 16, dropout: 0.0, target_modules: [q_proj, v_proj]}"
 
 
-def zero3_job(tmp: Path, name: str, model, *, adapter: str, precision: str = "fp32", method: str = "{name: sft}", data: str = "chat",
-              zero3: bool = True) -> str:
+def zero3_job(
+    tmp: Path,
+    name: str,
+    model,
+    *,
+    adapter: str,
+    precision: str = "fp32",
+    method: str = "{name: sft}",
+    data: str = "chat",
+    zero3: bool = True,
+) -> str:
     """A job adding two tokens (so the embeddings grow and are trained), under ZeRO-3 or in one process."""
     path = tmp / f"{name}.yaml"
     path.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {tmp / (data + '.jsonl')}, format: {data}}}], seq_len: 32, cache_dir: {tmp / 'cache'}, add_special_tokens: ["<x1>", "<x2>"]}}
+data: {{datasets: [{{path: {tmp / (data + ".jsonl")}, format: {data}}}], seq_len: 32,
+  cache_dir: {tmp / "cache"}, add_special_tokens: ["<x1>", "<x2>"]}}
 method: {method}
 adapter: {adapter}
 train: {{global_batch_size: 4, micro_batch_size: 2, max_steps: 1, precision: {precision}}}
-output: {{dir: {tmp / ('run-' + name)}}}
+output: {{dir: {tmp / ("run-" + name)}}}
 {"distributed: {backend: deepspeed, sharding: zero3}" if zero3 else ""}
 """)
     return str(path)
@@ -222,11 +267,19 @@ def zero3_runs(tmp_path_factory):
     params = random_llama(tmp / "big", hidden=1024, layers=24, intermediate=4096, heads=16, kv_heads=16)
     lora = dict(adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}")
     dpo = dict(adapter="{type: full}", method="{name: dpo}", data="preference")
-    jobs = [zero3_job(tmp, name, model, adapter=SMALL_LORA, precision="bf16") for name, model in (("tiny", "ft-tiny"), ("big", tmp / "big"))]
-    jobs += [zero3_job(tmp, "lora", "ft-tiny", **lora) + "@weights@step", zero3_job(tmp, "dpo", "ft-tiny", **dpo) + "@weights@step"]
+    jobs = [
+        zero3_job(tmp, name, model, adapter=SMALL_LORA, precision="bf16")
+        for name, model in (("tiny", "ft-tiny"), ("big", tmp / "big"))
+    ]
+    jobs += [
+        zero3_job(tmp, "lora", "ft-tiny", **lora) + "@weights@step",
+        zero3_job(tmp, "dpo", "ft-tiny", **dpo) + "@weights@step",
+    ]
     ranks = probe(tmp / "two", jobs)
     (tmp / "one").mkdir()
-    one = zero3_load_probe.run_job(zero3_job(tmp, "lora-1", "ft-tiny", zero3=False, **lora), "cpu", tmp / "one", 0, weights=True, step=True)
+    one = zero3_load_probe.run_job(
+        zero3_job(tmp, "lora-1", "ft-tiny", zero3=False, **lora), "cpu", tmp / "one", 0, weights=True, step=True
+    )
     return {"ranks": ranks, "one": one, "two_dir": tmp / "two", "one_dir": tmp / "one", "big_params": params}
 
 
@@ -236,14 +289,22 @@ def test_zero3_lora_model_built_partitioned_has_one_process_weights_and_first_lo
 
     ranks = [r for r in zero3_runs["ranks"] if r["job"] == 2]
     assert [(r["loading"], r["partitioned"]) for r in ranks] == [("partitioned", True)] * 2
-    assert all(r["held"] <= r["total"] // 2 + 4096 for r in ranks)  # each rank holds half (ZeRO pads each partition a little)
+    assert all(
+        r["held"] <= r["total"] // 2 + 4096 for r in ranks
+    )  # each rank holds half (ZeRO pads each partition a little)
     a = torch.load(zero3_runs["one_dir"] / "weights-0.pt", weights_only=True)
     b = torch.load(zero3_runs["two_dir"] / "weights-2.pt", weights_only=True)
     assert (a["loading"], b["loading"]) == ("replica", "partitioned") and a["weights"].keys() == b["weights"].keys()
-    assert any("lora_A" in n for n in a["weights"]) and any("modules_to_save" in n for n in a["weights"])  # adapter, grown embeddings
+    assert any("lora_A" in n for n in a["weights"]) and any(
+        "modules_to_save" in n for n in a["weights"]
+    )  # adapter, grown embeddings
     for name, w in a["weights"].items():
-        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), name  # base, adapter, added rows: exactly
-    assert sorted(b["final_save_gathers"]) == sorted(b["trainable"])  # the final save gathers the adapter, never the frozen base
+        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), (
+            name
+        )  # base, adapter, added rows: exactly
+    assert sorted(b["final_save_gathers"]) == sorted(
+        b["trainable"]
+    )  # the final save gathers the adapter, never the frozen base
     assert [r["loss"] for r in ranks] == pytest.approx([zero3_runs["one"]["loss"]] * 2, rel=1e-5)
 
 
@@ -251,7 +312,9 @@ def test_zero3_lora_model_built_partitioned_has_one_process_weights_and_first_lo
 def test_zero3_full_fine_tuning_dpo_has_a_partitioned_reference_equal_to_the_policy_at_the_start(zero3_runs):
     ranks = [r for r in zero3_runs["ranks"] if r["job"] == 3]
     assert [(r["partitioned"], r["reference"]) for r in ranks] == [(True, "LlamaForCausalLM partitioned=True")] * 2
-    assert [r["loss"] for r in ranks] == pytest.approx([math.log(2)] * 2, abs=1e-6)  # reference = policy before the first update
+    assert [r["loss"] for r in ranks] == pytest.approx(
+        [math.log(2)] * 2, abs=1e-6
+    )  # reference = policy before the first update
 
 
 @pytest.mark.slow
@@ -263,7 +326,10 @@ def test_a_rank_loading_a_400m_model_under_zero3_holds_about_its_partition(zero3
     base = {r["rank"]: r["loaded"] for r in zero3_runs["ranks"] if r["job"] == 0}
     big = [r for r in zero3_runs["ranks"] if r["job"] == 1]
     added = sorted((r["loaded"] - base[r["rank"]]) / size for r in big)
-    print(f"ZeRO-3 loading, {params / 1e6:.0f}M parameters ({size / 2**30:.2f} GiB bf16): peak over a tiny model, per rank "
-          f"{', '.join(f'{x:.2f}x' for x in added)}; together {sum(added):.2f}x the bf16 size")
+    print(
+        f"ZeRO-3 loading, {params / 1e6:.0f}M parameters ({size / 2**30:.2f} GiB bf16): peak over a tiny model, "
+        "per rank "
+        f"{', '.join(f'{x:.2f}x' for x in added)}; together {sum(added):.2f}x the bf16 size"
+    )
     assert all(r["partitioned"] and r["loading"] == "partitioned" for r in big)
     assert all(x < 0.6 for x in added[:-1]) and sum(added) < 1.6

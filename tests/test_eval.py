@@ -45,16 +45,19 @@ def test_load_function_from_a_file_or_a_module(metric_file):
     assert load_function("json:dumps", "k") is json.dumps
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ("metrics.py", "does not name a function"),
-    ("metrics.py:", "does not name a function"),
-    ("missing.py:score", "the file missing.py does not exist"),
-    ("no_such_pkg.mod:score", "no module named 'no_such_pkg'"),
-    ("metrics.py:nope", "has no attribute 'nope' (it defines: fails_on_seven, not_a_number, score, wrong_length)"),
-    ("metrics.py:CONSTANT", "CONSTANT in metrics.py is a int, not a function"),
-    ("broken.py:f", "importing broken.py failed with ModuleNotFoundError"),
-    ("metrics.py:not-a-name", "is not a function name"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("metrics.py", "does not name a function"),
+        ("metrics.py:", "does not name a function"),
+        ("missing.py:score", "the file missing.py does not exist"),
+        ("no_such_pkg.mod:score", "no module named 'no_such_pkg'"),
+        ("metrics.py:nope", "has no attribute 'nope' (it defines: fails_on_seven, not_a_number, score, wrong_length)"),
+        ("metrics.py:CONSTANT", "CONSTANT in metrics.py is a int, not a function"),
+        ("broken.py:f", "importing broken.py failed with ModuleNotFoundError"),
+        ("metrics.py:not-a-name", "is not a function name"),
+    ],
+)
 def test_load_function_errors_name_the_key_the_spec_and_the_fix(metric_file, spec, needle):
     with pytest.raises(FtError) as err:
         load_function(spec, "method.rewards[0].function")
@@ -84,7 +87,9 @@ def test_metric_functions_get_columns_and_are_checked(metric_file):
         fn("wrong_length")(["a", "b", "c"], [None] * 3, {}, origins)
     with pytest.raises(FtError, match=re.escape("gave 'high' for sample 2 (s.jsonl:3)")):
         fn("not_a_number")(["a", "b", "c"], [None] * 3, {}, origins)
-    with pytest.raises(FtError, match=re.escape("metrics.py:fails_on_seven failed on sample 1 (s.jsonl:2): ZeroDivisionError")):
+    with pytest.raises(
+        FtError, match=re.escape("metrics.py:fails_on_seven failed on sample 1 (s.jsonl:2): ZeroDivisionError")
+    ):
         fn("fails_on_seven")(["a", "b", "c"], ["1", "7", "2"], {}, origins)
     with pytest.raises(DataError, match="s.jsonl:2: no reference answer for exact_match"):
         Scorer(parse("exact_match", None))(["a", "b"], ["a", None], {}, origins[:2])
@@ -110,19 +115,38 @@ def test_ft_eval_metrics_and_loss_agree_with_a_hand_computation(model_dir, tmp_p
     monkeypatch.chdir(tmp_path)
     (tmp_path / "metrics.py").write_text(METRIC_FILE)
     questions = [f"What is {i} + {i + 3}?" for i in range(8)]
-    (tmp_path / "q.jsonl").write_text("".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(questions)))
+    (tmp_path / "q.jsonl").write_text(
+        "".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(questions))
+    )
     run_generate(str(model_dir), "q.jsonl", "seen.jsonl", max_new_tokens=5, progress=False)
     seen = [json.loads(line)["completion"] for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     answers = [c if i % 2 == 0 else c + "!" for i, c in enumerate(seen)]  # half match exactly
     topics = ["sums" if i < 3 else "words" for i in range(8)]
-    (tmp_path / "set.jsonl").write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}], "topic": t}) + "\n"
-                                        for i, (q, a, t) in enumerate(zip(questions, answers, topics))))
-    result = run_eval(str(model_dir), data="set.jsonl", metrics=("exact_match", "contains", "metrics.py:score", "loss"), max_new_tokens=5,
-                      out="results.json", predictions="preds.jsonl", progress=False, as_json=True)
+    (tmp_path / "set.jsonl").write_text(
+        "".join(
+            json.dumps(
+                {"id": i, "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}], "topic": t}
+            )
+            + "\n"
+            for i, (q, a, t) in enumerate(zip(questions, answers, topics))
+        )
+    )
+    result = run_eval(
+        str(model_dir),
+        data="set.jsonl",
+        metrics=("exact_match", "contains", "metrics.py:score", "loss"),
+        max_new_tokens=5,
+        out="results.json",
+        predictions="preds.jsonl",
+        progress=False,
+        as_json=True,
+    )
     m = result.metrics
     assert m["exact_match"] == sum(c.strip() == a.strip() for c, a in zip(seen, answers)) / 8 == 0.5
     assert m["contains"] == sum(a.strip() in c.strip() for c, a in zip(seen, answers)) / 8
-    assert m["metrics.py:score"] == pytest.approx(sum((len(c) % 2 == 0) + (0.5 if t == "sums" else 0) for c, t in zip(seen, topics)) / 8)
+    assert m["metrics.py:score"] == pytest.approx(
+        sum((len(c) % 2 == 0) + (0.5 if t == "sums" else 0) for c, t in zip(seen, topics)) / 8
+    )
     assert m["loss"] == pytest.approx(_hand_loss(model_dir, questions, answers), rel=1e-5)
     assert m["perplexity"] == pytest.approx(math.exp(m["loss"]))
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -148,7 +172,11 @@ def _hand_loss(model_dir, questions, answers) -> float:
         trained = [i for i, (s, e) in enumerate(enc["offset_mapping"]) if s < end and e > start and i > 0]
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0]
-        total += float(torch.nn.functional.cross_entropy(logits[[i - 1 for i in trained]], torch.tensor([ids[i] for i in trained]), reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(
+                logits[[i - 1 for i in trained]], torch.tensor([ids[i] for i in trained]), reduction="sum"
+            )
+        )
         count += len(trained)
     return total / count
 
@@ -171,15 +199,18 @@ def test_periodic_evaluation_during_training_and_ft_eval_of_the_run_agree(tmp_pa
     from finetune.workflow import run_train
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "metrics.py").write_text("def digits(completions, **columns):\n    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]\n")
+    (tmp_path / "metrics.py").write_text(
+        "def digits(completions, **columns):\n    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c "
+        "in completions]\n"
+    )
     data = write_jsonl(arithmetic_records(64, seed=3), tmp_path / "train.jsonl")
     test = write_jsonl(arithmetic_records(12, seed=4), tmp_path / "test.jsonl")
     (tmp_path / "job.yaml").write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / 'cache'}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
 adapter: {{type: full}}
 train: {{global_batch_size: 8, micro_batch_size: 8, max_steps: 4, lr: 3.0e-3}}
-output: {{dir: {tmp_path / 'run'}, log_steps: 1, save_steps: 0}}
+output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
 evaluation: {{path: {test}, metric: function, function: metrics.py:digits, max_new_tokens: 6, every_steps: 2}}
 """)
     result = run_train(tmp_path / "job.yaml", hardware="cpu")
@@ -192,16 +223,21 @@ evaluation: {{path: {test}, metric: function, function: metrics.py:digits, max_n
 
 # ---------------------------------------------------------------- lm-evaluation-harness
 @pytest.mark.slow
-@pytest.mark.skipif(not __import__("importlib").util.find_spec("lm_eval"), reason="lm-eval is an optional extra (pip install 'finetune[lm-eval]')")
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("lm_eval"),
+    reason="lm-eval is an optional extra (pip install 'finetune[lm-eval]')",
+)
 def test_lm_eval_runs_a_local_task_offline(model_dir, tmp_path):
     from finetune.infer.commands import run_eval
 
-    (tmp_path / "qa.jsonl").write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    (tmp_path / "qa.jsonl").write_text(
+        "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
     (tmp_path / "ft_tiny_qa.yaml").write_text(f"""task: ft_tiny_qa
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {tmp_path / 'qa.jsonl'}
+    test: {tmp_path / "qa.jsonl"}
 test_split: test
 output_type: generate_until
 doc_to_text: "{{{{question}}}}"
@@ -209,7 +245,9 @@ doc_to_target: "{{{{answer}}}}"
 generation_kwargs: {{until: ["<|im_end|>"], max_gen_toks: 4, do_sample: false}}
 metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
 """)
-    result = run_eval(str(model_dir), lm_eval=("ft_tiny_qa",), lm_eval_include=str(tmp_path), progress=False, as_json=True)
+    result = run_eval(
+        str(model_dir), lm_eval=("ft_tiny_qa",), lm_eval_include=str(tmp_path), progress=False, as_json=True
+    )
     assert set(result.lm_eval) == {"ft_tiny_qa"} and 0.0 <= result.lm_eval["ft_tiny_qa"]["exact_match"] <= 1.0
     with pytest.raises(FtError, match="unknown task no_such_task"):
         run_eval(str(model_dir), lm_eval=("no_such_task",), lm_eval_include=str(tmp_path), progress=False)
@@ -217,7 +255,8 @@ metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}
 
 # ---------------------------------------------------------------- code in a run folder runs only when asked
 def _adapter_run(model_dir, root, marker):
-    """A LoRA run folder: final/ is a peft adapter; config.yaml names an evil base model and turns trust_remote_code on."""
+    """A LoRA run folder: final/ is a peft adapter; config.yaml names an evil base model and turns trust_remote_code
+    on."""
     import yaml
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -226,9 +265,13 @@ def _adapter_run(model_dir, root, marker):
 
     base = evil_model(model_dir, root / "evil-base", marker)
     run = root / "lora-run"
-    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
     peft_model.save_pretrained(str(run / "final"))
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": str(base), "trust_remote_code": True}, "adapter": {"type": "lora"}}))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"name": str(base), "trust_remote_code": True}, "adapter": {"type": "lora"}})
+    )
     return run
 
 
@@ -246,7 +289,9 @@ def test_ft_eval_of_a_crafted_run_folder_runs_none_of_its_code(model_dir, tmp_pa
     marker = tmp_path / "MARKER"
     run = crafted_run(model_dir, tmp_path, marker) if kind == "full" else _adapter_run(model_dir, tmp_path, marker)
     data = tmp_path / "set.jsonl"
-    data.write_text(json.dumps({"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}) + "\n")
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}) + "\n"
+    )
     result = run_eval(str(run), data=str(data), metrics=("loss",), progress=False, as_json=True)
     assert math.isfinite(result.metrics["loss"])
     assert not marker.exists(), f"ft eval ran code from the {kind} run folder without --trust-remote-code"

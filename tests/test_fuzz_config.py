@@ -19,9 +19,32 @@ from tests.conftest import REPO
 from tests.fuzz.configs import generate
 from tests.fuzz.runner import run_all, summary
 
-KINDS = {"bool-for-int", "int-out-of-range", "huge-int", "unknown-value", "template-typo", "misspelled-key", "missing-key",
-         "broken-yaml", "binary", "latin1", "utf16", "control-char", "nul-in-string", "alias-bomb", "alias-quadratic",
-         "alias-recursive", "deep-flow", "deep-block", "tag", "long-string", "too-big", "env-nested-missing", "env-bad-value", "set"}
+KINDS = {
+    "bool-for-int",
+    "int-out-of-range",
+    "huge-int",
+    "unknown-value",
+    "template-typo",
+    "misspelled-key",
+    "missing-key",
+    "broken-yaml",
+    "binary",
+    "latin1",
+    "utf16",
+    "control-char",
+    "nul-in-string",
+    "alias-bomb",
+    "alias-quadratic",
+    "alias-recursive",
+    "deep-flow",
+    "deep-block",
+    "tag",
+    "long-string",
+    "too-big",
+    "env-nested-missing",
+    "env-bad-value",
+    "set",
+}
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +67,23 @@ def test_every_bad_config_is_a_clear_user_error(cases, tmp_path):
     outcomes = run_all(cases, tmp_path, timeout=20)
     elapsed = time.monotonic() - start
     bad = [o for o in outcomes if o.verdict != "ok"]
-    report = "\n".join(f"{o.verdict} {o.case.name} {o.case.command} {o.case.args[:2]}: {o.output[-400:]!r}" for o in bad[:10])
+    report = "\n".join(
+        f"{o.verdict} {o.case.name} {o.case.command} {o.case.args[:2]}: {o.output[-400:]!r}" for o in bad[:10]
+    )
     assert not bad, f"{summary(outcomes)}\n{report}"
     assert max(o.seconds for o in outcomes) < 20
     assert elapsed < 120, summary(outcomes)
 
 
 def _ft(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=REPO, timeout=60,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize("kind", ["binary", "alias-bomb", "tag", "env-nested-missing", "huge-int"])

@@ -27,18 +27,24 @@ import yaml
 from finetune.data.sources import load_source
 from finetune.errors import DataError
 from tests.conftest import REPO
-from tests.test_data_sources import spec
 from tests.fuzz.data_files import Case, cases, jsonl, materialize
+from tests.test_data_sources import spec
 
 LIMIT_S = 20.0  # per case
 CASES = cases()
 BY_NAME = {c.name: c for c in CASES}
 METHODS = {
     "preference": {"name": "dpo"},
-    "prompt_only": {"name": "grpo", "max_new_tokens": 8, "rewards": [{"function": "exact_match", "args": {"column": "answer"}}]},
+    "prompt_only": {
+        "name": "grpo",
+        "max_new_tokens": 8,
+        "rewards": [{"function": "exact_match", "args": {"column": "answer"}}],
+    },
 }
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "mkfifo"), reason="needs fork and FIFOs (POSIX)")
+pytestmark = pytest.mark.skipif(
+    not hasattr(os, "fork") or not hasattr(os, "mkfifo"), reason="needs fork and FIFOs (POSIX)"
+)
 
 
 @dataclass
@@ -55,10 +61,18 @@ class Outcome:
 def job_file(case: Case, folder: Path) -> Path:
     """A job on ft-tiny that reads the case's file, with its cache and run folder under `folder`."""
     path = materialize(case, folder / "data")
-    data = {"datasets": [{"path": path, "format": case.format, **case.source}], "seq_len": 64,
-            "cache_dir": str(folder / "cache"), **case.data}
-    job = {"model": {"name": "ft-tiny"}, "data": data, "method": METHODS.get(case.format, {"name": "sft"}),
-           "output": {"dir": str(folder / "run")}}
+    data = {
+        "datasets": [{"path": path, "format": case.format, **case.source}],
+        "seq_len": 64,
+        "cache_dir": str(folder / "cache"),
+        **case.data,
+    }
+    job = {
+        "model": {"name": "ft-tiny"},
+        "data": data,
+        "method": METHODS.get(case.format, {"name": "sft"}),
+        "output": {"dir": str(folder / "run")},
+    }
     out = folder / "job.yaml"
     out.write_text(yaml.safe_dump(job, sort_keys=False))
     return out
@@ -82,7 +96,10 @@ def _child(config: Path, result: Path, log: Path) -> None:
         except FtError as e:
             outcome = {"status": "error", "message": str(e), "exit_code": e.exit_code}
         except BaseException as e:  # anything else is a crash: a traceback for the user
-            outcome = {"status": "crash", "message": f"{type(e).__name__}: {e}"[:2000] + "\n" + traceback.format_exc()[-3000:]}
+            outcome = {
+                "status": "crash",
+                "message": f"{type(e).__name__}: {e}"[:2000] + "\n" + traceback.format_exc()[-3000:],
+            }
         result.write_text(json.dumps(outcome))
     except BaseException:
         code = 3
@@ -174,7 +191,9 @@ def test_bad_data_file(name, warm, tmp_path):
     if case.kind == "unreadable" and os.geteuid() == 0:
         pytest.skip("root reads any file")
     out = run_case(case, tmp_path)
-    assert not problems(case, out), f"{name}: {problems(case, out)}\n--- message:\n{out.message}\n--- output:\n{out.output[-3000:]}"
+    assert not problems(case, out), (
+        f"{name}: {problems(case, out)}\n--- message:\n{out.message}\n--- output:\n{out.output[-3000:]}"
+    )
 
 
 SUBPROCESS = ("json_deep_list", "fifo", "prompt_completion_number")
@@ -187,8 +206,16 @@ def test_real_processes_print_one_error_and_exit_2():
         runs = []
         for name in SUBPROCESS:
             config = job_file(BY_NAME[name], Path(tmp) / name)
-            runs.append(subprocess.Popen([sys.executable, "-m", "finetune", "preprocess", str(config)], cwd=REPO, env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            runs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "finetune", "preprocess", str(config)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for name, proc in zip(SUBPROCESS, runs):
             _, err = proc.communicate(timeout=120)
             case = BY_NAME[name]
@@ -203,13 +230,25 @@ def _conversations(rng):
         return " ".join(rng.choice(["alpha", "be", "c", "delta!", "12", "\n", "x" * 30]) for _ in range(n))
 
     def turns(n, user, assistant):
-        return [m for _ in range(n) for m in ({"role": "user", "content": words(user)}, {"role": "assistant", "content": words(assistant)})]
+        return [
+            m
+            for _ in range(n)
+            for m in ({"role": "user", "content": words(user)}, {"role": "assistant", "content": words(assistant)})
+        ]
 
     yield [{"role": "user", "content": words(5)}, {"role": "assistant", "content": words(1200)}]
     yield turns(120, 8, 8)
     yield turns(10, 2, 2)  # 20 short messages: within a long seq_len, nothing is cut
-    yield [{"role": "system", "content": words(1200)}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    yield [{"role": "user", "content": words(1200)}, {"role": "assistant", "content": "a"}, {"role": "user", "content": "more"}]
+    yield [
+        {"role": "system", "content": words(1200)},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
+    yield [
+        {"role": "user", "content": words(1200)},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "more"},
+    ]
     yield turns(60, 20, 2) + [{"role": "user", "content": words(500)}]
     yield [{"role": "user", "content": "x" * 8000}, {"role": "assistant", "content": "y" * 10}]
 
@@ -231,12 +270,20 @@ def test_long_records_give_what_the_whole_record_gives():
         for train_on in ("assistant", "last_assistant", "all"):
             for overlong in ("truncate", "drop"):
                 records = [("chat", {"messages": m}) for m in _conversations(rng)]
-                records += [("completion", {"text": "word " * 2000}), ("prompt_completion", {"prompt": "p " * 2000, "completion": "c " * 2000}),
-                            ("prompt_completion", {"prompt": "short", "completion": "c " * 4000})]
+                records += [
+                    ("completion", {"text": "word " * 2000}),
+                    ("prompt_completion", {"prompt": "p " * 2000, "completion": "c " * 2000}),
+                    ("prompt_completion", {"prompt": "short", "completion": "c " * 4000}),
+                ]
                 for fmt, record in records:
                     rules = tk.Rules(fmt, train_on, seq_len, overlong, seq_len)
                     fast = tk.fit_length(tk.tokenize_record(record, rules, tokenizer, jinja), rules)
-                    assert fast == tk.fit_length(tk._tokenize(record, rules, tokenizer, jinja), rules), (fmt, seq_len, train_on, overlong)
+                    assert fast == tk.fit_length(tk._tokenize(record, rules, tokenizer, jinja), rules), (
+                        fmt,
+                        seq_len,
+                        train_on,
+                        overlong,
+                    )
                     checked += 1
     assert checked == 2 * 3 * 2 * 10
 
@@ -249,7 +296,11 @@ def test_a_4000_message_conversation_is_tokenized_in_bounded_time():
 
     tokenizer = load_tokenizer(ModelSection(name="ft-tiny"))
     jinja = resolve(tokenizer, "tokenizer")
-    turns = [m for i in range(2000) for m in ({"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"})]
+    turns = [
+        m
+        for i in range(2000)
+        for m in ({"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"})
+    ]
     rules = tk.Rules("chat", "assistant", 2048, "truncate", 2048)
     start = time.monotonic()
     row, status = tk.fit_length(tk.tokenize_record({"messages": turns}, rules, tokenizer, jinja), rules)
@@ -258,14 +309,17 @@ def test_a_4000_message_conversation_is_tokenized_in_bounded_time():
 
 
 # ---------------------------------------------------------------- the reader's checks, one by one
-@pytest.mark.parametrize("line, needle", [
-    (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
-    (b'{"text": ' + b"[" * 100 + b"]" * 100 + b"}", "nested too deeply"),
-    (b'{"text": "a\\ud800"}', r"unpaired surrogate escape \(\\ud800\)"),
-    (b'{"text": NaN}', "holds NaN, which JSON does not allow"),
-    (b'\xef\xbb\xbf{"text": "a"}', "byte-order mark"),
-    (b'{"text": "a\x00"}', "NUL byte"),
-])
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+        (b'{"text": ' + b"[" * 100 + b"]" * 100 + b"}", "nested too deeply"),
+        (b'{"text": "a\\ud800"}', r"unpaired surrogate escape \(\\ud800\)"),
+        (b'{"text": NaN}', "holds NaN, which JSON does not allow"),
+        (b'\xef\xbb\xbf{"text": "a"}', "byte-order mark"),
+        (b'{"text": "a\x00"}', "NUL byte"),
+    ],
+)
 def test_records_ft_cannot_hold_name_their_line(tmp_path, line, needle):
     path = tmp_path / "t.jsonl"
     path.write_bytes(b'{"text": "ok"}\n' + line + b'\n{"text": "ok"}\n')
@@ -287,10 +341,17 @@ def test_a_line_over_the_limit_is_refused_without_reading_it_whole(tmp_path, mon
     assert ds["_origin"] == [f"{path}:1", f"{path}:3"]  # the long line is counted as one line
 
 
-@pytest.mark.parametrize("head, needle", [
-    (b"\x1f\x8b\x08\x00", "gzip-compressed"), (b"PK\x03\x04", "zip archive"), (b"\xff\xfe{\x00", "UTF-16"),
-    (b"PAR1", "a parquet file"), (bytes(range(256)) * 4, "looks binary"), ('{"text": "a"}'.encode("utf-16-le"), "UTF-16 text without"),
-])
+@pytest.mark.parametrize(
+    "head, needle",
+    [
+        (b"\x1f\x8b\x08\x00", "gzip-compressed"),
+        (b"PK\x03\x04", "zip archive"),
+        (b"\xff\xfe{\x00", "UTF-16"),
+        (b"PAR1", "a parquet file"),
+        (bytes(range(256)) * 4, "looks binary"),
+        ('{"text": "a"}'.encode("utf-16-le"), "UTF-16 text without"),
+    ],
+)
 def test_files_that_are_not_text_are_named_with_the_fix(tmp_path, head, needle):
     path = tmp_path / "data.jsonl"
     path.write_bytes(head + b"rest")
@@ -305,6 +366,10 @@ def test_paths_that_are_not_regular_files(tmp_path):
     os.symlink(tmp_path / "b.jsonl", tmp_path / "a.jsonl")
     os.symlink(tmp_path / "a.jsonl", tmp_path / "b.jsonl")
     os.symlink(tmp_path / "gone.jsonl", tmp_path / "dangling.jsonl")
-    for name, needle in (("pipe.jsonl", "is a named pipe"), ("a.jsonl", "is a symbolic link that loops"), ("dangling.jsonl", "is a symbolic link to .*gone.jsonl, which does not exist")):
+    for name, needle in (
+        ("pipe.jsonl", "is a named pipe"),
+        ("a.jsonl", "is a symbolic link that loops"),
+        ("dangling.jsonl", "is a symbolic link to .*gone.jsonl, which does not exist"),
+    ):
         with pytest.raises(DataError, match=rf"{name}: {needle}.*\n    fix: "):
             load_source(spec(tmp_path / name))

@@ -46,7 +46,14 @@ def prompts_file(tmp_path_factory):
 
 
 def job(model_dir, prompts_file, out, **kw) -> GenerateJob:
-    return GenerateJob(resolve(str(model_dir)), PromptSpec(str(prompts_file)), str(out), Sampling(max_new_tokens=MAX_NEW), batch_size=4, **kw)
+    return GenerateJob(
+        resolve(str(model_dir)),
+        PromptSpec(str(prompts_file)),
+        str(out),
+        Sampling(max_new_tokens=MAX_NEW),
+        batch_size=4,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +65,31 @@ def one_process(model_dir, prompts_file, tmp_path_factory):
 
 
 def ft_generate(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "finetune", "generate", *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "generate", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=timeout,
+    )
 
 
 def cli_args(model_dir, prompts_file, out, processes):
-    return [str(model_dir), "--prompts", str(prompts_file), "--out", str(out), "--max-new-tokens", str(MAX_NEW), "--batch-size", "4",
-            "--processes", str(processes), "--quiet"]
+    return [
+        str(model_dir),
+        "--prompts",
+        str(prompts_file),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--batch-size",
+        "4",
+        "--processes",
+        str(processes),
+        "--quiet",
+    ]
 
 
 # ---------------------------------------------------------------- batches
@@ -86,10 +111,15 @@ def test_prompts_from_jsonl_csv_and_parquet(tmp_path):
 
     (tmp_path / "p.csv").write_text("question,answer\nWhat is 1 + 1?,2\nWhat is 2 + 2?,4\n")
     pq.write_table(pa.table({"prompt": ["Hi", "Bye"], "id": [7, 8]}), tmp_path / "p.parquet")
-    (tmp_path / "p.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]}) + "\n")
+    (tmp_path / "p.jsonl").write_text(
+        json.dumps({"conversations": [{"from": "human", "value": "Hello"}, {"from": "gpt", "value": "Hi!"}]}) + "\n"
+    )
     csv = read_prompts(PromptSpec(str(tmp_path / "p.csv"), system="Be brief.")).prompts
     assert [p.id for p in csv] == [0, 1] and [p.reference for p in csv] == ["2", "4"]
-    assert csv[0].messages == ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"})
+    assert csv[0].messages == (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1 + 1?"},
+    )
     assert csv[1].origin.endswith("p.csv:row 2") and csv[0].text == "What is 1 + 1?"
     parquet = read_prompts(PromptSpec(str(tmp_path / "p.parquet"))).prompts
     assert [p.id for p in parquet] == [7, 8] and parquet[1].fields == {"prompt": "Bye", "id": 8}
@@ -97,13 +127,19 @@ def test_prompts_from_jsonl_csv_and_parquet(tmp_path):
     assert chat.messages == ({"role": "user", "content": "Hello"},) and chat.reference == "Hi!"
 
 
-@pytest.mark.parametrize("lines, needle", [
-    ([{"body": "x"}], "no prompt column; looked for messages"),
-    ([{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}], "p.jsonl:2: the id 1 was already used at"),
-    ([{"prompt": "a", "id": 1}, {"prompt": "b"}], "p.jsonl:2: no 'id', though other records have one"),
-    ([{"prompt": ""}], "p.jsonl:1: 'prompt' is empty"),
-    ([{"messages": [{"role": "assistant", "content": "4"}]}], "p.jsonl:1: the conversation holds only an assistant message"),
-])
+@pytest.mark.parametrize(
+    "lines, needle",
+    [
+        ([{"body": "x"}], "no prompt column; looked for messages"),
+        ([{"prompt": "a", "id": 1}, {"prompt": "b", "id": 1}], "p.jsonl:2: the id 1 was already used at"),
+        ([{"prompt": "a", "id": 1}, {"prompt": "b"}], "p.jsonl:2: no 'id', though other records have one"),
+        ([{"prompt": ""}], "p.jsonl:1: 'prompt' is empty"),
+        (
+            [{"messages": [{"role": "assistant", "content": "4"}]}],
+            "p.jsonl:1: the conversation holds only an assistant message",
+        ),
+    ],
+)
 def test_bad_prompt_files_name_the_file_and_line(tmp_path, lines, needle):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
@@ -116,10 +152,15 @@ def test_prompts_from_a_job_files_dataset(tmp_path):
     from finetune.tiny import arithmetic_records, write_jsonl
 
     data = write_jsonl(arithmetic_records(5, seed=1), tmp_path / "val.jsonl")
-    (tmp_path / "job.yaml").write_text(f"model: {{name: ft-tiny}}\ndata:\n  datasets: [{{path: {data}, format: chat}}]\n  template: chatml\n  validation: {{path: {data}, format: chat}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
+    (tmp_path / "job.yaml").write_text(
+        f"model: {{name: ft-tiny}}\ndata:\n  datasets: [{{path: {data}, format: chat}}]\n  template: chatml\n  "
+        f"validation: {{path: {data}, format: chat}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
+    )
     prompt_set = read_prompts(PromptSpec(str(tmp_path / "job.yaml")))
     assert prompt_set.template == "chatml" and "data.validation" in prompt_set.where
-    assert [p.reference for p in prompt_set.prompts] == [r["messages"][-1]["content"] for r in arithmetic_records(5, seed=1)]
+    assert [p.reference for p in prompt_set.prompts] == [
+        r["messages"][-1]["content"] for r in arithmetic_records(5, seed=1)
+    ]
 
 
 # ---------------------------------------------------------------- one process
@@ -128,7 +169,10 @@ def test_output_keeps_input_order_ids_and_fields(one_process, model_dir, prompts
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     inputs = [json.loads(line) for line in prompts_file.read_text().splitlines()]
     assert [r["id"] for r in rows] == [r["id"] for r in inputs]
-    assert all(r["messages"] == i["messages"] and r["topic"] == "arithmetic" and isinstance(r["completion"], str) for r, i in zip(rows, inputs))
+    assert all(
+        r["messages"] == i["messages"] and r["topic"] == "arithmetic" and isinstance(r["completion"], str)
+        for r, i in zip(rows, inputs)
+    )
     assert result.rows == result.generated == 40 and 0 < result.tokens <= 40 * MAX_NEW and result.prompts_per_s > 0
     assert not out.with_name("out.jsonl.parts").exists()
     again = generate(job(model_dir, prompts_file, out), processes=1, progress=False)
@@ -139,11 +183,19 @@ def test_ids_are_positions_when_the_input_has_none(model_dir, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(3)))
     out = tmp_path / "o.jsonl"
-    generate(GenerateJob(resolve(str(model_dir)), PromptSpec(str(path)), str(out), Sampling(max_new_tokens=2)), progress=False)
+    generate(
+        GenerateJob(resolve(str(model_dir)), PromptSpec(str(path)), str(out), Sampling(max_new_tokens=2)),
+        progress=False,
+    )
     assert [list(json.loads(line)) for line in out.read_text().splitlines()] == [["prompt", "id", "completion"]] * 3
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2]
     with pytest.raises(DataError, match="already has a field 'prompt'"):
-        generate(GenerateJob(resolve(str(model_dir)), PromptSpec(str(path)), str(tmp_path / "o2.jsonl"), output_field="prompt"), progress=False)
+        generate(
+            GenerateJob(
+                resolve(str(model_dir)), PromptSpec(str(path)), str(tmp_path / "o2.jsonl"), output_field="prompt"
+            ),
+            progress=False,
+        )
 
 
 def test_sampling_is_seeded_per_batch_not_per_process(model_dir):
@@ -154,8 +206,12 @@ def test_sampling_is_seeded_per_batch_not_per_process(model_dir):
 
     src = resolve(str(model_dir))
     tokenizer = load_tokenizer(src)
-    engine = TransformersEngine(load_model(src, tokenizer, torch.float32, torch.device("cpu")), tokenizer,
-                                Sampling(max_new_tokens=8, temperature=1.0, seed=5), torch.device("cpu"))
+    engine = TransformersEngine(
+        load_model(src, tokenizer, torch.float32, torch.device("cpu")),
+        tokenizer,
+        Sampling(max_new_tokens=8, temperature=1.0, seed=5),
+        torch.device("cpu"),
+    )
     a, b = [[5, 6, 7, 8], [9, 10]], [[11, 12, 13]]
     first = engine.generate(a, 0), engine.generate(b, 1)
     second = engine.generate(b, 1), engine.generate(a, 0)
@@ -169,14 +225,18 @@ def test_two_processes_write_the_same_bytes_as_one(one_process, model_dir, promp
     out = tmp_path / "two.jsonl"
     r = ft_generate(*cli_args(model_dir, prompts_file, out, 2))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "wrote" in r.stderr and "40 rows (40 generated now)" in r.stderr and "on 2 processes" in r.stderr, r.stderr[-2000:]
+    assert "wrote" in r.stderr and "40 rows (40 generated now)" in r.stderr and "on 2 processes" in r.stderr, r.stderr[
+        -2000:
+    ]
     assert out.read_bytes() == one_process[0].read_bytes()
 
 
 @pytest.mark.slow
 def test_a_crashed_job_resumes_without_duplicates_or_gaps(one_process, model_dir, prompts_file, tmp_path, monkeypatch):
     out = tmp_path / "crash.jsonl"
-    monkeypatch.setenv("FT_TEST_CRASH", "1:1")  # process 1 dies after its first batch, leaving half a line; torchrun stops process 0
+    monkeypatch.setenv(
+        "FT_TEST_CRASH", "1:1"
+    )  # process 1 dies after its first batch, leaving half a line; torchrun stops process 0
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(FtError, match="generation failed: a process exited"):
         generate(job(model_dir, prompts_file, out), processes=2, progress=False)
@@ -185,14 +245,24 @@ def test_a_crashed_job_resumes_without_duplicates_or_gaps(one_process, model_dir
     written = [line for p in parts.glob("part-*.jsonl") for line in p.read_text().splitlines()]
     assert not out.exists() and 0 < len(written) < 40 and any("cut sh" in line for line in written)
     with pytest.raises(FtError, match="other settings .*sampling.temperature was 0.0, now 0.5"):
-        generate(dataclasses.replace(job(model_dir, prompts_file, out), sampling=Sampling(max_new_tokens=MAX_NEW, temperature=0.5)), progress=False)
-    resumed = generate(job(model_dir, prompts_file, out), processes=1, progress=False)  # another number of processes is fine
+        generate(
+            dataclasses.replace(
+                job(model_dir, prompts_file, out), sampling=Sampling(max_new_tokens=MAX_NEW, temperature=0.5)
+            ),
+            progress=False,
+        )
+    resumed = generate(
+        job(model_dir, prompts_file, out), processes=1, progress=False
+    )  # another number of processes is fine
     assert resumed.rows == 40 and 0 < resumed.generated < 40
     assert out.read_bytes() == one_process[0].read_bytes() and not parts.exists()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs a CUDA GPU with vLLM installed")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+    reason="needs a CUDA GPU with vLLM installed",
+)
 def test_vllm_engine_greedy_matches_transformers(one_process, model_dir, prompts_file, tmp_path):
     out = tmp_path / "vllm.jsonl"
     result = generate(job(model_dir, prompts_file, out, engine="vllm", dtype="fp32"), progress=False)
@@ -200,7 +270,9 @@ def test_vllm_engine_greedy_matches_transformers(one_process, model_dir, prompts
     ours = [json.loads(line) for line in one_process[0].read_text().splitlines()]
     theirs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in theirs] == [r["id"] for r in ours]
-    assert sum(a["completion"] == b["completion"] for a, b in zip(ours, theirs)) >= 36  # kernels differ; greedy ties may break apart
+    assert (
+        sum(a["completion"] == b["completion"] for a, b in zip(ours, theirs)) >= 36
+    )  # kernels differ; greedy ties may break apart
 
 
 # ---------------------------------------------------------------- code in a run folder runs only when asked
@@ -226,8 +298,10 @@ def evil_model(model_dir, folder, marker):
     import shutil
 
     shutil.copytree(model_dir, folder)
-    for name, auto_map in (("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
-                           ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizer"]})):
+    for name, auto_map in (
+        ("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizer"]}),
+    ):
         config = json.loads((folder / name).read_text())
         (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
     (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
@@ -240,7 +314,9 @@ def crafted_run(model_dir, root, marker, model_name="ft-tiny"):
 
     run = root / "run"
     evil_model(model_dir, run / "final", marker)
-    (run / "config.yaml").write_text(yaml.safe_dump({"model": {"name": model_name, "trust_remote_code": True}, "adapter": {"type": "full"}}))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"name": model_name, "trust_remote_code": True}, "adapter": {"type": "full"}})
+    )
     return run
 
 
@@ -260,11 +336,20 @@ def test_a_run_folder_cannot_turn_on_remote_code(model_dir, tmp_path, modules_ca
     run = crafted_run(model_dir, tmp_path, marker)
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
     assert resolve(str(run)).trust_remote_code is False  # config.yaml says true: not this invocation
-    run_generate(str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out.jsonl"), max_new_tokens=2, processes=1, progress=False)
+    run_generate(
+        str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out.jsonl"), max_new_tokens=2, processes=1, progress=False
+    )
     assert not marker.exists(), "ft generate ran code from the run folder without --trust-remote-code"
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
     # the control: the same folder with the flag does run it (so the check above can fail)
     assert resolve(str(run), trust_remote_code=True).trust_remote_code is True
-    run_generate(str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out2.jsonl"), max_new_tokens=2, processes=1, progress=False,
-                 trust_remote_code=True)
+    run_generate(
+        str(run),
+        str(tmp_path / "q.jsonl"),
+        str(tmp_path / "out2.jsonl"),
+        max_new_tokens=2,
+        processes=1,
+        progress=False,
+        trust_remote_code=True,
+    )
     assert marker.exists()

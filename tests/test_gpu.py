@@ -1,4 +1,5 @@
-"""Checks that need a CUDA GPU (skipped elsewhere): bf16, QLoRA kernels, FSDP-QLoRA, host offload, DeepSpeed, DPO, evaluation.
+"""Checks that need a CUDA GPU (skipped elsewhere): bf16, QLoRA kernels, FSDP-QLoRA, host offload, DeepSpeed, DPO,
+evaluation.
 
 Each runs ft train on the tiny model, on one GPU (FSDP2 and DeepSpeed as a process group of one), and
 checks that the loss falls and the plan says what ran. Two-GPU checks: tests/test_gpu_multi.py.
@@ -15,7 +16,9 @@ from finetune.tiny import arithmetic_records, preference_records, write_jsonl
 from tests.test_distributed import ft_train, job, losses
 
 pytestmark = pytest.mark.gpu
-TIMEOUT = 300  # per ft train; a warm run of the tiny model takes seconds, DeepSpeed's first CPU Adam build about a minute
+TIMEOUT = (
+    300  # per ft train; a warm run of the tiny model takes seconds, DeepSpeed's first CPU Adam build about a minute
+)
 
 
 def visible_gpus(n: int) -> dict:
@@ -27,7 +30,8 @@ def visible_gpus(n: int) -> dict:
 
 
 def run(tmp_path, name: str, *overrides: str, steps: int = 12, config: str | None = None):
-    """ft train on one GPU (--hardware omitted: ft probes it) of the tiny job `name`, or of `config`; the loss must fall."""
+    """ft train on one GPU (--hardware omitted: ft probes it) of the tiny job `name`, or of `config`; the loss must
+    fall."""
     sets = [a for o in ((() if config else ("train.lr=2.0e-3",)) + overrides) for a in ("--set", o)]
     r = ft_train(config or job(tmp_path, name, steps=steps), *sets, env=visible_gpus(1), timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -53,20 +57,40 @@ def test_qlora_with_bitsandbytes_kernels(tmp_path):
 
 
 def test_fsdp_qlora_stores_4bit_weights_in_the_compute_dtype(tmp_path):
-    plan = run(tmp_path, "fsdp-qlora", "adapter={type: qlora, r: 8, alpha: 16}", "train.precision=bf16", "train.lr=1.0e-2",
-               "distributed.backend=fsdp", "distributed.sharding=full_shard")
+    plan = run(
+        tmp_path,
+        "fsdp-qlora",
+        "adapter={type: qlora, r: 8, alpha: 16}",
+        "train.precision=bf16",
+        "train.lr=1.0e-2",
+        "distributed.backend=fsdp",
+        "distributed.sharding=full_shard",
+    )
     assert plan["backend"] == "fsdp"
     assert any(d["field"] == "quant_storage" for d in plan["decisions"])
 
 
 def test_fsdp_cpu_offload(tmp_path):
-    plan = run(tmp_path, "fsdp-offload", "distributed.backend=fsdp", "distributed.sharding=full_shard", "distributed.offload=all")
+    plan = run(
+        tmp_path,
+        "fsdp-offload",
+        "distributed.backend=fsdp",
+        "distributed.sharding=full_shard",
+        "distributed.offload=all",
+    )
     assert plan["offload_target"] == "all"
 
 
 def test_deepspeed_zero3_with_optimizer_and_parameter_offload(tmp_path):
     pytest.importorskip("deepspeed")
-    plan = run(tmp_path, "zero3-offload", "distributed.backend=deepspeed", "distributed.sharding=zero3", "distributed.offload=all", "train.precision=bf16")
+    plan = run(
+        tmp_path,
+        "zero3-offload",
+        "distributed.backend=deepspeed",
+        "distributed.sharding=zero3",
+        "distributed.offload=all",
+        "train.precision=bf16",
+    )
     ds = json.loads((tmp_path / "zero3-offload" / "deepspeed.json").read_text())
     assert ds["zero_optimization"]["offload_param"]["device"] == "cpu" and plan["sharding"] == "zero3"
 
@@ -74,7 +98,14 @@ def test_deepspeed_zero3_with_optimizer_and_parameter_offload(tmp_path):
 def test_deepspeed_zero1_with_bf16(tmp_path):
     """ZeRO-1 on a GPU: DeepSpeed's overlap_comm is for stages 2 and 3 (ZeRO-1 with it set crashed)."""
     pytest.importorskip("deepspeed")
-    plan = run(tmp_path, "zero1", "distributed.backend=deepspeed", "distributed.sharding=zero1", "distributed.offload=none", "train.precision=bf16")
+    plan = run(
+        tmp_path,
+        "zero1",
+        "distributed.backend=deepspeed",
+        "distributed.sharding=zero1",
+        "distributed.offload=none",
+        "train.precision=bf16",
+    )
     assert (plan["backend"], plan["sharding"], plan["precision"]) == ("deepspeed", "zero1", "bf16")
     ds = json.loads((tmp_path / "zero1" / "deepspeed.json").read_text())
     assert ds["zero_optimization"]["stage"] == 1 and ds["bf16"]["enabled"] is True
@@ -82,15 +113,17 @@ def test_deepspeed_zero1_with_bf16(tmp_path):
 
 def test_dpo_with_a_precomputed_reference(tmp_path):
     """Reference log-probs computed once before training and kept in a table that GPU batches index."""
-    pairs = write_jsonl(preference_records(64, seed=3), tmp_path / "pairs.jsonl")  # seen 6 times in 12 steps: margins grow fast
+    pairs = write_jsonl(
+        preference_records(64, seed=3), tmp_path / "pairs.jsonl"
+    )  # seen 6 times in 12 steps: margins grow fast
     config = tmp_path / "dpo.yaml"
     config.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {pairs}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'cache'}}}
+data: {{datasets: [{{path: {pairs}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
 method: {{name: dpo, beta: 0.1, reference: precomputed}}
 adapter: {{type: full}}
 train: {{global_batch_size: 32, micro_batch_size: 16, max_steps: 12, lr: 1.0e-3, warmup_steps: 1, precision: bf16}}
-output: {{dir: {tmp_path / 'dpo'}, log_steps: 1, save_steps: 0}}
+output: {{dir: {tmp_path / "dpo"}, log_steps: 1, save_steps: 0}}
 """)
     plan = run(tmp_path, "dpo", config=str(config))
     assert (plan["method"], plan["reference"], plan["precision"]) == ("dpo", "precomputed", "bf16")
@@ -100,11 +133,18 @@ output: {{dir: {tmp_path / 'dpo'}, log_steps: 1, save_steps: 0}}
 
 
 def test_evaluation_after_full_fine_tuning_in_bf16(tmp_path):
-    """Validation loss (autocast) and the generated-answer metric (fp32 master weights) before, during and after training."""
+    """Validation loss (autocast) and the generated-answer metric (fp32 master weights) before, during and after
+    training."""
     held_out = write_jsonl(arithmetic_records(32, seed=11), tmp_path / "held-out.jsonl")
     questions = write_jsonl(arithmetic_records(16, seed=12), tmp_path / "questions.jsonl")
-    plan = run(tmp_path, "eval", "train.precision=bf16", f"data.validation={{path: {held_out}, format: chat}}", "output.eval_steps=6",
-               f"evaluation={{path: {questions}, metric: exact_match, max_new_tokens: 8, every_steps: 6}}")
+    plan = run(
+        tmp_path,
+        "eval",
+        "train.precision=bf16",
+        f"data.validation={{path: {held_out}, format: chat}}",
+        "output.eval_steps=6",
+        f"evaluation={{path: {questions}, metric: exact_match, max_new_tokens: 8, every_steps: 6}}",
+    )
     assert (plan["precision"], plan["adapter"]) == ("bf16", "full")
     metrics = rows(tmp_path / "eval")
     assert [r["step"] for r in metrics if "eval_loss" in r] == [6, 12], metrics

@@ -51,26 +51,43 @@ def one_gpu(tmp_path_factory):
     for precision in ("fp32", "bf16"):
         train(job(tmp, precision), 1, f"train.precision={precision}")
         p = plan_of(tmp / precision)
-        assert (p["backend"], p["world_size"], p["gradient_accumulation_steps"], p["device"]) == ("single", 1, 2, "GPU"), p
+        assert (p["backend"], p["world_size"], p["gradient_accumulation_steps"], p["device"]) == (
+            "single",
+            1,
+            2,
+            "GPU",
+        ), p
         out[precision] = losses(tmp / precision)
         assert len(out[precision]) == 6 and out[precision][-1] < out[precision][0]
     return out
 
 
-@pytest.mark.parametrize("backend,sharding,precision", [
-    ("ddp", None, "fp32"),
-    ("fsdp", "full_shard", "fp32"),
-    ("deepspeed", "zero3", "fp32"),
-    ("ddp", None, "bf16"),
-])
+@pytest.mark.parametrize(
+    "backend,sharding,precision",
+    [
+        ("ddp", None, "fp32"),
+        ("fsdp", "full_shard", "fp32"),
+        ("deepspeed", "zero3", "fp32"),
+        ("ddp", None, "bf16"),
+    ],
+)
 def test_two_gpus_match_one_gpu_with_twice_the_accumulation(tmp_path, one_gpu, backend, sharding, precision):
     if backend == "deepspeed":
         pytest.importorskip("deepspeed")
-    sets = [f"train.precision={precision}", f"distributed.backend={backend}", *([f"distributed.sharding={sharding}"] if sharding else [])]
+    sets = [
+        f"train.precision={precision}",
+        f"distributed.backend={backend}",
+        *([f"distributed.sharding={sharding}"] if sharding else []),
+    ]
     r = train(job(tmp_path, "two"), 2, *sets)
     assert "--nproc-per-node=2" in r.stderr
     p = plan_of(tmp_path / "two")
-    assert (p["backend"], p["world_size"], p["gradient_accumulation_steps"], p["precision"]) == (backend, 2, 1, precision), p
+    assert (p["backend"], p["world_size"], p["gradient_accumulation_steps"], p["precision"]) == (
+        backend,
+        2,
+        1,
+        precision,
+    ), p
     if sharding:
         assert p["sharding"] == sharding
     assert losses(tmp_path / "two") == pytest.approx(one_gpu[precision], **(FP32 if precision == "fp32" else BF16))
@@ -81,12 +98,12 @@ def test_dpo_under_fsdp_on_two_gpus(tmp_path):
     config = tmp_path / "dpo.yaml"
     config.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {pairs}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'cache'}}}
+data: {{datasets: [{{path: {pairs}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
 method: {{name: dpo, beta: 0.1}}
 adapter: {{type: lora, r: 16, alpha: 32, dropout: 0.0}}
 train: {{global_batch_size: 32, micro_batch_size: 8, max_steps: 8, lr: 5.0e-3, warmup_steps: 1, precision: bf16}}
 distributed: {{backend: fsdp, sharding: full_shard}}
-output: {{dir: {tmp_path / 'dpo'}, log_steps: 1, save_steps: 0}}
+output: {{dir: {tmp_path / "dpo"}, log_steps: 1, save_steps: 0}}
 """)
     train(str(config), 2)
     p = plan_of(tmp_path / "dpo")
@@ -101,12 +118,13 @@ def test_grpo_generates_with_sharded_weights_under_fsdp_on_two_gpus(tmp_path):
     config = tmp_path / "grpo.yaml"
     config.write_text(f"""
 model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / 'cache'}}}
-method: {{name: grpo, num_generations: 4, max_new_tokens: 12, kl_coef: 0.05, rewards: [{{function: length_penalty, args: {{limit: 4}}}}]}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, num_generations: 4, max_new_tokens: 12, kl_coef: 0.05,
+  rewards: [{{function: length_penalty, args: {{limit: 4}}}}]}}
 adapter: {{type: lora, r: 8, alpha: 16, dropout: 0.0}}
 train: {{global_batch_size: 16, micro_batch_size: 8, max_steps: 3, lr: 1.0e-3, precision: bf16}}
 distributed: {{backend: fsdp, sharding: full_shard}}
-output: {{dir: {tmp_path / 'grpo'}, log_steps: 1, save_steps: 0}}
+output: {{dir: {tmp_path / "grpo"}, log_steps: 1, save_steps: 0}}
 """)
     train(str(config), 2)
     p = plan_of(tmp_path / "grpo")
@@ -117,9 +135,22 @@ output: {{dir: {tmp_path / 'grpo'}, log_steps: 1, save_steps: 0}}
 
 
 def test_qlora_under_fsdp_on_two_gpus(tmp_path):
-    train(job(tmp_path, "qlora", steps=12), 2, "adapter={type: qlora, r: 8, alpha: 16}", "train.precision=bf16", "train.lr=1.0e-2",
-          "distributed.backend=fsdp", "distributed.sharding=full_shard")
+    train(
+        job(tmp_path, "qlora", steps=12),
+        2,
+        "adapter={type: qlora, r: 8, alpha: 16}",
+        "train.precision=bf16",
+        "train.lr=1.0e-2",
+        "distributed.backend=fsdp",
+        "distributed.sharding=full_shard",
+    )
     p = plan_of(tmp_path / "qlora")
-    assert (p["adapter"], p["quantization"], p["backend"], p["world_size"], p["quant_storage"]) == ("qlora", "nf4", "fsdp", 2, "bf16"), p
+    assert (p["adapter"], p["quantization"], p["backend"], p["world_size"], p["quant_storage"]) == (
+        "qlora",
+        "nf4",
+        "fsdp",
+        2,
+        "bf16",
+    ), p
     trace = losses(tmp_path / "qlora")
     assert len(trace) == 12 and trace[-1] < trace[0], trace

@@ -38,9 +38,26 @@ FORMAT = {
     "phi3": ("", "<|end|>", "<|assistant|>\n"),
     "plain": ("", "<|endoftext|>", "Thank you.\n"),
 }
-NEVER_TRAINED = ["helpful", "What is", "How many", "Thank", "user", "system", "<|im_start|>", "<|start_header_id|>",
-                 "[INST]", "[/INST]", "<start_of_turn>", "<|assistant|>", "<|user|>", "<|system|>", "<bos>", "<s>",
-                 "<|begin_of_text|>", "\n"]
+NEVER_TRAINED = [
+    "helpful",
+    "What is",
+    "How many",
+    "Thank",
+    "user",
+    "system",
+    "<|im_start|>",
+    "<|start_header_id|>",
+    "[INST]",
+    "[/INST]",
+    "<start_of_turn>",
+    "<|assistant|>",
+    "<|user|>",
+    "<|system|>",
+    "<bos>",
+    "<s>",
+    "<|begin_of_text|>",
+    "\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +168,8 @@ def test_bad_messages_are_data_errors(tok):
 
 # ---------------------------------------------------------------- templates that must fail loudly
 LAST_DIFFERENT = (  # the last message gets a different header
-    "{% for m in messages %}{{ '<|im_start|>' + ('final' if loop.last else m.role) + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{% for m in messages %}{{ '<|im_start|>' + ('final' if loop.last else m.role) + '\\n' + m.content + "
+    "'<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 LAST_UNTERMINATED = (  # the end marker is written only when another message follows
@@ -167,7 +185,9 @@ DROPS_PAST_REASONING = (  # Qwen3-style: reasoning is kept only in assistant tur
     "{{ '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-NO_GENERATION_PROMPT = "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+NO_GENERATION_PROMPT = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endfor %}"
+)
 NO_TERMINATOR = (
     "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
@@ -177,7 +197,8 @@ GENERATION_PROMPT_MISMATCH = (  # the generation prompt opens an empty reasoning
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}"
 )
 DROPS_CONTENT = (
-    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role != 'assistant' %}{{ m.content }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role != 'assistant' %}{{ m.content }}{% "
+    "endif %}"
     "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
@@ -227,7 +248,8 @@ def test_all_needs_no_incremental_template(tok):
 def test_a_custom_jinja_file(tok, tmp_path):
     path = tmp_path / "alpaca.jinja"
     path.write_text(
-        "{% for m in messages %}{% if m.role == 'assistant' %}{{ '### Response:\\n' + m.content + eos_token + '\\n\\n' }}"
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ '### Response:\\n' + m.content + eos_token + "
+        "'\\n\\n' }}"
         "{% else %}{{ '### Instruction:\\n' + m.content + '\\n\\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
     )
@@ -239,7 +261,8 @@ def test_a_token_straddling_the_start_of_a_reply_is_trained(tok):
     # "Answer: " belongs to the prompt, but " the" is one token that starts in it: it must be trained.
     jinja = (
         "{% for m in messages %}{% if m.role == 'assistant' %}{{ 'Answer: ' + m.content + eos_token }}"
-        "{% else %}{{ m.content + '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Answer: ' }}{% endif %}"
+        "{% else %}{{ m.content + '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Answer: ' }}{% "
+        "endif %}"
     )
     conv = [TURNS[0], {"role": "assistant", "content": "the model learns to add."}]
     ids, labels = tokenize_conversation(conv, tok, jinja)
@@ -252,7 +275,9 @@ def test_tokenizers_that_trim_offsets_give_the_same_labels(tok):
     trimming.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
     for name in ("chatml", "mistral", "plain"):
         conv = CONVERSATION + [{"role": "user", "content": "  spaced  "}, {"role": "assistant", "content": " a  b "}]
-        assert tokenize_conversation(conv, trimming, BUILTIN[name].jinja) == tokenize_conversation(conv, tok, BUILTIN[name].jinja)
+        assert tokenize_conversation(conv, trimming, BUILTIN[name].jinja) == tokenize_conversation(
+            conv, tok, BUILTIN[name].jinja
+        )
 
 
 def test_bos_is_written_once(tok):

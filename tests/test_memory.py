@@ -13,7 +13,15 @@ LLAMA8B = lookup("meta-llama/Llama-3.1-8B")
 
 
 def setup(**kw) -> Setup:
-    base = dict(adapter="lora", quantization="none", precision="bf16", optimizer="adamw_torch", micro_batch_size=1, seq_len=2048, gradient_checkpointing=False)
+    base = dict(
+        adapter="lora",
+        quantization="none",
+        precision="bf16",
+        optimizer="adamw_torch",
+        micro_batch_size=1,
+        seq_len=2048,
+        gradient_checkpointing=False,
+    )
     return Setup(**{**base, **kw})
 
 
@@ -43,17 +51,25 @@ def test_weight_bytes_by_dtype_and_quantization():
 def test_full_fine_tune_state_is_16_bytes_per_param_plus_compute_copy():
     e = estimate(LLAMA8B, setup(adapter="full"))
     n = LLAMA8B.num_params
-    assert (e.device["weights"], e.device["gradients"], e.device["optimizer"], e.device["compute copy"]) == (4 * n, 4 * n, 8 * n, 2 * n)
+    assert (e.device["weights"], e.device["gradients"], e.device["optimizer"], e.device["compute copy"]) == (
+        4 * n,
+        4 * n,
+        8 * n,
+        2 * n,
+    )
     assert estimate(LLAMA8B, setup(adapter="full", optimizer="adamw_8bit")).device["optimizer"] == 2 * n
 
 
-@pytest.mark.parametrize("sharding, divided", [
-    ("zero1", {"optimizer"}),
-    ("zero2", {"optimizer", "gradients"}),
-    ("shard_grad_op", {"optimizer", "gradients", "weights"}),
-    ("zero3", {"optimizer", "gradients", "weights", "compute copy"}),
-    ("full_shard", {"optimizer", "gradients", "weights", "compute copy"}),
-])
+@pytest.mark.parametrize(
+    "sharding, divided",
+    [
+        ("zero1", {"optimizer"}),
+        ("zero2", {"optimizer", "gradients"}),
+        ("shard_grad_op", {"optimizer", "gradients", "weights"}),
+        ("zero3", {"optimizer", "gradients", "weights", "compute copy"}),
+        ("full_shard", {"optimizer", "gradients", "weights", "compute copy"}),
+    ],
+)
 def test_sharding_divides_the_right_state(sharding, divided):
     whole = estimate(LLAMA8B, setup(adapter="full")).device
     part = estimate(LLAMA8B, setup(adapter="full", sharding=sharding, shard_size=8)).device
@@ -64,10 +80,14 @@ def test_sharding_divides_the_right_state(sharding, divided):
 
 
 def test_offload_moves_bytes_to_host():
-    zero3 = dict(adapter="full", sharding="zero3", shard_size=8, loading="partitioned")  # ZeRO-3 constructs the model partitioned
+    zero3 = dict(
+        adapter="full", sharding="zero3", shard_size=8, loading="partitioned"
+    )  # ZeRO-3 constructs the model partitioned
     on_device = estimate(LLAMA8B, setup(**zero3))
     opt = estimate(LLAMA8B, setup(**zero3, offload="optimizer"), processes_per_node=8)
-    assert "optimizer" not in opt.device and opt.host["offloaded optimizer"] == pytest.approx(8 * on_device.device["optimizer"], rel=1e-6)
+    assert "optimizer" not in opt.device and opt.host["offloaded optimizer"] == pytest.approx(
+        8 * on_device.device["optimizer"], rel=1e-6
+    )
     everything = estimate(LLAMA8B, setup(**zero3, offload="all"), processes_per_node=8)
     assert everything.device_bytes < opt.device_bytes < on_device.device_bytes
     assert everything.host_bytes > opt.host_bytes
@@ -88,7 +108,10 @@ def test_grpo_peak_is_the_larger_phase():
     assert long_rollouts.device["generation (KV cache)"] > 0 and "activations" not in long_rollouts.device
     kv = 2 * 32 * 1024 * 2 * 4096 * 256
     assert long_rollouts.device["generation (KV cache)"] == pytest.approx(kv + 256 * 128256 * 4)
-    assert "generation (KV cache)" not in estimate(LLAMA8B, setup(method="grpo", generation_tokens=64, generation_batch=1)).device
+    assert (
+        "generation (KV cache)"
+        not in estimate(LLAMA8B, setup(method="grpo", generation_tokens=64, generation_batch=1)).device
+    )
     assert train_only.device_bytes < long_rollouts.device_bytes
 
 
@@ -98,8 +121,17 @@ def _tiny():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     return cfg, LlamaForCausalLM(cfg)
 
 
@@ -132,8 +164,18 @@ def test_activation_estimate_matches_what_torch_saves(adapter, mb, seq):
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules="all-linear"))
-    s = Setup(adapter=adapter, quantization="none", precision="fp32", optimizer="adamw_torch", micro_batch_size=mb, seq_len=seq,
-              gradient_checkpointing=False, lora_r=8, lora_dropout=0.1, accelerator=False)
+    s = Setup(
+        adapter=adapter,
+        quantization="none",
+        precision="fp32",
+        optimizer="adamw_torch",
+        micro_batch_size=mb,
+        seq_len=seq,
+        gradient_checkpointing=False,
+        lora_r=8,
+        lora_dropout=0.1,
+        accelerator=False,
+    )
     measured = _saved_for_backward(model, torch.randint(0, 512, (mb, seq)))
     estimated = activation_bytes(facts, s, 4) + logits_bytes(facts, s, 4)
     print(f"{adapter} mb={mb} seq={seq}: estimated/measured = {estimated / measured:.3f}")
@@ -150,8 +192,19 @@ def test_checkpointed_estimate_bounds_what_torch_saves():
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    s = Setup(adapter="full", quantization="none", precision="fp32", optimizer="adamw_torch", micro_batch_size=4, seq_len=256, gradient_checkpointing=True, accelerator=False)
+    s = Setup(
+        adapter="full",
+        quantization="none",
+        precision="fp32",
+        optimizer="adamw_torch",
+        micro_batch_size=4,
+        seq_len=256,
+        gradient_checkpointing=True,
+        accelerator=False,
+    )
     measured = _saved_for_backward(model, torch.randint(0, 512, (4, 256)))
     estimated = activation_bytes(facts, s, 4) + logits_bytes(facts, s, 4)
-    without = activation_bytes(facts, dataclasses.replace(s, gradient_checkpointing=False), 4) + logits_bytes(facts, s, 4)
+    without = activation_bytes(facts, dataclasses.replace(s, gradient_checkpointing=False), 4) + logits_bytes(
+        facts, s, 4
+    )
     assert measured <= estimated < without

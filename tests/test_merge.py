@@ -98,7 +98,9 @@ def test_run_folder(tiny, tmp_path):
     from finetune.tiny import build_tokenizer
 
     build_tokenizer(run / "final")
-    (run / "config.yaml").write_text(f"model: {{name: {tiny['base']}}}\nadapter: {{type: lora, r: 8}}\noutput: {{dir: {run}}}\n")
+    (run / "config.yaml").write_text(
+        f"model: {{name: {tiny['base']}}}\nadapter: {{type: lora, r: 8}}\noutput: {{dir: {run}}}\n"
+    )
     report = merge_lora(run, tmp_path / "out")
     assert report.base == str(tiny["base"]) and report.adapter == run / "final"
     assert report.tokenizer == str(run / "final") and report.max_abs_logit_diff < 1e-4
@@ -108,8 +110,16 @@ def test_run_folder(tiny, tmp_path):
 def test_mismatched_hidden_size_is_explained(tiny, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "base64"))
     with pytest.raises(FtError) as err:
         merge_lora(tiny["adapter"], tmp_path / "out", base=str(tmp_path / "base64"))
@@ -121,13 +131,17 @@ def test_mismatched_hidden_size_is_explained(tiny, tmp_path):
 def test_base_without_the_target_modules(tiny, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)).save_pretrained(str(tmp_path / "gpt2"))
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=512, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
+    ).save_pretrained(str(tmp_path / "gpt2"))
     with pytest.raises(FtError, match="the base has no module model.layers"):
         merge_lora(tiny["adapter"], tmp_path / "out", base=str(tmp_path / "gpt2"))
 
 
 def test_base_with_more_layers(tiny, tmp_path):
-    deeper = _llama(tmp_path / "deeper", hidden=128, intermediate=384, layers=6, head_dim=32)  # ft-tiny's sizes, 6 layers not 4
+    deeper = _llama(
+        tmp_path / "deeper", hidden=128, intermediate=384, layers=6, head_dim=32
+    )  # ft-tiny's sizes, 6 layers not 4
     with pytest.raises(FtError, match="has no weights for .* adapter modules"):
         merge_lora(tiny["adapter"], tmp_path / "out", base=str(deeper))
 
@@ -173,17 +187,27 @@ def test_overwrite_replaces_and_failure_leaves_nothing(tiny, tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left behind
 
 
-@pytest.mark.parametrize("config, plan, expected", [
-    ({"adapter": {"type": "qlora"}}, {}, True),
-    ({"adapter": {"type": "lora"}, "quantization": {"type": "nf4"}}, {}, True),
-    ({"adapter": {"type": "auto"}}, {"adapter": "qlora", "quantization": "nf4"}, True),
-    ({"adapter": {"type": "lora"}, "quantization": {"type": "none"}}, {"adapter": "lora", "quantization": "none"}, False),
-    ({}, {}, False),
-])
+@pytest.mark.parametrize(
+    "config, plan, expected",
+    [
+        ({"adapter": {"type": "qlora"}}, {}, True),
+        ({"adapter": {"type": "lora"}, "quantization": {"type": "nf4"}}, {}, True),
+        ({"adapter": {"type": "auto"}}, {"adapter": "qlora", "quantization": "nf4"}, True),
+        (
+            {"adapter": {"type": "lora"}, "quantization": {"type": "none"}},
+            {"adapter": "lora", "quantization": "none"},
+            False,
+        ),
+        ({}, {}, False),
+    ],
+)
 def test_qlora_detection(config, plan, expected):
     from finetune.merge import _is_qlora, _Source
 
-    assert _is_qlora(_Source(adapter=Path("a"), run=Path("r"), run_config=config, run_plan=plan, tokenizer_dirs=())) is expected
+    assert (
+        _is_qlora(_Source(adapter=Path("a"), run=Path("r"), run_config=config, run_plan=plan, tokenizer_dirs=()))
+        is expected
+    )
 
 
 def test_full_run_refused(tmp_path):
@@ -209,19 +233,37 @@ def _llama(folder: Path, hidden: int, intermediate: int, layers: int = 2, head_d
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=head_dim or hidden // 4, tie_word_embeddings=True, bos_token_id=None, eos_token_id=0, pad_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim or hidden // 4,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(str(folder))
     return folder
 
 
-@pytest.mark.skipif(not _bnb_4bit_works(), reason="bitsandbytes 4-bit is not available here; the QLoRA merge is checked where it is")
+@pytest.mark.skipif(
+    not _bnb_4bit_works(), reason="bitsandbytes 4-bit is not available here; the QLoRA merge is checked where it is"
+)
 def test_qlora_adapter_merges_into_unquantized_base(tmp_path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     # bitsandbytes' CPU 4-bit matmul needs every input size to be a multiple of its block size (64)
     base = _llama(tmp_path / "base", hidden=128, intermediate=256)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
     base4 = AutoModelForCausalLM.from_pretrained(str(base), quantization_config=quant, dtype=torch.float32).eval()
     quant_error = (_logits(base4) - _logits(_load(base))).abs().max().item()  # 4-bit vs fp32 base, no adapter
     peft4 = _perturbed_lora(base4, seed=2)
@@ -235,8 +277,10 @@ def test_qlora_adapter_merges_into_unquantized_base(tmp_path):
     merged = _load(tmp_path / "out")
     diff = (_logits(merged) - ref4).abs().max().item()
     without = (_logits(_load(base)) - ref4).abs().max().item()
-    print(f"qlora: report max_abs_logit_diff={report.max_abs_logit_diff:.3g}, merged fp32 vs 4-bit+adapter={diff:.3g}, "
-          f"4-bit vs fp32 base={quant_error:.3g}, fp32 base without adapter vs 4-bit+adapter={without:.3g}")
+    print(
+        f"qlora: report max_abs_logit_diff={report.max_abs_logit_diff:.3g}, merged fp32 vs 4-bit+adapter={diff:.3g}, "
+        f"4-bit vs fp32 base={quant_error:.3g}, fp32 base without adapter vs 4-bit+adapter={without:.3g}"
+    )
     assert report.max_abs_logit_diff < 1e-4
     assert diff < 2 * quant_error + 1e-3  # what separates them is the quantization error of the base
     assert diff < 0.5 * without  # and the adapter is in the merged weights

@@ -41,14 +41,36 @@ def test_dpo_loss_equals_trl_on_the_same_batch(models, kind, tmp_path):
     from finetune.tiny import preference_records
 
     policy, reference, tok = models
-    args = DPOConfig(output_dir=str(tmp_path), report_to=[], loss_type=[kind], beta=0.2, per_device_train_batch_size=4, max_length=64, use_cpu=True, bf16=False)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=datasets.Dataset.from_list(preference_records(8, seed=1)), processing_class=tok)
-    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])  # trl's tokenization: [chosen; rejected]
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        loss_type=[kind],
+        beta=0.2,
+        per_device_train_batch_size=4,
+        max_length=64,
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(preference_records(8, seed=1)),
+        processing_class=tok,
+    )
+    batch = trainer.data_collator(
+        [trainer.train_dataset[i] for i in range(4)]
+    )  # trl's tokenization: [chosen; rejected]
     policy.train()
     with torch.no_grad():
         theirs = trainer._compute_loss(trainer.model, batch, return_outputs=False)
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
-    ours_batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "labels": labels, "rows": torch.arange(4)}
+    ours_batch = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+        "rows": torch.arange(4),
+    }
     method = DPO(DPOMethod(name="dpo", beta=0.2, loss=kind), tok.pad_token_id, 4, FrozenCopy(reference))
     with torch.no_grad():
         ours, metrics = method.loss(policy, ours_batch, normaliser=4.0)  # 4 pairs: the mean over pairs
@@ -64,20 +86,43 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
     policy, reference, tok = models
     b, p, c = 4, 6, 5
     gen = torch.Generator().manual_seed(1)
-    prompt_ids, completion_ids = torch.randint(10, 300, (b, p), generator=gen), torch.randint(10, 300, (b, c), generator=gen)
+    prompt_ids, completion_ids = (
+        torch.randint(10, 300, (b, p), generator=gen),
+        torch.randint(10, 300, (b, c), generator=gen),
+    )
     lengths = torch.tensor([5, 3, 4, 1])
     completion_mask = (torch.arange(c)[None] < lengths[:, None]).long()
     advantages = torch.tensor([1.0, -0.5, 0.3, -0.8])
-    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], loss_type=trl_kind, beta=kl, max_completion_length=c, num_generations=4,
-                      per_device_train_batch_size=4, use_cpu=True, bf16=False)
-    trainer = GRPOTrainer(model=policy, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
-                          train_dataset=datasets.Dataset.from_list([{"prompt": "Reverse 123"}] * 8), processing_class=tok)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        loss_type=trl_kind,
+        beta=kl,
+        max_completion_length=c,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "Reverse 123"}] * 8),
+        processing_class=tok,
+    )
     trainer.current_gradient_accumulation_steps = 1  # set by the Trainer's loop, which does not run here
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
-              "completion_mask": completion_mask, "advantages": advantages, "num_items_in_batch": completion_mask.sum()}
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum(),
+    }
     if kl:
         with torch.no_grad():
-            logits = reference(input_ids=torch.cat([prompt_ids, completion_ids], 1)).logits[:, p - 1:-1].float()
+            logits = reference(input_ids=torch.cat([prompt_ids, completion_ids], 1)).logits[:, p - 1 : -1].float()
             inputs["ref_per_token_logps"] = logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
     policy.train()
     theirs = trainer._compute_loss(trainer.model, inputs)
@@ -85,12 +130,26 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
     their_grads = [q.grad.clone() for q in policy.parameters()]
     policy.zero_grad()
 
-    rows = [{"input_ids": prompt_ids[i].tolist() + completion_ids[i, :n].tolist(), "labels": [-100] * p + completion_ids[i, :n].tolist()}
-            for i, n in enumerate(lengths.tolist())]
+    rows = [
+        {
+            "input_ids": prompt_ids[i].tolist() + completion_ids[i, :n].tolist(),
+            "labels": [-100] * p + completion_ids[i, :n].tolist(),
+        }
+        for i, n in enumerate(lengths.tolist())
+    ]
     batch = {**collate(rows, tok.pad_token_id, "sdpa"), "advantages": advantages}
-    section = GRPOMethod(name="grpo", rewards=[RewardSpec(function="exact_match")], num_generations=4, max_new_tokens=c, kl_coef=kl, loss_normalization=ours_kind)
+    section = GRPOMethod(
+        name="grpo",
+        rewards=[RewardSpec(function="exact_match")],
+        num_generations=4,
+        max_new_tokens=c,
+        kl_coef=kl,
+        loss_normalization=ours_kind,
+    )
     method = GRPO(section, tok, 4, None, FrozenCopy(reference) if kl else None, [])
-    ours, _ = method.loss(policy, batch, normaliser=float(method.tokens(batch)))  # one micro-batch is the whole step here
+    ours, _ = method.loss(
+        policy, batch, normaliser=float(method.tokens(batch))
+    )  # one micro-batch is the whole step here
     ours.backward()
     our_grads = [q.grad.clone() for q in policy.parameters()]
     policy.zero_grad()
@@ -109,21 +168,34 @@ def test_group_advantages_are_relative_to_each_group():
 
 def test_rewards_receive_completions_and_columns_in_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "recording.py").write_text(textwrap.dedent("""
+    (tmp_path / "recording.py").write_text(
+        textwrap.dedent("""
         CALLS = []
         def reward(completions, prompts, answer, level, **kwargs):
-            CALLS.append({"completions": list(completions), "prompts": prompts, "answer": list(answer), "level": list(level), "kwargs": kwargs})
+            CALLS.append({"completions": list(completions), "prompts": prompts, "answer": list(answer),
+              "level": list(level), "kwargs": kwargs})
             return [float(len(c)) for c in completions]
-    """))
-    section = GRPOMethod(name="grpo", num_generations=2, rewards=[RewardSpec(function="recording.py:reward", args={"bonus": 1})])
+    """)
+    )
+    section = GRPOMethod(
+        name="grpo", num_generations=2, rewards=[RewardSpec(function="recording.py:reward", args={"bonus": 1})]
+    )
     method = GRPO(section, _Tok(), 4, None, None, load_rewards(section.rewards))
-    rows = {"extra": ['{"answer": "12", "level": 1}', '{"answer": "7", "level": 2}'], "prompt": ['[{"role": "user", "content": "a"}]', '[{"role": "user", "content": "b"}]']}
+    rows = {
+        "extra": ['{"answer": "12", "level": 1}', '{"answer": "7", "level": 2}'],
+        "prompt": ['[{"role": "user", "content": "a"}]', '[{"role": "user", "content": "b"}]'],
+    }
     total, metrics = method.score(["x", "yy", "zzz", "wwww"], rows, [10, 11])
     import sys
 
     call = next(m for n, m in sys.modules.items() if n.startswith("ft_user_recording")).CALLS[-1]
     assert call["completions"] == ["x", "yy", "zzz", "wwww"]
-    assert call["answer"] == ["12", "12", "7", "7"] and call["level"] == [1, 1, 2, 2]  # each completion with its prompt's row
+    assert call["answer"] == ["12", "12", "7", "7"] and call["level"] == [
+        1,
+        1,
+        2,
+        2,
+    ]  # each completion with its prompt's row
     assert [p[0]["content"] for p in call["prompts"]] == ["a", "a", "b", "b"]
     assert call["kwargs"] == {"bonus": 1}
     assert total.tolist() == [1.0, 2.0, 3.0, 4.0] and metrics["rewards/recording.py:reward"] == 2.5
@@ -137,17 +209,32 @@ def test_builtin_rewards():
     from finetune.methods.rewards import exact_match, length_penalty, regex
 
     assert exact_match(["42", " 41", "x #### 42"], column="answer", answer=["42", "42", "42"]) == [1.0, 0.0, 0.0]
-    assert exact_match(["so #### 42", "#### 4"], column="answer", extract=r"####\s*(\d+)", answer=["#### 42", "#### 42"]) == [1.0, 0.0]
+    assert exact_match(
+        ["so #### 42", "#### 4"], column="answer", extract=r"####\s*(\d+)", answer=["#### 42", "#### 42"]
+    ) == [1.0, 0.0]
     assert regex(["a\n#### 3", "none"], pattern=r"^####\s*\d+$") == [1.0, 0.0]
     assert length_penalty(["abcd", "abcdefgh"], limit=4) == [0.0, -1.0]
 
 
-@pytest.mark.parametrize("body, message", [
-    ("def reward(completions, **kw):\n    raise ValueError('boom')", r"method.rewards\[0\].function: reward 'bad.py:reward' raised ValueError: boom .* first prompt is data.jsonl:3"),
-    ("def reward(completions, **kw):\n    return [1.0]", r"returned 1 values for 2 completions"),
-    ("def reward(completions, **kw):\n    return 0.5", r"returned float; it must return a list of numbers, one per completion"),
-    ("def reward(completions, **kw):\n    return [1.0, 'high']", r"gave 'high' for completion 1 \(prompt data.jsonl:3"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "def reward(completions, **kw):\n    raise ValueError('boom')",
+            r"method.rewards\[0\].function: reward 'bad.py:reward' raised ValueError: boom .* first prompt is "
+            r"data.jsonl:3",
+        ),
+        ("def reward(completions, **kw):\n    return [1.0]", r"returned 1 values for 2 completions"),
+        (
+            "def reward(completions, **kw):\n    return 0.5",
+            r"returned float; it must return a list of numbers, one per completion",
+        ),
+        (
+            "def reward(completions, **kw):\n    return [1.0, 'high']",
+            r"gave 'high' for completion 1 \(prompt data.jsonl:3",
+        ),
+    ],
+)
 def test_a_bad_reward_function_is_named_with_the_sample(tmp_path, monkeypatch, body, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.py").write_text(body + "\n")
@@ -158,7 +245,9 @@ def test_a_bad_reward_function_is_named_with_the_sample(tmp_path, monkeypatch, b
 
 def test_a_reward_that_cannot_be_imported_stops_before_training(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FtError, match=r"method.rewards\[1\].function: 'missing.py:score': the file missing.py does not exist"):
+    with pytest.raises(
+        FtError, match=r"method.rewards\[1\].function: 'missing.py:score': the file missing.py does not exist"
+    ):
         load_rewards([RewardSpec(function="exact_match"), RewardSpec(function="missing.py:score")])
 
 
@@ -169,10 +258,21 @@ def test_a_preference_row_without_rejected_is_named_by_file_and_line(tmp_path):
     from tests.conftest import REPO
 
     data = tmp_path / "pairs.jsonl"
-    data.write_text('{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}\n{"prompt": "What is 2 + 2?", "chosen": "4"}\n')
+    data.write_text(
+        '{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}\n{"prompt": "What is 2 + 2?", "chosen": "4"}\n'
+    )
     job = tmp_path / "dpo.yaml"
-    job.write_text(f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / 'c'}}}\n"
-                   f"method: {{name: dpo}}\nadapter: {{type: lora}}\noutput: {{dir: {tmp_path / 'run'}}}\n")
-    r = subprocess.run([sys.executable, "-m", "finetune", "preprocess", str(job)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    job.write_text(
+        f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, "
+        f"cache_dir: {tmp_path / 'c'}}}\n"
+        f"method: {{name: dpo}}\nadapter: {{type: lora}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "finetune", "preprocess", str(job)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{data}:2: 'rejected'" in r.stderr

@@ -47,7 +47,9 @@ def first_fit(lengths, capacity):
 
 
 # ------------------------------------------------------------------ best fit decreasing
-@pytest.mark.parametrize("seed,lo,hi,capacity", [(0, 10, 500, 512), (1, 1, 64, 64), (2, 100, 100, 300), (3, 1, 2048, 2048)])
+@pytest.mark.parametrize(
+    "seed,lo,hi,capacity", [(0, 10, 500, 512), (1, 1, 64, 64), (2, 100, 100, 300), (3, 1, 2048, 2048)]
+)
 def test_bins_respect_capacity_and_hold_each_index_once(seed, lo, hi, capacity):
     lengths = random_lengths(700, lo, hi, seed)
     bins = best_fit_decreasing(lengths, capacity)
@@ -107,10 +109,10 @@ def test_pack_rows_keep_examples_whole_and_mark_boundaries():
         for i, n in zip(members, row["seq_lens"]):
             example = examples[i]
             assert n == len(example["input_ids"])
-            assert row["input_ids"][start:start + n] == example["input_ids"]
-            assert row["position_ids"][start:start + n] == list(range(n))
+            assert row["input_ids"][start : start + n] == example["input_ids"]
+            assert row["position_ids"][start : start + n] == list(range(n))
             assert row["labels"][start] == -100
-            assert row["labels"][start + 1:start + n] == example["labels"][1:]
+            assert row["labels"][start + 1 : start + n] == example["labels"][1:]
             start += n
 
 
@@ -159,8 +161,10 @@ def test_collate_pads_unpacked_rows():
 
 
 def test_collate_packed_mask_keeps_examples_apart():
-    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, -100], "position_ids": [0, 1, 0], "seq_lens": [2, 1]},
-            {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1], "seq_lens": [2]}]
+    rows = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, -100], "position_ids": [0, 1, 0], "seq_lens": [2, 1]},
+        {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1], "seq_lens": [2]},
+    ]
     out = collate(rows, pad_id=0, attn_implementation="eager", mask_dtype=torch.bfloat16)
     mask = out["attention_mask"]
     assert mask.shape == (2, 1, 3, 3) and mask.dtype == torch.bfloat16
@@ -174,10 +178,20 @@ def test_collate_packed_mask_keeps_examples_apart():
 def test_collate_packed_flash_is_one_padding_free_row():
     from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-    rows = [{"input_ids": [1, 2, 3], "labels": [-100, 2, -100], "position_ids": [0, 1, 0], "seq_lens": [2, 1]},
-            {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1], "seq_lens": [2]}]
+    rows = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, -100], "position_ids": [0, 1, 0], "seq_lens": [2, 1]},
+        {"input_ids": [4, 5], "labels": [-100, 5], "position_ids": [0, 1], "seq_lens": [2]},
+    ]
     out = collate(rows, pad_id=0, attn_implementation="flash_attention_2", pad_to_multiple_of=4)
-    assert set(out) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    assert set(out) == {
+        "input_ids",
+        "labels",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    }
     assert out["cu_seq_lens_q"].tolist() == [0, 2, 3, 5, 8] and out["max_length_q"] == 3
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
     assert out["labels"].tolist() == [[-100, 2, -100, -100, 5, -100, -100, -100]]
@@ -204,9 +218,16 @@ def tiny_llama(attn: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         attn_implementation=attn)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attn,
+    )
     model = LlamaForCausalLM(config).eval()
     assert model.config._attn_implementation == attn
     return model
@@ -234,15 +255,19 @@ def test_packed_logits_equal_separate_runs(attn, packed_rows):
     batch = collate(rows, pad_id=0, attn_implementation=attn, pad_to_multiple_of=16)
     bins = best_fit_decreasing([len(e["input_ids"]) for e in examples], 32)
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits
-        leaky = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                      attention_mask=torch.ones_like(batch["input_ids"])).logits
+        packed = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
+        leaky = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=torch.ones_like(batch["input_ids"]),
+        ).logits
         for r, (row, members) in enumerate(zip(rows, bins)):
             start = 0
             for i, n in zip(members, row["seq_lens"]):
                 alone = model(input_ids=torch.tensor([examples[i]["input_ids"]])).logits[0]
-                torch.testing.assert_close(packed[r, start:start + n], alone, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(packed[r, start : start + n], alone, atol=1e-5, rtol=1e-5)
                 start += n
     assert not torch.allclose(packed[0, :31], leaky[0, :31], atol=1e-3)  # the check can see leaks
 
@@ -263,7 +288,7 @@ def test_sdpa_varlen_packed_logits_equal_separate_runs(packed_rows):
         for row, members in zip(rows, bins):
             for i, n in zip(members, row["seq_lens"]):
                 alone = model(input_ids=torch.tensor([examples[i]["input_ids"]])).logits[0]
-                torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(packed[start : start + n], alone, atol=1e-5, rtol=1e-5)
                 start += n
 
 

@@ -12,7 +12,9 @@ from finetune.plan import plan
 from finetune.plan.memory import GiB
 from tests.conftest import MINIMAL
 
-AUTO = MINIMAL.replace("adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}", "adapter: {type: auto}").replace("  lr: 2.0e-4\n", "")
+AUTO = MINIMAL.replace(
+    "adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}", "adapter: {type: auto}"
+).replace("  lr: 2.0e-4\n", "")
 
 
 def make(overrides=(), text=AUTO, model="meta-llama/Llama-3.1-8B", hardware="1xH100-80GB"):
@@ -23,35 +25,116 @@ def make(overrides=(), text=AUTO, model="meta-llama/Llama-3.1-8B", hardware="1xH
 # (model, hardware, overrides) -> expected plan fields
 CASES = [
     # one GPU: the adapter follows the memory
-    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", [], dict(adapter="lora", quantization="none", backend="single", sharding=None, precision="bf16", gradient_checkpointing=False)),
-    ("meta-llama/Llama-3.1-8B", "1xA10G-24GB", [], dict(adapter="qlora", quantization="nf4", backend="single", gradient_checkpointing=True)),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "1xH100-80GB",
+        [],
+        dict(
+            adapter="lora",
+            quantization="none",
+            backend="single",
+            sharding=None,
+            precision="bf16",
+            gradient_checkpointing=False,
+        ),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "1xA10G-24GB",
+        [],
+        dict(adapter="qlora", quantization="nf4", backend="single", gradient_checkpointing=True),
+    ),
     ("meta-llama/Llama-3.1-8B", "1xT4-16GB", [], dict(adapter="qlora", precision="fp16")),
     ("meta-llama/Llama-3.1-8B", "cpu", ["data.seq_len=256"], dict(precision="fp32", backend="single")),
-    ("meta-llama/Llama-3.3-70B-Instruct", "1xH100-80GB", [], dict(adapter="qlora", backend="single", gradient_checkpointing=True)),
+    (
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "1xH100-80GB",
+        [],
+        dict(adapter="qlora", backend="single", gradient_checkpointing=True),
+    ),
     # several GPUs: DDP when a replica fits, FSDP when it does not
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", [], dict(adapter="lora", backend="ddp", sharding=None, world_size=8)),
-    ("meta-llama/Llama-3.3-70B-Instruct", "8xH100-80GB", [], dict(adapter="lora", backend="fsdp", sharding="full_shard", offload="none")),
+    (
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "8xH100-80GB",
+        [],
+        dict(adapter="lora", backend="fsdp", sharding="full_shard", offload="none"),
+    ),
     ("meta-llama/Llama-3.3-70B-Instruct", "2xA6000-48GB", [], dict(adapter="qlora", backend="fsdp", world_size=2)),
-    ("meta-llama/Llama-3.3-70B-Instruct", "2x8xA100-40GB", [], dict(backend="fsdp", sharding="hybrid_shard", nodes=2, world_size=16)),
-    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="shard_grad_op")),
-    ("meta-llama/Llama-3.1-8B", "8xA100-40GB", ["adapter.type=full", "data.seq_len=4096", "train.global_batch_size=64"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="none")),
-    ("meta-llama/Llama-3.1-8B", "2xA100-40GB", ["adapter.type=full"], dict(adapter="full", backend="fsdp", sharding="full_shard", offload="all")),
+    (
+        "meta-llama/Llama-3.3-70B-Instruct",
+        "2x8xA100-40GB",
+        [],
+        dict(backend="fsdp", sharding="hybrid_shard", nodes=2, world_size=16),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xH100-80GB",
+        ["adapter.type=full"],
+        dict(adapter="full", backend="fsdp", sharding="shard_grad_op"),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xA100-40GB",
+        ["adapter.type=full", "data.seq_len=4096", "train.global_batch_size=64"],
+        dict(adapter="full", backend="fsdp", sharding="full_shard", offload="none"),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "2xA100-40GB",
+        ["adapter.type=full"],
+        dict(adapter="full", backend="fsdp", sharding="full_shard", offload="all"),
+    ),
     # across nodes the communication estimate picks the sharding: hybrid_shard keeps all-gathers inside each node
-    ("meta-llama/Llama-3.1-8B", "2x8xH100-80GB", ["adapter.type=full"], dict(backend="fsdp", sharding="hybrid_shard", nodes=2)),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "2x8xH100-80GB",
+        ["adapter.type=full"],
+        dict(backend="fsdp", sharding="hybrid_shard", nodes=2),
+    ),
     # explicit choices are kept
-    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero1")),
-    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=full", "distributed.backend=deepspeed"], dict(backend="deepspeed", sharding="zero2")),
-    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=fsdp", "distributed.sharding=full_shard"], dict(backend="fsdp", sharding="full_shard")),
-    ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["adapter.type=qlora"], dict(adapter="qlora", quantization="nf4", backend="ddp")),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xH100-80GB",
+        ["distributed.backend=deepspeed"],
+        dict(backend="deepspeed", sharding="zero1"),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xH100-80GB",
+        ["adapter.type=full", "distributed.backend=deepspeed"],
+        dict(backend="deepspeed", sharding="zero2"),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xH100-80GB",
+        ["distributed.backend=fsdp", "distributed.sharding=full_shard"],
+        dict(backend="fsdp", sharding="full_shard"),
+    ),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "8xH100-80GB",
+        ["adapter.type=qlora"],
+        dict(adapter="qlora", quantization="nf4", backend="ddp"),
+    ),
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.backend=single"], dict(backend="single", world_size=1)),
     ("meta-llama/Llama-3.1-8B", "8xH100-80GB", ["distributed.processes_per_node=4"], dict(world_size=4)),
-    ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["train.micro_batch_size=4", "train.gradient_checkpointing=true"], dict(micro_batch_size=4, gradient_checkpointing=True)),
+    (
+        "meta-llama/Llama-3.1-8B",
+        "1xH100-80GB",
+        ["train.micro_batch_size=4", "train.gradient_checkpointing=true"],
+        dict(micro_batch_size=4, gradient_checkpointing=True),
+    ),
     ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["train.precision=fp32"], dict(precision="fp32")),
     ("meta-llama/Llama-3.1-8B", "1xH100-80GB", ["quantization.type=int8"], dict(adapter="lora", quantization="int8")),
 ]
 
 
-@pytest.mark.parametrize("model, hardware, overrides, expected", CASES, ids=[f"{c[0].split('/')[-1]}-{c[1]}-{'-'.join(c[2]) or 'auto'}" for c in CASES])
+@pytest.mark.parametrize(
+    "model, hardware, overrides, expected",
+    CASES,
+    ids=[f"{c[0].split('/')[-1]}-{c[1]}-{'-'.join(c[2]) or 'auto'}" for c in CASES],
+)
 def test_plan_choices(model, hardware, overrides, expected):
     p = make(overrides, model=model, hardware=hardware)
     got = {k: getattr(p, k) for k in expected}
@@ -60,7 +143,17 @@ def test_plan_choices(model, hardware, overrides, expected):
     assert all(d.reason for d in p.decisions)
 
 
-@pytest.mark.parametrize("hardware, world", [("1xH100-80GB", 1), ("2xH100-80GB", 2), ("4xH100-80GB", 4), ("8xH100-80GB", 8), ("2x8xH100-80GB", 16), ("4x8xH100-80GB", 32)])
+@pytest.mark.parametrize(
+    "hardware, world",
+    [
+        ("1xH100-80GB", 1),
+        ("2xH100-80GB", 2),
+        ("4xH100-80GB", 4),
+        ("8xH100-80GB", 8),
+        ("2x8xH100-80GB", 16),
+        ("4x8xH100-80GB", 32),
+    ],
+)
 @pytest.mark.parametrize("global_batch", [32, 64, 96])
 def test_global_batch_is_what_the_user_asked_at_every_world_size(hardware, world, global_batch):
     p = make([f"train.global_batch_size={global_batch}"], hardware=hardware)
@@ -69,7 +162,11 @@ def test_global_batch_is_what_the_user_asked_at_every_world_size(hardware, world
 
 
 def test_batch_in_tokens_is_rounded_to_whole_sequences_per_rank():
-    p = make(["train.global_batch_tokens=1000000", "data.seq_len=4096"], text=AUTO.replace("  global_batch_size: 32\n", ""), hardware="8xH100-80GB")
+    p = make(
+        ["train.global_batch_tokens=1000000", "data.seq_len=4096"],
+        text=AUTO.replace("  global_batch_size: 32\n", ""),
+        hardware="8xH100-80GB",
+    )
     assert p.global_batch_size == 248 and p.global_batch_size % 8 == 0  # 1e6/4096 = 244.1 -> 31 per rank
     assert p.micro_batch_size * p.gradient_accumulation_steps * 8 == 248
     assert "rounded to a multiple of world size 8" in p.decision("global_batch_size").reason
@@ -81,16 +178,23 @@ def test_lr_auto_depends_on_adapter_and_method():
     assert make(["train.lr=3e-4"]).lr == 3e-4
 
 
-@pytest.mark.parametrize("overrides, hardware, needle", [
-    (["train.precision=bf16"], "1xT4-16GB", "bf16 is not supported by T4"),
-    (["train.precision=fp16"], "cpu", "fp16 is not supported for training on CPU"),
-    (["distributed.sharding=hybrid_shard", "distributed.backend=fsdp"], "8xH100-80GB", "hybrid_shard shards inside a node"),
-    (["distributed.backend=fsdp", "distributed.offload=all"], "cpu:2", "has no GPU"),
-    (["distributed.processes_per_node=16"], "8xH100-80GB", "more than the 8 GPUs per node"),
-    (["distributed.nodes=4"], "8xH100-80GB", "more nodes than the hardware has"),
-    (["train.global_batch_size=30"], "8xH100-80GB", "set it to 24 or 32"),
-    (["train.micro_batch_size=3"], "8xH100-80GB", "does not divide the 4 sequences"),
-])
+@pytest.mark.parametrize(
+    "overrides, hardware, needle",
+    [
+        (["train.precision=bf16"], "1xT4-16GB", "bf16 is not supported by T4"),
+        (["train.precision=fp16"], "cpu", "fp16 is not supported for training on CPU"),
+        (
+            ["distributed.sharding=hybrid_shard", "distributed.backend=fsdp"],
+            "8xH100-80GB",
+            "hybrid_shard shards inside a node",
+        ),
+        (["distributed.backend=fsdp", "distributed.offload=all"], "cpu:2", "has no GPU"),
+        (["distributed.processes_per_node=16"], "8xH100-80GB", "more than the 8 GPUs per node"),
+        (["distributed.nodes=4"], "8xH100-80GB", "more nodes than the hardware has"),
+        (["train.global_batch_size=30"], "8xH100-80GB", "set it to 24 or 32"),
+        (["train.micro_batch_size=3"], "8xH100-80GB", "does not divide the 4 sequences"),
+    ],
+)
 def test_explicit_but_impossible_choices_explain_the_fix(overrides, hardware, needle):
     with pytest.raises(PlanError, match=needle):
         make(overrides, hardware=hardware)
@@ -111,7 +215,9 @@ def test_no_fit_gives_estimate_and_options_that_really_fit():
 
 
 def test_no_fit_on_cpu_suggests_qlora():
-    with pytest.raises(PlanError, match=r"per process .* options that fit: `adapter.type: qlora` \(est\. [0-9.]+ GiB\)"):
+    with pytest.raises(
+        PlanError, match=r"per process .* options that fit: `adapter.type: qlora` \(est\. [0-9.]+ GiB\)"
+    ):
         make(["adapter.type=lora"], hardware="cpu,host=24GB")
 
 
@@ -131,8 +237,21 @@ def test_decisions_say_who_chose():
 
 def test_plan_json_has_the_contract_keys():
     j = make(hardware="2x8xA100-40GB", model="meta-llama/Llama-3.3-70B-Instruct").to_json()
-    for key in ("precision", "adapter", "quantization", "backend", "sharding", "offload", "micro_batch_size", "gradient_accumulation_steps",
-                "gradient_checkpointing", "world_size", "memory", "decisions", "launch"):
+    for key in (
+        "precision",
+        "adapter",
+        "quantization",
+        "backend",
+        "sharding",
+        "offload",
+        "micro_batch_size",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "world_size",
+        "memory",
+        "decisions",
+        "launch",
+    ):
         assert key in j
     assert isinstance(j["offload"], bool) and j["sharding"] == "hybrid_shard"
     assert set(j["memory"]) >= {"per_device_gib", "host_gib"} and j["memory"]["per_device_gib"] > 1
@@ -141,18 +260,46 @@ def test_plan_json_has_the_contract_keys():
 
 
 def test_method_enters_the_estimate():
-    dpo = AUTO.replace("method: {name: sft}", "method: {name: dpo}").replace("format: chat", "format: preference").replace("  packing: true\n", "")
-    sft_full = make(["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"], hardware="8xH100-80GB")
-    dpo_full = make(["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"], text=dpo, hardware="8xH100-80GB")
+    dpo = (
+        AUTO.replace("method: {name: sft}", "method: {name: dpo}")
+        .replace("format: chat", "format: preference")
+        .replace("  packing: true\n", "")
+    )
+    sft_full = make(
+        ["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"], hardware="8xH100-80GB"
+    )
+    dpo_full = make(
+        ["adapter.type=full", "train.micro_batch_size=1", "train.gradient_checkpointing=true"],
+        text=dpo,
+        hardware="8xH100-80GB",
+    )
     assert "reference model" in dpo_full.estimate.device and "reference model" not in sft_full.estimate.device
-    assert dpo_full.estimate.device["activations"] == pytest.approx(2 * sft_full.estimate.device["activations"], rel=0.01)
+    assert dpo_full.estimate.device["activations"] == pytest.approx(
+        2 * sft_full.estimate.device["activations"], rel=0.01
+    )
     dpo_lora = make(["train.micro_batch_size=1"], text=dpo)
     assert "reference model" not in dpo_lora.estimate.device  # the base with the adapter disabled
 
 
 def test_estimate_shrinks_with_more_shards():
-    small = make(["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard", "train.micro_batch_size=1"], hardware="8xH100-80GB")
-    big = make(["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard", "train.micro_batch_size=1"], hardware="4x8xH100-80GB")
+    small = make(
+        [
+            "adapter.type=full",
+            "distributed.backend=fsdp",
+            "distributed.sharding=full_shard",
+            "train.micro_batch_size=1",
+        ],
+        hardware="8xH100-80GB",
+    )
+    big = make(
+        [
+            "adapter.type=full",
+            "distributed.backend=fsdp",
+            "distributed.sharding=full_shard",
+            "train.micro_batch_size=1",
+        ],
+        hardware="4x8xH100-80GB",
+    )
     assert big.estimate.device["optimizer"] == pytest.approx(small.estimate.device["optimizer"] / 4)
     assert big.estimate.device_bytes < small.estimate.device_bytes
     assert small.estimate.device_bytes / GiB < 80
@@ -162,7 +309,9 @@ def test_added_tokens_grow_and_train_the_embeddings():
     plain = make()
     grown = make(["data.add_special_tokens=[<tool>, </tool>]"])
     assert grown.decision("embeddings").value == "+2 tokens"
-    assert grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096  # embed_tokens and lm_head (untied)
+    assert (
+        grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096
+    )  # embed_tokens and lm_head (untied)
     with pytest.raises(StopIteration):
         plain.decision("embeddings")
 
@@ -175,7 +324,11 @@ def test_communication_estimate_by_backend():
     assert ddp == {"all-reduce gradients": pytest.approx(2 * 7 / 8 * 4 * t)}
     full = step_traffic("fsdp", "full_shard", 1, 8, n, n, 2, 4)
     grad_op = step_traffic("fsdp", "shard_grad_op", 1, 8, n, n, 2, 4)
-    assert full["all-gather parameters"] == pytest.approx(2 * grad_op["all-gather parameters"]) == pytest.approx(2 * 4 * 7 / 8 * 2 * n)
+    assert (
+        full["all-gather parameters"]
+        == pytest.approx(2 * grad_op["all-gather parameters"])
+        == pytest.approx(2 * 4 * 7 / 8 * 2 * n)
+    )
     hybrid = step_traffic("fsdp", "hybrid_shard", 2, 8, n, n, 2, 4)
     assert "all-reduce gradient shards across nodes" in hybrid and step_traffic("single", None, 1, 1, t, n, 2, 4) == {}
     p = make(["adapter.type=full"], hardware="2x8xH100-80GB")
@@ -186,5 +339,9 @@ def test_communication_estimate_by_backend():
 def test_across_nodes_the_chosen_sharding_has_the_least_estimated_communication():
     chosen = make(["adapter.type=full"], model="meta-llama/Llama-3.1-8B", hardware="2x8xH100-80GB")
     for sharding in ("shard_grad_op", "full_shard"):
-        other = make(["adapter.type=full", "distributed.backend=fsdp", f"distributed.sharding={sharding}"], model="meta-llama/Llama-3.1-8B", hardware="2x8xH100-80GB")
+        other = make(
+            ["adapter.type=full", "distributed.backend=fsdp", f"distributed.sharding={sharding}"],
+            model="meta-llama/Llama-3.1-8B",
+            hardware="2x8xH100-80GB",
+        )
         assert chosen.communication_seconds < other.communication_seconds, sharding

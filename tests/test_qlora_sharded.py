@@ -25,7 +25,15 @@ from tests.conftest import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "qlora_logits.py"
 BACKENDS = ("fsdp", "deepspeed")
-JOBS = ["single/bf16", "single/fp32", "single/bf16+train-first", "fsdp/fp32", "fsdp/bf16", "deepspeed/fp32", "deepspeed/bf16"]
+JOBS = [
+    "single/bf16",
+    "single/fp32",
+    "single/bf16+train-first",
+    "fsdp/fp32",
+    "fsdp/bf16",
+    "deepspeed/fp32",
+    "deepspeed/bf16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +47,36 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qlora_sharded")
     data = write_jsonl(arithmetic_records(64, seed=7), tmp / "data.jsonl")
     out = tmp / "results.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-                        str(tmp / "model"), str(data), str(tmp), str(out), "--build", "--jobs", ",".join(JOBS)],
-                       capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(SCRIPT),
+            str(tmp / "model"),
+            str(data),
+            str(tmp),
+            str(out),
+            "--build",
+            "--jobs",
+            ",".join(JOBS),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -60,12 +94,16 @@ def test_sharded_4bit_weights_are_split_over_ranks_and_gather_bit_for_bit(result
         ref, got = results[f"single/{precision}"], results[f"{backend}/{precision}"]
         assert (got["backend"], got["world_size"], got["quant_storage"]) == (backend, 2, precision)
         assert got["sharding"] == {"fsdp": "full_shard", "deepspeed": "zero3"}[backend]
-        assert ref["weights"].keys() == got["weights"].keys() and len(ref["weights"]) == 14  # 7 linear layers × 2 blocks
+        assert (
+            ref["weights"].keys() == got["weights"].keys() and len(ref["weights"]) == 14
+        )  # 7 linear layers × 2 blocks
         for name, data in ref["weights"].items():
             assert torch.equal(got["weights"][name], data), name
             assert got["held"][name] <= 0.5 + 1e-3, name  # sharded, not replicated
     as_bf16 = sum(int(torch.isnan(w.view(torch.bfloat16)).sum()) for w in ref["weights"].values())
-    assert as_bf16 > 0  # packed nibbles that read as bf16 NaNs (what a NaN-canonicalizing copy would corrupt) came through
+    assert (
+        as_bf16 > 0
+    )  # packed nibbles that read as bf16 NaNs (what a NaN-canonicalizing copy would corrupt) came through
 
 
 @pytest.mark.slow

@@ -40,8 +40,10 @@ def test_plan_fields_carry_what_downstream_used_to_re_derive():
     from finetune.workflow import model_facts
 
     def planned(extra: str, hw: str = "8xH100-80GB", fmt: str = "chat"):
-        config = loads(f"model: {{name: meta-llama/Llama-3.1-8B}}\ndata: {{datasets: [{{path: d.jsonl, format: {fmt}}}]}}\n"
-                       f"output: {{dir: run}}\n{extra}")
+        config = loads(
+            f"model: {{name: meta-llama/Llama-3.1-8B}}\ndata: {{datasets: [{{path: d.jsonl, format: {fmt}}}]}}\n"
+            f"output: {{dir: run}}\n{extra}"
+        )
         return plan(config, parse(hw), model_facts(config.model))
 
     q = planned("adapter: {type: qlora}\ndistributed: {backend: fsdp}\ntrain: {precision: bf16}")
@@ -61,7 +63,9 @@ def test_plan_fields_carry_what_downstream_used_to_re_derive():
 
 
 def test_a_rank_without_a_plan_is_told_what_to_run(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "finetune.train", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "finetune.train", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "config.yaml" in r.stderr or "plan.json" in r.stderr
 
@@ -116,12 +120,17 @@ def test_bitsandbytes_optimizers_are_refused_under_fsdp_and_avoided_by_auto():
     from finetune.plan import plan
     from finetune.workflow import model_facts
 
-    base = "model: {name: meta-llama/Llama-3.1-8B}\ndata: {datasets: [{path: d.jsonl, format: chat}]}\noutput: {dir: run}\nadapter: {type: full}\n"
+    base = (
+        "model: {name: meta-llama/Llama-3.1-8B}\ndata: {datasets: [{path: d.jsonl, format: chat}]}\noutput: {dir: "
+        "run}\nadapter: {type: full}\n"
+    )
     with pytest.raises(ConfigError, match="train.optimizer") as e:
         loads(base + "train: {optimizer: paged_adamw_8bit}\ndistributed: {backend: fsdp}")
     assert "DTensor" in str(e.value) and "distributed.backend" in str(e.value)
     plain = loads(base)
-    assert plan(plain, parse("8xH100-80GB"), model_facts(plain.model)).backend == "fsdp"  # what auto picks without the 8-bit optimizer
+    assert (
+        plan(plain, parse("8xH100-80GB"), model_facts(plain.model)).backend == "fsdp"
+    )  # what auto picks without the 8-bit optimizer
     config = loads(base + "train: {optimizer: adamw_8bit}")
     try:
         assert plan(config, parse("8xH100-80GB"), model_facts(config.model)).backend != "fsdp"

@@ -33,23 +33,65 @@ SHA = "f" * 40
 
 
 # ---------------------------------------------------------------- redact
-@pytest.mark.parametrize("key", ["token", "hf_token", "HF_TOKEN", "hub_token", "access_token", "secret", "client_secret",
-                                 "password", "db_passwd", "api_key", "WANDB_API_KEY", "apikey", "api-key", "auth",
-                                 "Authorization", "basic_auth", "credentials", "private_key", "aws_access_key"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "token",
+        "hf_token",
+        "HF_TOKEN",
+        "hub_token",
+        "access_token",
+        "secret",
+        "client_secret",
+        "password",
+        "db_passwd",
+        "api_key",
+        "WANDB_API_KEY",
+        "apikey",
+        "api-key",
+        "auth",
+        "Authorization",
+        "basic_auth",
+        "credentials",
+        "private_key",
+        "aws_access_key",
+    ],
+)
 def test_secret_key_names(key):
     assert SECRET_KEY.search(key)
 
 
-@pytest.mark.parametrize("key", ["tokenizer", "max_new_tokens", "tokens_per_step", "add_special_tokens", "pad_token",
-                                 "eos_token", "pad_token_id", "author", "authors", "model", "lr", "revision"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "tokenizer",
+        "max_new_tokens",
+        "tokens_per_step",
+        "add_special_tokens",
+        "pad_token",
+        "eos_token",
+        "pad_token_id",
+        "author",
+        "authors",
+        "model",
+        "lr",
+        "revision",
+    ],
+)
 def test_names_that_are_not_secrets(key):
     assert not SECRET_KEY.search(key)
 
 
 def test_redact_nested_keys_lists_and_tuples():
-    cfg = {"model": {"name": "m", "hub_token": "abc", "tokenizer": "t"},
-           "data": {"datasets": [{"path": "p", "auth": {"user": "u", "password": "pw"}}], "add_special_tokens": ["<x>"]},
-           "pair": ("a", {"api_key": "k"}), "n": 3, "use_auth_token": True, "token": None, "flag": False}
+    cfg = {
+        "model": {"name": "m", "hub_token": "abc", "tokenizer": "t"},
+        "data": {"datasets": [{"path": "p", "auth": {"user": "u", "password": "pw"}}], "add_special_tokens": ["<x>"]},
+        "pair": ("a", {"api_key": "k"}),
+        "n": 3,
+        "use_auth_token": True,
+        "token": None,
+        "flag": False,
+    }
     out = redact(cfg)
     assert out["model"] == {"name": "m", "hub_token": "***", "tokenizer": "t"}
     assert out["data"]["datasets"][0] == {"path": "p", "auth": "***"}
@@ -58,16 +100,19 @@ def test_redact_nested_keys_lists_and_tuples():
     assert (out["n"], out["use_auth_token"], out["token"], out["flag"]) == (3, True, None, False)
 
 
-@pytest.mark.parametrize("text, kept", [
-    (f"token is {HF} ok", "token is *** ok"),
-    (f"https://user:{HF}@huggingface.co/x", "https://user:***@huggingface.co/x"),
-    ("https://u:hunter2@host:5000/path", "https://u:***@host:5000/path"),
-    ("https://api.example.com/v1?token=abc123&x=1", "https://api.example.com/v1?token=***&x=1"),
-    ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload", "Authorization: Bearer ***"),
-    (f"wandb key {WANDB}", "wandb key ***"),
-    (f"aws {AWS}!", "aws ***!"),
-    ("plain text, 2e-4, /data/train.jsonl", "plain text, 2e-4, /data/train.jsonl"),
-])
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        (f"token is {HF} ok", "token is *** ok"),
+        (f"https://user:{HF}@huggingface.co/x", "https://user:***@huggingface.co/x"),
+        ("https://u:hunter2@host:5000/path", "https://u:***@host:5000/path"),
+        ("https://api.example.com/v1?token=abc123&x=1", "https://api.example.com/v1?token=***&x=1"),
+        ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.payload", "Authorization: Bearer ***"),
+        (f"wandb key {WANDB}", "wandb key ***"),
+        (f"aws {AWS}!", "aws ***!"),
+        ("plain text, 2e-4, /data/train.jsonl", "plain text, 2e-4, /data/train.jsonl"),
+    ],
+)
 def test_redact_values_inside_strings(text, kept):
     assert redact(text) == kept
     assert redact({"note": [text]}) == {"note": [kept]}
@@ -178,8 +223,14 @@ def test_nan_and_inf_are_written_as_null(tmp_path):
         w.log(1, loss=float("nan"), grad_norm=math.inf, eval_loss=torch.tensor(0.25), lr=-math.inf)
     line = path.read_text()
     assert "NaN" not in line and "Infinity" not in line
-    assert json.loads(line) | {"time": 0} == {"step": 1, "time": 0, "loss": None, "grad_norm": None,
-                                              "eval_loss": 0.25, "lr": None}
+    assert json.loads(line) | {"time": 0} == {
+        "step": 1,
+        "time": 0,
+        "loss": None,
+        "grad_norm": None,
+        "eval_loss": 0.25,
+        "lr": None,
+    }
 
 
 def test_resume_drops_steps_after_the_checkpoint(tmp_path):
@@ -258,30 +309,61 @@ def test_plot_losses_without_matplotlib(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- model card
 def _run(artifact="adapter", adapter_type="lora"):
     return {
-        "config": {"model": {"name": "Qwen/Qwen2.5-0.5B", "revision": "main", "hub_token": HF},
-                   "method": {"name": "sft"},
-                   "adapter": {"type": "auto", "r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
-                   "data": {"datasets": [{"path": "data/train.jsonl", "format": "chat", "split": "train"}],
-                            "seq_len": 1024, "packing": True},
-                   "train": {"lr": 2e-4, "scheduler": "cosine", "optimizer": "adamw_torch"}},
-        "plan": {"model": "Qwen/Qwen2.5-0.5B", "hardware": "1xH100-80GB", "adapter": adapter_type, "precision": "bf16",
-                 "backend": "single", "sharding": None, "micro_batch_size": 4, "gradient_accumulation_steps": 8,
-                 "world_size": 1, "global_batch_size": 32, "seq_len": 1024, "quantization": "none",
-                 "params": {"total": 494_000_000, "trainable": 1_081_344}},
+        "config": {
+            "model": {"name": "Qwen/Qwen2.5-0.5B", "revision": "main", "hub_token": HF},
+            "method": {"name": "sft"},
+            "adapter": {"type": "auto", "r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+            "data": {
+                "datasets": [{"path": "data/train.jsonl", "format": "chat", "split": "train"}],
+                "seq_len": 1024,
+                "packing": True,
+            },
+            "train": {"lr": 2e-4, "scheduler": "cosine", "optimizer": "adamw_torch"},
+        },
+        "plan": {
+            "model": "Qwen/Qwen2.5-0.5B",
+            "hardware": "1xH100-80GB",
+            "adapter": adapter_type,
+            "precision": "bf16",
+            "backend": "single",
+            "sharding": None,
+            "micro_batch_size": 4,
+            "gradient_accumulation_steps": 8,
+            "world_size": 1,
+            "global_batch_size": 32,
+            "seq_len": 1024,
+            "quantization": "none",
+            "params": {"total": 494_000_000, "trainable": 1_081_344},
+        },
         "data": {"train_samples": 12_345, "validation_samples": 100, "tokens_per_epoch": 3_000_000},
         "metrics": {"final_loss": 0.91234, "final_eval_loss": 1.02, "steps": 386, "seconds": 3725},
-        "artifact": artifact, "run_dir": "runs/qwen-lora",
+        "artifact": artifact,
+        "run_dir": "runs/qwen-lora",
     }
 
 
 def test_model_card_for_an_adapter():
     card = model_card(_run())
-    assert card.startswith("---\nbase_model: \"Qwen/Qwen2.5-0.5B\"\nlibrary_name: \"peft\"")
-    for text in ("`Qwen/Qwen2.5-0.5B`", "16 / 32", "q_proj, v_proj", "`data/train.jsonl` (format chat, split train)",
-                 "12,345", "1xH100-80GB", "bf16", "4 micro × 8 accumulation × 1 ranks = 32 sequences per step",
-                 "1024, packed", "0.9123", "1.0200", "386", "1h 02m 05s", "0.22%",
-                 'PeftModel.from_pretrained(base, "runs/qwen-lora/final")',
-                 'AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B"', "ft merge-lora runs/qwen-lora"):
+    assert card.startswith('---\nbase_model: "Qwen/Qwen2.5-0.5B"\nlibrary_name: "peft"')
+    for text in (
+        "`Qwen/Qwen2.5-0.5B`",
+        "16 / 32",
+        "q_proj, v_proj",
+        "`data/train.jsonl` (format chat, split train)",
+        "12,345",
+        "1xH100-80GB",
+        "bf16",
+        "4 micro × 8 accumulation × 1 ranks = 32 sequences per step",
+        "1024, packed",
+        "0.9123",
+        "1.0200",
+        "386",
+        "1h 02m 05s",
+        "0.22%",
+        'PeftModel.from_pretrained(base, "runs/qwen-lora/final")',
+        'AutoModelForCausalLM.from_pretrained("Qwen/Qwen2.5-0.5B"',
+        "ft merge-lora runs/qwen-lora",
+    ):
         assert text in card, text
     assert HF not in card and "resize_token_embeddings" not in card
 
@@ -291,7 +373,7 @@ def test_model_card_for_a_full_model():
     card = model_card(run)
     assert 'AutoModelForCausalLM.from_pretrained("runs/qwen-lora/final", dtype="auto")' in card
     assert "PeftModel" not in card and "merge-lora" not in card and "rank r" not in card
-    assert "library_name: \"transformers\"" in card and "all weights" in card
+    assert 'library_name: "transformers"' in card and "all weights" in card
 
 
 def test_model_card_with_added_tokens_and_missing_keys():
@@ -363,8 +445,14 @@ def test_the_saved_config_loads_again_from_the_environment():
 
 def test_the_model_card_shows_no_environment_value_anywhere():
     config = _env_config()
-    run = {"config": config, "plan": {"model": "org/private-model", "hardware": "cpu"}, "data": {"sources": ["org/private-model/x"]},
-           "name": "nightly-42-secret", "run_dir": "runs/x", "path": "runs/x/final"}
+    run = {
+        "config": config,
+        "plan": {"model": "org/private-model", "hardware": "cpu"},
+        "data": {"sources": ["org/private-model/x"]},
+        "name": "nightly-42-secret",
+        "run_dir": "runs/x",
+        "path": "runs/x/final",
+    }
     card = model_card(run)
     assert "org/private-model" not in card and "opensesame123" not in card and "nightly-42-secret" not in card
     assert "${BASE}" in card and "${RUN_NAME}" in card

@@ -26,16 +26,27 @@ def llama(folder: Path, *, hidden: int, layers: int, intermediate: int, heads: i
     return random_llama(folder, hidden=hidden, layers=layers, intermediate=intermediate, heads=heads, tied=tied)
 
 
-def job(tmp: Path, name: str, model: Path, *, adapter: str, precision: str, method: str = "{name: sft}", data: str = "chat", sharded: bool = True) -> str:
+def job(
+    tmp: Path,
+    name: str,
+    model: Path,
+    *,
+    adapter: str,
+    precision: str,
+    method: str = "{name: sft}",
+    data: str = "chat",
+    sharded: bool = True,
+) -> str:
     path = tmp / f"{name}.yaml"
     dist = "distributed: {backend: fsdp, sharding: full_shard}\n" if sharded else ""
     path.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {tmp / (data + '.jsonl')}, format: {data}}}], seq_len: 32, cache_dir: {tmp / 'cache'}, add_special_tokens: ["<|added|>"]}}
+data: {{datasets: [{{path: {tmp / (data + ".jsonl")}, format: {data}}}], seq_len: 32,
+  cache_dir: {tmp / "cache"}, add_special_tokens: ["<|added|>"]}}
 method: {method}
 adapter: {adapter}
 train: {{global_batch_size: 4, micro_batch_size: 1, max_steps: 1, precision: {precision}}}
-output: {{dir: {tmp / ('run-' + name)}}}
+output: {{dir: {tmp / ("run-" + name)}}}
 {dist}""")
     return str(path)
 
@@ -64,12 +75,19 @@ def tiny_jobs(tmp_path_factory):
     small = dict(hidden=64, layers=2, intermediate=160, heads=2)
     llama(tmp / "tied", tied=True, **small)
     llama(tmp / "untied", tied=False, **small)
-    specs = {"lora": dict(model=tmp / "tied", adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}", precision="bf16"),
-             "dpo": dict(model=tmp / "untied", adapter="{type: full}", precision="fp32", method="{name: dpo}", data="preference")}
+    specs = {
+        "lora": dict(model=tmp / "tied", adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}", precision="bf16"),
+        "dpo": dict(
+            model=tmp / "untied", adapter="{type: full}", precision="fp32", method="{name: dpo}", data="preference"
+        ),
+    }
     ranks = torchrun(tmp / "two", [job(tmp, name, **spec) for name, spec in specs.items()], "--weights")
     probe, one = probe_module(), tmp / "one"
     one.mkdir()
-    single = [probe.run_job(job(tmp, f"{name}-1", sharded=False, **spec), "cpu", one, i, weights=True) for i, (name, spec) in enumerate(specs.items())]
+    single = [
+        probe.run_job(job(tmp, f"{name}-1", sharded=False, **spec), "cpu", one, i, weights=True)
+        for i, (name, spec) in enumerate(specs.items())
+    ]
     return {"tmp": tmp, "ranks": ranks, "single": single, "two": tmp / "two", "one": one}
 
 
@@ -78,14 +96,18 @@ def compare_weights(one: Path, two: Path) -> tuple[dict, dict]:
     assert (a["loading"], b["loading"]) == ("replica", "meta")
     assert a["weights"].keys() == b["weights"].keys()
     for name, w in a["weights"].items():
-        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), name  # base, adapter, added rows: exactly
+        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), (
+            name
+        )  # base, adapter, added rows: exactly
     return a, b
 
 
 @pytest.mark.slow
 def test_lora_shards_loaded_on_two_ranks_equal_one_process_and_give_its_first_step(tiny_jobs):
     a, b = compare_weights(tiny_jobs["one"] / "weights-0.pt", tiny_jobs["two"] / "weights-0.pt")
-    assert any("lora_A" in n for n in a["weights"]) and any("modules_to_save" in n for n in a["weights"])  # the adapter and the grown embeddings
+    assert any("lora_A" in n for n in a["weights"]) and any(
+        "modules_to_save" in n for n in a["weights"]
+    )  # the adapter and the grown embeddings
     torch.testing.assert_close(b["logits"], a["logits"], atol=2e-2, rtol=2e-2)  # bf16: FSDP casts the adapter too
     losses = [r["loss"] for r in tiny_jobs["ranks"] if r["job"] == 0]
     assert losses == pytest.approx([tiny_jobs["single"][0]["loss"]] * 2, rel=1e-3)
@@ -97,8 +119,12 @@ def test_full_fine_tuning_loads_equal_fp32_weights_and_a_sharded_reference_in_co
     assert all(w.dtype == torch.float32 for w in b["weights"].values())  # fp32 master weights
     torch.testing.assert_close(b["logits"], a["logits"], atol=1e-5, rtol=1e-5)
     ranks = [r for r in tiny_jobs["ranks"] if r["job"] == 1]
-    assert [r["reference"] for r in ranks] == ["DTensor float32"] * 2 and tiny_jobs["single"][1]["reference"] == "Parameter float32"
-    assert [r["loss"] for r in ranks] == pytest.approx([math.log(2)] * 2, abs=1e-6)  # the reference equals the policy at step 1
+    assert [r["reference"] for r in ranks] == ["DTensor float32"] * 2 and tiny_jobs["single"][1][
+        "reference"
+    ] == "Parameter float32"
+    assert [r["loss"] for r in ranks] == pytest.approx(
+        [math.log(2)] * 2, abs=1e-6
+    )  # the reference equals the policy at step 1
 
 
 @pytest.mark.slow
@@ -106,13 +132,21 @@ def test_a_rank_loading_a_380m_model_under_fsdp_holds_about_its_shard(tiny_jobs)
     tmp = tiny_jobs["tmp"]
     params = llama(tmp / "big", tied=False, **BIG)
     size = 2 * params  # bf16 bytes
-    big = torchrun(tmp / "big-run", [job(tmp, "big", tmp / "big", adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}", precision="bf16")])
-    baseline = {r["rank"]: r for r in tiny_jobs["ranks"] if r["job"] == 0}  # the same job on a tiny model, first in its process
+    big = torchrun(
+        tmp / "big-run",
+        [job(tmp, "big", tmp / "big", adapter="{type: lora, r: 8, alpha: 16, dropout: 0.0}", precision="bf16")],
+    )
+    baseline = {
+        r["rank"]: r for r in tiny_jobs["ranks"] if r["job"] == 0
+    }  # the same job on a tiny model, first in its process
     above = sorted((r["loaded"] - baseline[r["rank"]]["loaded"]) / size for r in big)
     stepped = sorted((r["stepped"] - baseline[r["rank"]]["stepped"]) / size for r in big)
-    print(f"\nloading {params / 1e6:.0f}M parameters ({size / 2**20:.0f} MiB in bf16) on 2 ranks: peak RSS above the tiny-model run, per rank "
-          f"{', '.join(f'{x:.3f}' for x in above)}x the bf16 size; together {sum(above):.3f}x; after a training step "
-          f"{', '.join(f'{x:.3f}' for x in stepped)}x")
+    print(
+        f"\nloading {params / 1e6:.0f}M parameters ({size / 2**20:.0f} MiB in bf16) on 2 ranks: peak RSS above the "
+        "tiny-model run, per rank "
+        f"{', '.join(f'{x:.3f}' for x in above)}x the bf16 size; together {sum(above):.3f}x; after a training step "
+        f"{', '.join(f'{x:.3f}' for x in stepped)}x"
+    )
     assert all(r["loading"] == "meta" for r in big)
     assert all(x < 0.6 for x in above[:-1]) and sum(above) < 1.6
     # a step all-gathers each layer (gloo: output, copy, the next layer prefetched); freed buffers go back (hostmem.py)
@@ -128,12 +162,14 @@ def test_checkpoint_reads_row_ranges_across_an_index_and_gives_added_rows_the_me
     emb, head = torch.randn(ROW_CHUNK + 10, 8).to(torch.bfloat16), torch.randn(5, 3)
     save_file({"emb": emb}, str(tmp_path / "a.safetensors"))
     save_file({"head": head}, str(tmp_path / "b.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"emb": "a.safetensors", "head": "b.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"emb": "a.safetensors", "head": "b.safetensors"}})
+    )
     ckpt = Checkpoint(tmp_path)
     assert torch.equal(ckpt.read("emb", 3, 9), emb[3:9]) and torch.equal(ckpt.read("head"), head)
     out = torch.empty(7, 8, dtype=torch.bfloat16)
     fill_rows(ckpt, "emb", ROW_CHUNK + 5, out)  # 5 rows from the file, 2 added rows
-    assert torch.equal(out[:5], emb[ROW_CHUNK + 5:])
+    assert torch.equal(out[:5], emb[ROW_CHUNK + 5 :])
     mean = row_mean(emb.split(ROW_CHUNK)).to(torch.bfloat16)
     assert torch.equal(out[5], mean) and torch.equal(out[6], mean)
     wide = torch.empty(2, 8, dtype=torch.float32)
@@ -151,10 +187,15 @@ def test_new_embedding_rows_are_the_same_in_the_whole_model_and_in_shards(tmp_pa
     rows = net.get_input_embeddings().weight.shape[0]
     resize_embeddings(net, rows + 3)
     ckpt = Checkpoint(tmp_path)
-    for key, w in (("model.embed_tokens.weight", net.get_input_embeddings().weight), ("lm_head.weight", net.get_output_embeddings().weight)):
+    for key, w in (
+        ("model.embed_tokens.weight", net.get_input_embeddings().weight),
+        ("lm_head.weight", net.get_output_embeddings().weight),
+    ):
         shard = torch.empty(5, w.shape[1])
-        fill_rows(ckpt, key, rows - 2, shard)  # the last 2 old rows and the 3 new ones, as a rank holding them reads them
-        assert torch.equal(shard, w[rows - 2:].detach())
+        fill_rows(
+            ckpt, key, rows - 2, shard
+        )  # the last 2 old rows and the 3 new ones, as a rank holding them reads them
+        assert torch.equal(shard, w[rows - 2 :].detach())
 
 
 def test_a_checkpoint_without_safetensors_is_refused_with_how_to_convert(tmp_path):
@@ -172,7 +213,9 @@ def test_adapter_starting_values_depend_only_on_seed_and_name():
 
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     a = initial_value(name, (8, 64), seed=3)
-    assert torch.equal(a, initial_value(name, (8, 64), seed=3)) and not torch.equal(a, initial_value(name, (8, 64), seed=4))
+    assert torch.equal(a, initial_value(name, (8, 64), seed=3)) and not torch.equal(
+        a, initial_value(name, (8, 64), seed=4)
+    )
     assert 0 < a.abs().max() <= 1 / math.sqrt(64)  # kaiming-uniform with a=sqrt(5), as peft draws lora_A
     assert not torch.equal(a, initial_value(name.replace("layers.0", "layers.1"), (8, 64), seed=3))
     assert not initial_value(name.replace("lora_A", "lora_B"), (64, 8), seed=3).any()
@@ -185,18 +228,34 @@ def test_memory_estimate_counts_loading_as_its_own_peak():
     from finetune.plan.memory import LOADING, Setup, estimate
 
     m = lookup("meta-llama/Llama-3.1-70B")
-    qlora = dict(adapter="qlora", quantization="nf4", precision="bf16", optimizer="adamw_torch", micro_batch_size=1, seq_len=2048,
-                 gradient_checkpointing=True, sharding="full_shard", shard_size=8)
-    replica = estimate(m, Setup(**qlora, loading="replica"))  # bitsandbytes quantizes while loading: every rank loads all of it
+    qlora = dict(
+        adapter="qlora",
+        quantization="nf4",
+        precision="bf16",
+        optimizer="adamw_torch",
+        micro_batch_size=1,
+        seq_len=2048,
+        gradient_checkpointing=True,
+        sharding="full_shard",
+        shard_size=8,
+    )
+    replica = estimate(
+        m, Setup(**qlora, loading="replica")
+    )  # bitsandbytes quantizes while loading: every rank loads all of it
     training = sum(v for k, v in replica.device.items() if k != LOADING)
     assert replica.device[LOADING] > training and replica.device_bytes == replica.device[LOADING]
     lora = dict(qlora, adapter="lora", quantization="none")
     whole, meta = estimate(m, Setup(**lora, loading="replica")), estimate(m, Setup(**lora, loading="meta"))
-    assert whole.device[LOADING] > 2 * m.num_params and meta.device[LOADING] < whole.device[LOADING] / 6  # shard + one tensor
+    assert (
+        whole.device[LOADING] > 2 * m.num_params and meta.device[LOADING] < whole.device[LOADING] / 6
+    )  # shard + one tensor
     assert meta.device_bytes == sum(v for k, v in meta.device.items() if k != LOADING)  # training is the peak
     accumulating = estimate(m, Setup(**lora, loading="meta", accumulation=4))
     assert accumulating.device["unsharded gradients (accumulation)"] == 4 * accumulating.trainable_params
-    assert "unsharded gradients (accumulation)" not in estimate(m, Setup(**dict(lora, adapter="full"), loading="meta", accumulation=4)).device
+    assert (
+        "unsharded gradients (accumulation)"
+        not in estimate(m, Setup(**dict(lora, adapter="full"), loading="meta", accumulation=4)).device
+    )
 
 
 def test_gradient_clipping_returns_a_float_and_scales_to_the_limit():

@@ -26,9 +26,15 @@ linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes t
 def start(config: str, *args, env=None, out=None) -> subprocess.Popen:
     """`ft train` in a session of its own, as a shell starts a foreground job: os.killpg reaches what a Ctrl-C reaches.
     Output to pipes, or to the open file `out`."""
-    return subprocess.Popen([sys.executable, "-m", "finetune", "train", config, "--hardware", "cpu:2", *args], cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, stdout=out or subprocess.PIPE,
-                            stderr=subprocess.STDOUT if out else subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "finetune", "train", config, "--hardware", "cpu:2", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=out or subprocess.PIPE,
+        stderr=subprocess.STDOUT if out else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -59,7 +65,9 @@ def rank_processes(run: Path) -> list[tuple[int, str]]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if "finetune.train" in cmd and str(run) in cmd and state not in ("Z", "X"):  # a zombie is dead, only not yet reaped
+        if (
+            "finetune.train" in cmd and str(run) in cmd and state not in ("Z", "X")
+        ):  # a zombie is dead, only not yet reaped
             alive.append((int(entry.name), cmd))
     return alive
 
@@ -77,7 +85,11 @@ def stopped_once(proc: subprocess.Popen, signame: str, run: Path) -> int:
 
     last = checkpoint.latest(run)
     state = json.loads((last / "state.json").read_text())
-    assert state["stopped_by"] == signame and f"after step {state['step']} of {STEPS}" in text and f"saved to {last}" in text
+    assert (
+        state["stopped_by"] == signame
+        and f"after step {state['step']} of {STEPS}" in text
+        and f"saved to {last}" in text
+    )
     assert len(losses(run)) == state["step"] < STEPS  # stopped after the step it logged last, before the end
     return state["step"]
 
@@ -101,7 +113,9 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     # has landed before step 5 ends, however fast the machine.
     ctrl_c = start(config, env={"FT_TEST_HANG": "0:5:3"})
     wait_for_steps(run, 3, ctrl_c)
-    os.killpg(ctrl_c.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the foreground group (torchrun has a session of its own)
+    os.killpg(
+        ctrl_c.pid, signal.SIGINT
+    )  # what a terminal's Ctrl-C does: the foreground group (torchrun has a session of its own)
     first = stopped_once(ctrl_c, "SIGINT", run)
     assert 3 <= first <= 5
 
@@ -118,7 +132,9 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     done = ft_train(config, "--hardware", "cpu:2", "--resume", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (run / "final").is_dir() and len(losses(run)) == STEPS
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line] == list(range(1, STEPS + 1))
+    assert [
+        json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.slow

@@ -19,18 +19,19 @@ CONVERSATION = [
 # What each built-in renders for CONVERSATION: written out by hand, from each format's definition.
 EXPECTED = {
     "chatml": "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
-              "<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n"
-              "<|im_start|>assistant\n6.<|im_end|>\n",
+    "<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\nAnd 3 + 3?<|im_end|>\n"
+    "<|im_start|>assistant\n6.<|im_end|>\n",
     "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
-              "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
-              "<|start_header_id|>assistant<|end_header_id|>\n\n4.<|eot_id|>"
-              "<|start_header_id|>user<|end_header_id|>\n\nAnd 3 + 3?<|eot_id|>"
-              "<|start_header_id|>assistant<|end_header_id|>\n\n6.<|eot_id|>",
+    "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n4.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nAnd 3 + 3?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n6.<|eot_id|>",
     "mistral": "<s>[INST] Be brief.\n\nWhat is 2 + 2? [/INST] 4.</s>[INST] And 3 + 3? [/INST] 6.</s>",
-    "gemma": "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n4.<end_of_turn>\n"
-             "<start_of_turn>user\nAnd 3 + 3?<end_of_turn>\n<start_of_turn>model\n6.<end_of_turn>\n",
+    "gemma": "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 2?<end_of_turn>\n"
+    "<start_of_turn>model\n4.<end_of_turn>\n"
+    "<start_of_turn>user\nAnd 3 + 3?<end_of_turn>\n<start_of_turn>model\n6.<end_of_turn>\n",
     "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nWhat is 2 + 2?<|end|>\n<|assistant|>\n4.<|end|>\n"
-            "<|user|>\nAnd 3 + 3?<|end|>\n<|assistant|>\n6.<|end|>\n",
+    "<|user|>\nAnd 3 + 3?<|end|>\n<|assistant|>\n6.<|end|>\n",
     "plain": "Be brief.\nWhat is 2 + 2?\n4.<|endoftext|>And 3 + 3?\n6.<|endoftext|>",
 }
 
@@ -63,7 +64,9 @@ def test_builtin_special_tokens_are_single_tokens_in_the_rendering(tok, name):
 
 def test_qwen_adds_its_default_system_message_only_when_none_is_given(tok):
     without = render(CONVERSATION[1:], tok, BUILTIN["qwen"].jinja)
-    assert without.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n")
+    assert without.startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    )
     assert without.endswith(EXPECTED["chatml"].split("<|im_end|>\n", 1)[1])
     assert render(CONVERSATION, tok, BUILTIN["qwen"].jinja) == EXPECTED["chatml"]
 
@@ -76,7 +79,11 @@ def test_alternating_templates_reject_two_user_turns(tok, name):
 
 
 def test_mistral_rejects_a_system_message_after_the_first(tok):
-    bad = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "system", "content": "x"}]
+    bad = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"},
+        {"role": "system", "content": "x"},
+    ]
     with pytest.raises(TemplateError, match="message 2 has role system"):
         render(bad, tok, BUILTIN["mistral"].jinja)
 
@@ -96,7 +103,8 @@ def test_plain_writes_the_tokenizers_bos_once(tok):
 def test_generation_prompt(tok):
     prompt = CONVERSATION[:2]
     assert render(prompt, tok, BUILTIN["llama3"].jinja, add_generation_prompt=True).endswith(
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
     assert render(prompt, tok, BUILTIN["mistral"].jinja, add_generation_prompt=True).endswith("[/INST]")
 
 

@@ -12,9 +12,13 @@ from finetune.errors import FtError
 from finetune.trackers import Trackers, flatten
 
 SECRET = "hf_" + "Zq9" * 12
-CONFIG = {"model": {"name": "tiny"}, "train": {"lr": 2e-4, "max_steps": 3}, "hub_token": SECRET,
-          "data": {"datasets": [{"path": "d.jsonl", "format": "chat"}], "seq_len": 64},
-          "adapter": {"target_modules": ["q_proj", "v_proj"]}}
+CONFIG = {
+    "model": {"name": "tiny"},
+    "train": {"lr": 2e-4, "max_steps": 3},
+    "hub_token": SECRET,
+    "data": {"datasets": [{"path": "d.jsonl", "format": "chat"}], "seq_len": 64},
+    "adapter": {"target_modules": ["q_proj", "v_proj"]},
+}
 
 
 def _log_three_steps(t: Trackers) -> None:
@@ -31,16 +35,20 @@ def _hide(monkeypatch, *modules: str) -> None:
 # ---------------------------------------------------------------- no-ops and errors
 def test_other_ranks_and_no_trackers_do_nothing(monkeypatch, tmp_path):
     _hide(monkeypatch, "wandb", "mlflow", "tensorboard", "torch.utils.tensorboard")
-    for t in (Trackers(["tensorboard", "wandb", "mlflow"], tmp_path / "a", "r", CONFIG, rank=1),
-              Trackers([], tmp_path / "b", "r", CONFIG)):
+    for t in (
+        Trackers(["tensorboard", "wandb", "mlflow"], tmp_path / "a", "r", CONFIG, rank=1),
+        Trackers([], tmp_path / "b", "r", CONFIG),
+    ):
         _log_three_steps(t)
         t.close()
         assert t.active == []
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name, modules", [("wandb", ["wandb"]), ("mlflow", ["mlflow"]),
-                                           ("tensorboard", ["tensorboard", "torch.utils.tensorboard"])])
+@pytest.mark.parametrize(
+    "name, modules",
+    [("wandb", ["wandb"]), ("mlflow", ["mlflow"]), ("tensorboard", ["tensorboard", "torch.utils.tensorboard"])],
+)
 def test_missing_package_names_the_key_and_the_extra(monkeypatch, tmp_path, name, modules):
     _hide(monkeypatch, *modules)
     with pytest.raises(FtError) as e:
@@ -117,7 +125,10 @@ def test_close_marks_failure_from_a_with_block(fake, tmp_path):
 
 def test_flatten():
     assert flatten({"train": {"lr": 1e-4}, "data": {"datasets": [{"path": "x"}]}, "t": ["q", "v"], "e": {}}) == {
-        "train.lr": "0.0001", "data.datasets.0.path": "x", "t": "['q', 'v']"}
+        "train.lr": "0.0001",
+        "data.datasets.0.path": "x",
+        "t": "['q', 'v']",
+    }
 
 
 # ---------------------------------------------------------------- the real trackers, offline

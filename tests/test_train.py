@@ -19,16 +19,21 @@ from tests.conftest import REPO
 
 def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra="", data=None, out="run", lr=None):
     data = data or write_jsonl(arithmetic_records(256, seed=5), tmp_path / "arith.jsonl")
-    adapter_yaml = {"full": "{type: full}", "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}", "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
-                    "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}"}[adapter]
+    adapter_yaml = {
+        "full": "{type: full}",
+        "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}",
+        "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
+        "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}",
+    }[adapter]
     return f"""
 model: {{name: ft-tiny}}
 data:
   datasets: [{{path: {data}, format: chat}}]
   seq_len: 48
-  cache_dir: {tmp_path / 'cache'}
+  cache_dir: {tmp_path / "cache"}
 adapter: {adapter_yaml}
-train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps}, lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
+train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps},
+  lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
 output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
 {extra}"""
 
@@ -92,8 +97,20 @@ def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
 def test_run_folder_holds_what_is_needed_to_understand_and_repeat_the_run(tmp_path):
     result = train(tmp_path, job_text(tmp_path, "lora", steps=8))
     run_dir = tmp_path / "run"
-    for name in ("config.yaml", "plan.json", "environment.json", "data.json", "metrics.jsonl", "loss.png", "README.md", "launch.txt", "result.json",
-                 "final/adapter_config.json", "final/adapter_model.safetensors", "final/tokenizer.json"):
+    for name in (
+        "config.yaml",
+        "plan.json",
+        "environment.json",
+        "data.json",
+        "metrics.jsonl",
+        "loss.png",
+        "README.md",
+        "launch.txt",
+        "result.json",
+        "final/adapter_config.json",
+        "final/adapter_model.safetensors",
+        "final/tokenizer.json",
+    ):
         assert (run_dir / name).exists(), name
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -159,6 +176,7 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
         def hook(step, total, row):
             if step == at:
                 stop.signum = signal.SIGTERM
+
         return stop, hook
 
     (tmp_path / "run2").mkdir()
@@ -170,13 +188,19 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
         assert info.value.exit_code == 143 and "--resume" in str(info.value)
         resume_from = checkpoint.latest(tmp_path / "run2")
         assert resume_from.name == f"step-{at:08d}"
-    positions = [json.loads((c / "state.json").read_text())["position"] for c in checkpoint.checkpoints(tmp_path / "run2")]
+    positions = [
+        json.loads((c / "state.json").read_text())["position"] for c in checkpoint.checkpoints(tmp_path / "run2")
+    ]
     assert len(positions) == 2 and positions[0] != positions[1]  # each checkpoint records its own data position
     job3 = setup(config, p, prepared)
     run(job3, tmp_path / "run2", resume_from=resume_from)
     resumed = {n: t.detach() for n, t in job3.model.named_parameters() if t.requires_grad}
     assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) == 0.0
-    assert [json.loads(line)["step"] for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines() if "loss" in line] == list(range(1, 9))
+    assert [
+        json.loads(line)["step"]
+        for line in (tmp_path / "run2" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in line
+    ] == list(range(1, 9))
 
 
 def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monkeypatch):
@@ -218,7 +242,9 @@ def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path
     assert {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()} == final
     with pytest.raises(FtError, match=r"differs from the run's.*train\.lr.*--allow-changes"):
         train(tmp_path, text.replace("max_steps: 2", "max_steps: 3").replace("lr: 0.003", "lr: 0.001"), resume=True)
-    assert train(tmp_path, text.replace("max_steps: 2", "max_steps: 3"), resume=True)["steps"] == 3  # longer: resume-safe
+    assert (
+        train(tmp_path, text.replace("max_steps: 2", "max_steps: 3"), resume=True)["steps"] == 3
+    )  # longer: resume-safe
     assert "starting from step 0" in capsys.readouterr().err  # no checkpoint to continue from (save_steps: 0)
     assert "train.max_steps" in (run / "resume-changes.jsonl").read_text()
     (run / "notes.txt").write_text("mine")
@@ -242,12 +268,20 @@ def test_overwrite_never_deletes_what_ft_did_not_make(tmp_path, monkeypatch):
     (legacy / "checkpoints").mkdir(parents=True)
     (legacy / "data.bin").write_text("x")
     with pytest.raises(FtError, match="no .ft-run marker.*checkpoints, data.bin"):
-        train(tmp_path, job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {legacy}"), overwrite=True)
+        train(
+            tmp_path,
+            job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {legacy}"),
+            overwrite=True,
+        )
     holder = tmp_path / "holder"
     holder.mkdir()
     (holder / ".ft-run").write_text("")
     with pytest.raises(FtError, match="holds the job file"):
-        train(holder, job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {holder}"), overwrite=True)
+        train(
+            holder,
+            job_text(tmp_path, "full", steps=2).replace(f"dir: {tmp_path / 'run'}", f"dir: {holder}"),
+            overwrite=True,
+        )
     assert (project / "src" / "code.py").exists() and (project / ".git").is_dir() and (legacy / "data.bin").exists()
     assert (holder / "job.yaml").exists()
 
@@ -255,17 +289,29 @@ def test_overwrite_never_deletes_what_ft_did_not_make(tmp_path, monkeypatch):
 def test_output_dir_is_checked_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     with pytest.raises(FtError, match="is a file, not a folder"):
-        train(tmp_path, job_text(tmp_path, "full", steps=1).replace(f"dir: {tmp_path / 'run'}", f"dir: {tmp_path / 'afile'}"))
+        train(
+            tmp_path,
+            job_text(tmp_path, "full", steps=1).replace(f"dir: {tmp_path / 'run'}", f"dir: {tmp_path / 'afile'}"),
+        )
     assert not (tmp_path / "cache").exists()  # refused before the data was prepared
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     train(tmp_path, job_text(tmp_path, "full", steps=1).replace(f"dir: {tmp_path / 'run'}", "dir: ~/runs/one"))
     assert (tmp_path / "home" / "runs" / "one" / "final").is_dir() and not (tmp_path / "~").exists()
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (("model: {name: ft-tiny}", "model: {name: ./no/such/folder}"), "does not exist"),
-    (("adapter: {type: lora, r: 8, alpha: 16, dropout: 0.0}", "adapter: {type: lora, target_modules: [qq_proj]}"), "matches no module"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (("model: {name: ft-tiny}", "model: {name: ./no/such/folder}"), "does not exist"),
+        (
+            (
+                "adapter: {type: lora, r: 8, alpha: 16, dropout: 0.0}",
+                "adapter: {type: lora, target_modules: [qq_proj]}",
+            ),
+            "matches no module",
+        ),
+    ],
+)
 def test_bad_model_inputs_are_clear(tmp_path, edit, needle):
     with pytest.raises(FtError, match=needle):
         train(tmp_path, job_text(tmp_path, "lora", steps=2).replace(*edit))
@@ -274,7 +320,14 @@ def test_bad_model_inputs_are_clear(tmp_path, edit, needle):
 def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     path = write(tmp_path, job_text(tmp_path, "full", steps=2000))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "finetune", "train", str(path), "--hardware", "cpu"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "finetune", "train", str(path), "--hardware", "cpu"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
@@ -296,13 +349,25 @@ def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
 
     train(tmp_path, job_text(tmp_path, "lora", steps=4))
     out = tmp_path / "merged"
-    r = subprocess.run([sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads((out / "ft_merge.json").read_text())
     assert report["max_abs_logit_diff"] < 1e-4
     merged = AutoModelForCausalLM.from_pretrained(str(out))
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    again = subprocess.run([sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)], capture_output=True, text=True, cwd=REPO, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "finetune", "merge-lora", str(tmp_path / "run"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert again.returncode == 2 and "Traceback" not in again.stderr
 
 
@@ -310,7 +375,10 @@ def test_configured_tracker_receives_the_training_metrics(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(tmp_path, job_text(tmp_path, "full", steps=3).replace("save_steps: 0}", "save_steps: 0, trackers: [tensorboard]}"))
+    train(
+        tmp_path,
+        job_text(tmp_path, "full", steps=3).replace("save_steps: 0}", "save_steps: 0, trackers: [tensorboard]}"),
+    )
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
@@ -330,11 +398,15 @@ def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resum
     def failing_torch_save(obj, f, *a, **k):  # how torch reports a full disk: a RuntimeError from its stream writer
         calls["n"] += 1
         if calls["n"] == 4:  # the second checkpoint's optimizer.pt
-            raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1234 vs 1200: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:626] . unexpected pos 1234 vs 1200: file write failed"
+            )
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(torch, "save", failing_torch_save)
-    with pytest.raises(FtError, match="checkpoint step 4.*partial checkpoint was removed.*intact \\(step-00000002\\).*--resume"):
+    with pytest.raises(
+        FtError, match="checkpoint step 4.*partial checkpoint was removed.*intact \\(step-00000002\\).*--resume"
+    ):
         train(tmp_path, text)
     monkeypatch.setattr(torch, "save", real_save)
     assert [p.name for p in (tmp_path / "run" / "checkpoints").iterdir()] == ["step-00000002"]
@@ -350,14 +422,21 @@ def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resum
     monkeypatch.undo()
     train(tmp_path, text, resume=True)
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
-    assert [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "loss" in line] == list(range(1, 7))
+    assert [
+        json.loads(line)["step"]
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if "loss" in line
+    ] == list(range(1, 7))
 
 
 def test_values_from_the_environment_appear_nowhere_under_the_run_folder(tmp_path, monkeypatch):
-    """A value given through ${VAR} (a token, a private path) is written back as ${VAR} wherever ft records the config."""
+    """A value given through ${VAR} (a token, a private path) is written back as ${VAR} wherever ft records the
+    config."""
     secret = "s3cret-9f8e7d6c5b4a"
     monkeypatch.setenv("FT_TEST_RUN_NAME", secret)
-    text = job_text(tmp_path, "full", steps=2).replace("log_steps: 1,", "log_steps: 1, run_name: '${FT_TEST_RUN_NAME}',")
+    text = job_text(tmp_path, "full", steps=2).replace(
+        "log_steps: 1,", "log_steps: 1, run_name: '${FT_TEST_RUN_NAME}',"
+    )
     train(tmp_path, text)
     run = tmp_path / "run"
     assert (run / "README.md").exists() and (run / "config.yaml").exists()

@@ -7,7 +7,7 @@ run, so a file with several conflicts gets them all in one message. Rules that d
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from finetune.config.schema import Config, DPOMethod, GRPOMethod
 from finetune.errors import Problem
@@ -40,9 +40,21 @@ def adapter_vs_quantization(c: Config) -> list[Problem]:
     a, q = c.adapter, c.quantization
     keys = (("quantization", "type"), ("adapter", "type"))
     if a.type == "full" and q.type in ("nf4", "int8"):
-        return [Problem(keys, f"full fine-tuning cannot train {q.type}-quantized weights", "set adapter.type: qlora (nf4) or lora (int8), or quantization.type: none")]
+        return [
+            Problem(
+                keys,
+                f"full fine-tuning cannot train {q.type}-quantized weights",
+                "set adapter.type: qlora (nf4) or lora (int8), or quantization.type: none",
+            )
+        ]
     if a.type == "qlora" and q.type in ("none", "int8"):
-        return [Problem(keys, f"qlora trains an adapter on a 4-bit nf4 base, but quantization.type is {q.type}", "set quantization.type: nf4 (or auto), or adapter.type: lora")]
+        return [
+            Problem(
+                keys,
+                f"qlora trains an adapter on a 4-bit nf4 base, but quantization.type is {q.type}",
+                "set quantization.type: nf4 (or auto), or adapter.type: lora",
+            )
+        ]
     return []
 
 
@@ -51,8 +63,17 @@ def lora_options_need_lora(c: Config) -> list[Problem]:
     a = c.adapter
     if a.type != "full":
         return []
-    lora_keys = [k for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save", "dora", "rslora") if a.explicit(k)]
-    return [Problem((("adapter", k), ("adapter", "type")), "this LoRA option has no effect with full fine-tuning", f"remove adapter.{k}, or set adapter.type: lora") for k in lora_keys]
+    lora_keys = [
+        k for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save", "dora", "rslora") if a.explicit(k)
+    ]
+    return [
+        Problem(
+            (("adapter", k), ("adapter", "type")),
+            "this LoRA option has no effect with full fine-tuning",
+            f"remove adapter.{k}, or set adapter.type: lora",
+        )
+        for k in lora_keys
+    ]
 
 
 @rule("quantization")
@@ -60,15 +81,28 @@ def quantization_options_need_quantization(c: Config) -> list[Problem]:
     q = c.quantization
     if q.type != "none":
         return []
-    return [Problem((("quantization", k), ("quantization", "type")), "has no effect without quantization", f"remove quantization.{k}, or set quantization.type: nf4")
-            for k in ("double_quant", "compute_dtype") if q.explicit(k)]
+    return [
+        Problem(
+            (("quantization", k), ("quantization", "type")),
+            "has no effect without quantization",
+            f"remove quantization.{k}, or set quantization.type: nf4",
+        )
+        for k in ("double_quant", "compute_dtype")
+        if q.explicit(k)
+    ]
 
 
 @rule("train")
 def one_batch_size(c: Config) -> list[Problem]:
     t = c.train
     if t.global_batch_tokens is not None and t.explicit("global_batch_size"):
-        return [Problem((("train", "global_batch_size"), ("train", "global_batch_tokens")), "both set the global batch", "keep one: sequences (global_batch_size) or tokens (global_batch_tokens)")]
+        return [
+            Problem(
+                (("train", "global_batch_size"), ("train", "global_batch_tokens")),
+                "both set the global batch",
+                "keep one: sequences (global_batch_size) or tokens (global_batch_tokens)",
+            )
+        ]
     return []
 
 
@@ -77,9 +111,13 @@ def one_duration(c: Config) -> list[Problem]:
     t = c.train
     out = []
     if t.max_steps is not None and t.epochs is not None:
-        out.append(Problem((("train", "max_steps"), ("train", "epochs")), "both set how long to train", "keep one of them"))
+        out.append(
+            Problem((("train", "max_steps"), ("train", "epochs")), "both set how long to train", "keep one of them")
+        )
     if t.warmup_steps and t.warmup_ratio:
-        out.append(Problem((("train", "warmup_steps"), ("train", "warmup_ratio")), "both set the warmup", "keep one of them"))
+        out.append(
+            Problem((("train", "warmup_steps"), ("train", "warmup_ratio")), "both set the warmup", "keep one of them")
+        )
     return out
 
 
@@ -95,7 +133,14 @@ def backend_vs_sharding(c: Config) -> list[Problem]:
     if allowed is None or d.sharding in allowed or d.sharding == "auto":
         return []
     owner = "fsdp" if d.sharding in _FSDP else "deepspeed" if d.sharding in _ZERO else "ddp"
-    return [Problem(keys, f"{d.sharding} is a sharding of the {owner} backend, not of {d.backend}", f"set distributed.backend: {owner}, or distributed.sharding to one of {', '.join(sorted(allowed))} (or auto)")]
+    return [
+        Problem(
+            keys,
+            f"{d.sharding} is a sharding of the {owner} backend, not of {d.backend}",
+            f"set distributed.backend: {owner}, or distributed.sharding to one of {', '.join(sorted(allowed))} "
+            "(or auto)",
+        )
+    ]
 
 
 @rule("distributed")
@@ -105,9 +150,21 @@ def offload_needs_sharding_backend(c: Config) -> list[Problem]:
     if d.offload in ("auto", "none"):
         return []
     if d.backend in ("single", "ddp"):
-        return [Problem(keys, f"offloading to host RAM needs fsdp or deepspeed, not {d.backend}", "set distributed.backend: fsdp (offload: all) or deepspeed, or offload: none")]
+        return [
+            Problem(
+                keys,
+                f"offloading to host RAM needs fsdp or deepspeed, not {d.backend}",
+                "set distributed.backend: fsdp (offload: all) or deepspeed, or offload: none",
+            )
+        ]
     if d.backend == "fsdp" and d.offload == "optimizer":
-        return [Problem(keys, "FSDP offloads parameters, gradients and optimiser states together", "set distributed.offload: all, or distributed.backend: deepspeed to offload only the optimiser")]
+        return [
+            Problem(
+                keys,
+                "FSDP offloads parameters, gradients and optimiser states together",
+                "set distributed.offload: all, or distributed.backend: deepspeed to offload only the optimiser",
+            )
+        ]
     return []
 
 
@@ -118,9 +175,14 @@ BNB_OPTIMIZERS = ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 def bitsandbytes_optimizer_not_under_fsdp(c: Config) -> list[Problem]:
     if c.train.optimizer not in BNB_OPTIMIZERS or c.distributed.backend != "fsdp":
         return []
-    return [Problem((("train", "optimizer"), ("distributed", "backend")),
-                    f"{c.train.optimizer} is a bitsandbytes optimizer; it updates plain tensors and cannot step FSDP2's sharded (DTensor) parameters",
-                    "set train.optimizer: adamw_torch (or adamw_torch_fused), or distributed.backend: deepspeed, ddp or auto")]
+    return [
+        Problem(
+            (("train", "optimizer"), ("distributed", "backend")),
+            f"{c.train.optimizer} is a bitsandbytes optimizer; it updates plain tensors and cannot step FSDP2's "
+            "sharded (DTensor) parameters",
+            "set train.optimizer: adamw_torch (or adamw_torch_fused), or distributed.backend: deepspeed, ddp or auto",
+        )
+    ]
 
 
 @rule("distributed")
@@ -128,15 +190,28 @@ def single_is_one_process(c: Config) -> list[Problem]:
     d = c.distributed
     if d.backend != "single":
         return []
-    return [Problem((("distributed", k), ("distributed", "backend")), "backend single runs one process", f"remove distributed.{k}, or choose backend ddp, fsdp or deepspeed")
-            for k in ("nodes", "processes_per_node") if getattr(d, k) not in ("auto", 1)]
+    return [
+        Problem(
+            (("distributed", k), ("distributed", "backend")),
+            "backend single runs one process",
+            f"remove distributed.{k}, or choose backend ddp, fsdp or deepspeed",
+        )
+        for k in ("nodes", "processes_per_node")
+        if getattr(d, k) not in ("auto", 1)
+    ]
 
 
 @rule("distributed")
 def deepspeed_config_needs_deepspeed(c: Config) -> list[Problem]:
     d = c.distributed
     if d.deepspeed_config is not None and d.backend != "deepspeed":
-        return [Problem((("distributed", "deepspeed_config"), ("distributed", "backend")), f"a DeepSpeed JSON is only used by the deepspeed backend (backend is {d.backend})", "set distributed.backend: deepspeed, or remove deepspeed_config")]
+        return [
+            Problem(
+                (("distributed", "deepspeed_config"), ("distributed", "backend")),
+                f"a DeepSpeed JSON is only used by the deepspeed backend (backend is {d.backend})",
+                "set distributed.backend: deepspeed, or remove deepspeed_config",
+            )
+        ]
     return []
 
 
@@ -150,10 +225,23 @@ _FORMATS = {
 @rule("data", "method")
 def data_fits_method(c: Config) -> list[Problem]:
     allowed = _FORMATS[c.method.name]
-    out = [Problem((("data", "datasets", i, "format"), ("method", "name")), f"{c.method.name} cannot train on {ds.format} data", f"use a dataset of format {' or '.join(sorted(allowed))}, or another method")
-           for i, ds in enumerate(c.data.datasets) if ds.format not in allowed]
+    out = [
+        Problem(
+            (("data", "datasets", i, "format"), ("method", "name")),
+            f"{c.method.name} cannot train on {ds.format} data",
+            f"use a dataset of format {' or '.join(sorted(allowed))}, or another method",
+        )
+        for i, ds in enumerate(c.data.datasets)
+        if ds.format not in allowed
+    ]
     if c.data.packing and c.method.name != "sft":
-        out.append(Problem((("data", "packing"), ("method", "name")), f"packing applies to SFT only, not {c.method.name}", "set data.packing: false"))
+        out.append(
+            Problem(
+                (("data", "packing"), ("method", "name")),
+                f"packing applies to SFT only, not {c.method.name}",
+                "set data.packing: false",
+            )
+        )
     return out
 
 
@@ -175,9 +263,21 @@ def dataset_options(c: Config) -> list[Problem]:
         here = ("data", "datasets", i)
         for field in ds.columns:
             if field not in FIELDS[ds.format]:
-                out.append(Problem((here + ("columns", field), here + ("format",)), f"{ds.format} data has no field {field!r}", f"map one of: {', '.join(sorted(FIELDS[ds.format]))}"))
+                out.append(
+                    Problem(
+                        (here + ("columns", field), here + ("format",)),
+                        f"{ds.format} data has no field {field!r}",
+                        f"map one of: {', '.join(sorted(FIELDS[ds.format]))}",
+                    )
+                )
         if ds.samples is not None and ds.explicit("weight"):
-            out.append(Problem((here + ("samples",), here + ("weight",)), "both set how much of this source to use", "keep one: weight (a share) or samples (a count)"))
+            out.append(
+                Problem(
+                    (here + ("samples",), here + ("weight",)),
+                    "both set how much of this source to use",
+                    "keep one: weight (a share) or samples (a count)",
+                )
+            )
     return out
 
 
@@ -187,7 +287,15 @@ def grpo_groups(c: Config) -> list[Problem]:
     if not isinstance(m, GRPOMethod) or c.train.global_batch_tokens is not None:
         return []
     if c.train.global_batch_size % m.num_generations:
-        return [Problem((("train", "global_batch_size"), ("method", "num_generations")), f"a GRPO batch holds whole groups: {c.train.global_batch_size} completions is not a multiple of {m.num_generations} generations per prompt", f"set train.global_batch_size to a multiple of {m.num_generations}, e.g. {m.num_generations * max(1, c.train.global_batch_size // m.num_generations)}")]
+        return [
+            Problem(
+                (("train", "global_batch_size"), ("method", "num_generations")),
+                f"a GRPO batch holds whole groups: {c.train.global_batch_size} completions is not a multiple of "
+                f"{m.num_generations} generations per prompt",
+                f"set train.global_batch_size to a multiple of {m.num_generations}, e.g. "
+                f"{m.num_generations * max(1, c.train.global_batch_size // m.num_generations)}",
+            )
+        ]
     return []
 
 
@@ -196,9 +304,21 @@ def dpo_options(c: Config) -> list[Problem]:
     m = c.method
     out = []
     if isinstance(m, DPOMethod) and m.label_smoothing and m.loss != "sigmoid":
-        out.append(Problem((("method", "label_smoothing"), ("method", "loss")), f"label smoothing applies to the sigmoid loss, not {m.loss}", "remove label_smoothing or set loss: sigmoid"))
+        out.append(
+            Problem(
+                (("method", "label_smoothing"), ("method", "loss")),
+                f"label smoothing applies to the sigmoid loss, not {m.loss}",
+                "remove label_smoothing or set loss: sigmoid",
+            )
+        )
     if isinstance(m, DPOMethod) and m.reference == "adapter_disabled" and c.adapter.type == "full":
-        out.append(Problem((("method", "reference"), ("adapter", "type")), "full fine-tuning has no adapter to disable for the reference model", "set method.reference: copy (or auto), or adapter.type: lora"))
+        out.append(
+            Problem(
+                (("method", "reference"), ("adapter", "type")),
+                "full fine-tuning has no adapter to disable for the reference model",
+                "set method.reference: copy (or auto), or adapter.type: lora",
+            )
+        )
     return out
 
 
@@ -207,8 +327,13 @@ def precision_vs_compute_dtype(c: Config) -> list[Problem]:
     p, q = c.train.precision, c.quantization.compute_dtype
     if "auto" in (p, q) or p == q or p == "fp32":
         return []
-    return [Problem((("quantization", "compute_dtype"), ("train", "precision")), f"computing in {q} while training in {p} mixes two half-precision formats", f"set quantization.compute_dtype: {p} (or auto)")]
-
+    return [
+        Problem(
+            (("quantization", "compute_dtype"), ("train", "precision")),
+            f"computing in {q} while training in {p} mixes two half-precision formats",
+            f"set quantization.compute_dtype: {p} (or auto)",
+        )
+    ]
 
 
 @rule("evaluation")
@@ -221,14 +346,28 @@ def evaluation_metric_options(c: Config) -> list[Problem]:
         keys = (("evaluation", key), ("evaluation", "metric"))
         if e.metric == metric and getattr(e, key) is None:
             example = "'####\\s*(-?\\d+)'" if key == "pattern" else "my_metrics.py:score"
-            out.append(Problem(keys, f"metric {metric} needs evaluation.{key}", f"set evaluation.{key}, e.g. {example}"))
+            out.append(
+                Problem(keys, f"metric {metric} needs evaluation.{key}", f"set evaluation.{key}, e.g. {example}")
+            )
         elif e.metric != metric and getattr(e, key) is not None:
-            out.append(Problem(keys, f"evaluation.{key} is used by metric {metric} only, so it has no effect with {e.metric}", f"remove evaluation.{key}, or set evaluation.metric: {metric}"))
+            out.append(
+                Problem(
+                    keys,
+                    f"evaluation.{key} is used by metric {metric} only, so it has no effect with {e.metric}",
+                    f"remove evaluation.{key}, or set evaluation.metric: {metric}",
+                )
+            )
     if e.pattern is not None:
         import re
 
         try:
             re.compile(e.pattern)
         except re.error as err:
-            out.append(Problem((("evaluation", "pattern"),), f"not a regular expression ({err})", "correct the pattern (Python re syntax); in YAML, single quotes keep backslashes as written"))
+            out.append(
+                Problem(
+                    (("evaluation", "pattern"),),
+                    f"not a regular expression ({err})",
+                    "correct the pattern (Python re syntax); in YAML, single quotes keep backslashes as written",
+                )
+            )
     return out

@@ -8,8 +8,9 @@ instead of the value: secrets passed through the environment never reach a file.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from finetune.errors import Problem
 
@@ -25,7 +26,9 @@ class Expansion:
     environ: Mapping[str, str]
     parse: Callable[[str], Any]  # reads an expanded whole-value reference as YAML (`${STEPS}` -> 100)
     problems: list[Problem] = field(default_factory=list)
-    references: dict[tuple, str] = field(default_factory=dict)  # key path -> text as written, for paths that read the environment
+    references: dict[tuple, str] = field(
+        default_factory=dict
+    )  # key path -> text as written, for paths that read the environment
     used: dict[tuple, dict[str, str]] = field(default_factory=dict)  # key path -> {variable: value} it read
     produced: int = 0
 
@@ -46,13 +49,23 @@ class Expansion:
         expanded, whole = self._expand(scan, 0, len(text), 0)
         if missing:
             name = missing[0]
-            self.problems.append(Problem((path,), f"environment variable {name} is not set",
-                                         f"export {name}=... before running, or write ${{{name}:-default}} to give a default"))
+            self.problems.append(
+                Problem(
+                    (path,),
+                    f"environment variable {name} is not set",
+                    f"export {name}=... before running, or write ${{{name}:-default}} to give a default",
+                )
+            )
             return text
         self.produced += len(expanded)
         if self.produced > MAX_EXPANDED:
-            self.problems.append(Problem((path,), f"${{...}} references expand to more than {MAX_EXPANDED >> 20} MiB of text",
-                                         "check the environment variables this file uses"))
+            self.problems.append(
+                Problem(
+                    (path,),
+                    f"${{...}} references expand to more than {MAX_EXPANDED >> 20} MiB of text",
+                    "check the environment variables this file uses",
+                )
+            )
             return text
         if used:
             self.references[path] = text
@@ -64,7 +77,7 @@ class Expansion:
                 return expanded
         return expanded
 
-    def _expand(self, scan: "_Scan", lo: int, hi: int, depth: int) -> tuple[str, bool]:
+    def _expand(self, scan: _Scan, lo: int, hi: int, depth: int) -> tuple[str, bool]:
         """(expansion of text[lo:hi], whether that text is exactly one reference)."""
         text, out = scan.text, []
         i, refs = lo, 0
@@ -84,7 +97,7 @@ class Expansion:
             refs += 1
         return "".join(out), refs == 1 and text.startswith("${", lo) and i == hi
 
-    def _reference(self, scan: "_Scan", start: int, depth: int):
+    def _reference(self, scan: _Scan, start: int, depth: int):
         """(value, index after the reference) for the reference at `start`, or None when there is none."""
         text = scan.text
         m = _NAME.match(text, start + 2)
@@ -99,12 +112,18 @@ class Expansion:
         if name in self.environ:
             return self._lookup(scan, name), end + 1
         if depth >= MAX_NESTING:
-            self.problems.append(Problem((scan.path,), f"${{...}} defaults nested more than {MAX_NESTING} levels deep", "simplify the default"))
+            self.problems.append(
+                Problem(
+                    (scan.path,),
+                    f"${{...}} defaults nested more than {MAX_NESTING} levels deep",
+                    "simplify the default",
+                )
+            )
             return "", end + 1
         value, _ = self._expand(scan, k + 2, end, depth + 1)
         return value, end + 1
 
-    def _lookup(self, scan: "_Scan", name: str) -> str:
+    def _lookup(self, scan: _Scan, name: str) -> str:
         if name in self.environ:
             scan.used.append(name)
             return self.environ[name]

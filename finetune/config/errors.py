@@ -15,6 +15,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
+from finetune.config.docs import field_text
 from finetune.config.schema import Config
 from finetune.errors import Problem, clip, dotted
 
@@ -98,11 +99,17 @@ def _problem(path: tuple, errs: list[dict], owner: type[BaseModel] | None) -> Pr
         tags = ctx.get("expected_tags", "sft, dpo, grpo").replace("'", "")
         got = ctx.get("tag")
         msg = f"{got!r} is not one of: {tags}" if got is not None else f"needs a `name`: one of {tags}"
-        return Problem((path + ("name",),), msg, _closest(got, tags.split(", ")) if got else f"add name: {tags.split(', ')[0]}")
+        return Problem(
+            (path + ("name",),), msg, _closest(got, tags.split(", ")) if got else f"add name: {tags.split(', ')[0]}"
+        )
     got = errs[0].get("input")
     if kinds == {"literal_error"}:
         allowed = errs[0].get("ctx", {}).get("expected", "")
-        return Problem((path,), f"{got!r} is not allowed; expected {allowed}", _closest(got, [a.strip(" '") for a in allowed.replace(" or ", ", ").split(", ")]))
+        return Problem(
+            (path,),
+            f"{got!r} is not allowed; expected {allowed}",
+            _closest(got, [a.strip(" '") for a in allowed.replace(" or ", ", ").split(", ")]),
+        )
     wanted = " or ".join(dict.fromkeys(_wanted(e) for e in errs))
     doc = _doc(owner, key)
     return Problem((path,), f"should be {wanted}; got {_show(got)}", f"{key}: {doc}" if doc else "")
@@ -112,7 +119,7 @@ def _wanted(err: dict) -> str:
     msg = err["msg"]
     for prefix in ("Input should be ", "should be ", "Value error, ", "List should have ", "Dictionary should have "):
         if msg.startswith(prefix):
-            msg = ("a list with " if prefix.startswith("List") else "") + msg[len(prefix):]
+            msg = ("a list with " if prefix.startswith("List") else "") + msg[len(prefix) :]
             break
     return msg.split(", unable to")[0].split(" [")[0]
 
@@ -131,7 +138,7 @@ def _show(value: Any) -> str:
 def _doc(owner: type[BaseModel] | None, key: Any) -> str:
     if owner is None or key not in getattr(owner, "model_fields", {}):
         return ""
-    return (owner.model_fields[key].description or "").split("\n")[0]
+    return field_text(owner.model_fields[key])
 
 
 def _suggest_key(key: Any, owner: type[BaseModel] | None, path: tuple) -> str:
@@ -139,8 +146,11 @@ def _suggest_key(key: Any, owner: type[BaseModel] | None, path: tuple) -> str:
     close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
     if close:
         return f"did you mean {close[0]!r}?"
-    elsewhere = [f"{section}.{key}" for section, f in Config.model_fields.items()
-                 if isinstance(_unwrap(f.annotation), type) and key in getattr(_unwrap(f.annotation), "model_fields", {})]
+    elsewhere = [
+        f"{section}.{key}"
+        for section, f in Config.model_fields.items()
+        if isinstance(_unwrap(f.annotation), type) and key in getattr(_unwrap(f.annotation), "model_fields", {})
+    ]
     if elsewhere and elsewhere[0] != dotted(path):
         return f"{key!r} belongs in another section: did you mean {elsewhere[0]!r}?"
     return f"valid keys here: {', '.join(fields)}" if fields else "remove it"

@@ -13,8 +13,9 @@ write those values back as references.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -55,7 +56,9 @@ def load(path: str | os.PathLike, overrides: Iterable[str] = (), environ: Mappin
     return loads(yaml_safe.read_text(path), name=str(path), overrides=overrides, environ=environ)
 
 
-def loads(text: str, name: str = "<string>", overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None) -> Config:
+def loads(
+    text: str, name: str = "<string>", overrides: Iterable[str] = (), environ: Mapping[str, str] | None = None
+) -> Config:
     """Like `load`, for YAML text already in memory."""
     environ = os.environ if environ is None else environ
     source = Source(name=name)
@@ -87,7 +90,14 @@ def _parse_yaml(text: str, source: Source, problems: list[Problem]) -> dict | No
         problems.append(Problem((), "the file is empty", "start from examples/yaml/quickstart.yaml", (source.name,)))
         return None
     if data is not None and not isinstance(data, dict):
-        problems.append(Problem((), "the top level must be a mapping of sections (model:, data:, method:, ...)", "", (f"{source.name}:{source.lines.get((), 1)}",)))
+        problems.append(
+            Problem(
+                (),
+                "the top level must be a mapping of sections (model:, data:, method:, ...)",
+                "",
+                (f"{source.name}:{source.lines.get((), 1)}",),
+            )
+        )
         return None
     return data
 
@@ -97,26 +107,62 @@ def _apply_override(data: dict, item: str, source: Source, problems: list[Proble
     key, sep, raw = item.partition("=")
     shown = clip(item)
     if not sep or not key.strip():
-        problems.append(Problem((), f"--set {clip(item)!r} is not KEY=VALUE", "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)", (f"--set {shown}",)))
+        problems.append(
+            Problem(
+                (),
+                f"--set {clip(item)!r} is not KEY=VALUE",
+                "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)",
+                (f"--set {shown}",),
+            )
+        )
         return
     parts = key.strip().split(".")
     if len(parts) > MAX_SET_PARTS:
-        problems.append(Problem((), f"--set key has {len(parts)} dotted parts; no key of a job file is deeper than a few", "check the dotted key (ft explain lists the keys)", (f"--set {shown}",)))
+        problems.append(
+            Problem(
+                (),
+                f"--set key has {len(parts)} dotted parts; no key of a job file is deeper than a few",
+                "check the dotted key (ft explain lists the keys)",
+                (f"--set {shown}",),
+            )
+        )
         return
     path = tuple(int(p) if p.isascii() and p.isdigit() and len(p) < 10 else p for p in parts)
     try:
         value = yaml_safe.parse_value(raw, f"--set {key}") if raw.strip() else ""
     except ValueError as e:
-        problems.append(Problem((path,), f"value {clip(raw)!r} is not valid YAML here ({e})", "quote it, e.g. --set 'model.name=\"org/model\"'", (f"--set {shown}",)))
+        problems.append(
+            Problem(
+                (path,),
+                f"value {clip(raw)!r} is not valid YAML here ({e})",
+                "quote it, e.g. --set 'model.name=\"org/model\"'",
+                (f"--set {shown}",),
+            )
+        )
         return
     target: Any = data
     for i, part in enumerate(path):
         here = path[: i + 1]
         if isinstance(target, list) and not (isinstance(part, int) and part < len(target)):
-            problems.append(Problem((here,), f"--set {clip(key)}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)", "use an index that exists", (f"--set {shown}",)))
+            problems.append(
+                Problem(
+                    (here,),
+                    f"--set {clip(key)}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)",
+                    "use an index that exists",
+                    (f"--set {shown}",),
+                )
+            )
             return
         if not isinstance(target, (dict, list)):
-            problems.append(Problem((path[:i],), f"--set {clip(key)}: {dotted(path[:i])} is not a section or list, so it has no key {clip(repr(part))}", "check the dotted key (ft explain lists the keys)", (f"--set {shown}",)))
+            problems.append(
+                Problem(
+                    (path[:i],),
+                    f"--set {clip(key)}: {dotted(path[:i])} is not a section or list, so it has no key "
+                    f"{clip(repr(part))}",
+                    "check the dotted key (ft explain lists the keys)",
+                    (f"--set {shown}",),
+                )
+            )
             return
         if i == len(path) - 1:
             break
@@ -125,8 +171,6 @@ def _apply_override(data: dict, item: str, source: Source, problems: list[Proble
         target = target[part]
     target[path[-1]] = value
     source.overrides[path] = shown
-
-
 
 
 # ---------------------------------------------------------------- validation

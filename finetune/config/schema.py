@@ -7,7 +7,7 @@ that contradict each other) live in `finetune.config.checks`, so that every prob
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -47,7 +47,8 @@ class ModelSection(Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
     attn_implementation: Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel. `auto`: sdpa, or with packing ft's padding-free `sdpa_varlen` (one causal attention per sample); set flash_attention_2 where flash-attn is installed."""
+    """Attention kernel. `auto`: sdpa, or with packing ft's padding-free `sdpa_varlen` (one causal attention per
+    sample); set flash_attention_2 where flash-attn is installed."""
     trust_remote_code: bool = False
     """Run Python code shipped with the model's repository. Off unless you trust its author."""
 
@@ -62,7 +63,10 @@ class DatasetSpec(Section):
     path: FilePath
     """Local file (.jsonl, .json, .csv, .parquet, .txt), glob or folder, or a hub dataset id."""
     format: DataFormat
-    """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value), instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion` text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept for reward functions)."""
+    """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value),
+    instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion`
+    text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept
+    for reward functions)."""
     subset: Text | None = None
     """Hub dataset configuration name (e.g. `main` for gsm8k)."""
     split: Text = "train"
@@ -89,14 +93,16 @@ class DataSection(Section):
     packing: bool = False
     """Pack several samples into each sequence; attention never crosses sample boundaries."""
     template: Annotated[str, checked_template] = "tokenizer"
-    """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain) or a path to a Jinja file."""
+    """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain)
+    or a path to a Jinja file."""
     add_special_tokens: list[str] = []
     """Tokens to add to the tokenizer (the model's embeddings grow and are trained)."""
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
-    """Which tokens carry loss: every assistant turn with its end-of-turn token (default), only the last assistant turn, or all tokens (prompt included)."""
+    """Which tokens carry loss: every assistant turn with its end-of-turn token (default), only the last assistant turn,
+    or all tokens (prompt included)."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """What to do with a sample longer than seq_len: cut it, or leave it out (both are counted in the summary)."""
-    validation: Union[Bounded(float, ge=0, lt=1), DatasetSpec] = 0.0
+    validation: Bounded(float, ge=0, lt=1) | DatasetSpec = 0.0
     """Held-out evaluation data: a fraction of the training mix (0: none), or a dataset of its own."""
     seed: Seed = 42
     """Seed for shuffling, mixing and the validation split: the same config gives the same data."""
@@ -128,14 +134,16 @@ class DPOMethod(Section):
     label_smoothing: Bounded(float, ge=0, lt=0.5) = 0.0
     """Assumed label noise (conservative DPO); sigmoid loss only."""
     reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
-    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full fine-tuning; `precomputed` computes reference log-probs once before training."""
+    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
+    fine-tuning; `precomputed` computes reference log-probs once before training."""
 
 
 class RewardSpec(Section):
     """One reward function for GRPO."""
 
     function: FilePath
-    """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or `path/to/file.py:function`."""
+    """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or
+    `path/to/file.py:function`."""
     weight: Bounded(float, ge=-1e6, le=1e6) = 1.0
     """Weight of this reward in the sum."""
     args: dict[str, Any] = {}
@@ -143,7 +151,8 @@ class RewardSpec(Section):
 
 
 class GRPOMethod(Section):
-    """Group relative policy optimisation: sample several completions per prompt, score them, push up the better ones."""
+    """Group relative policy optimisation: sample several completions per prompt, score them, push up the better
+    ones."""
 
     name: Literal["grpo"]
     """Method name."""
@@ -162,12 +171,13 @@ class GRPOMethod(Section):
     clip_eps: Bounded(float, gt=0, le=100) = 0.2
     """PPO-style ratio clipping."""
     loss_normalization: Literal["sequence", "token", "dr_grpo"] = "sequence"
-    """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO); `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
+    """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO);
+    `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"
     """Generation engine: `auto` uses vLLM on GPUs where installed, transformers otherwise."""
 
 
-Method = Annotated[Union[SFTMethod, DPOMethod, GRPOMethod], Field(discriminator="name")]
+Method = Annotated[SFTMethod | DPOMethod | GRPOMethod, Field(discriminator="name")]
 
 
 # ---------------------------------------------------------------- adapter, quantization
@@ -175,15 +185,17 @@ class AdapterSection(Section):
     """What is trained: all weights, or a LoRA adapter on frozen (optionally quantized) weights."""
 
     type: Literal["auto", "full", "lora", "qlora"] = "auto"
-    """`full` trains every weight; `lora` trains low-rank adapters; `qlora` does so on a 4-bit base; `auto` picks LoRA, or QLoRA when LoRA does not fit."""
+    """`full` trains every weight; `lora` trains low-rank adapters; `qlora` does so on a 4-bit base; `auto` picks LoRA,
+    or QLoRA when LoRA does not fit."""
     r: Bounded(int, ge=1, le=2**16) = 16
     """LoRA rank."""
     alpha: Bounded(float, gt=0, le=2**20) = 32
     """LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora)."""
     dropout: Bounded(float, ge=0, lt=1) = 0.05
     """Dropout on the adapter's input."""
-    target_modules: Union[Literal["all-linear"], Annotated[list[str], Field(min_length=1)]] = "all-linear"
-    """Modules that get an adapter: `all-linear` (every linear layer of the decoder, not the output head) or a list of names such as [q_proj, v_proj]."""
+    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
+    """Modules that get an adapter: `all-linear` (every linear layer of the decoder, not the output head) or a list of
+    names such as [q_proj, v_proj]."""
     modules_to_save: list[str] = []
     """Modules trained in full next to the adapter (e.g. [embed_tokens, lm_head] when tokens are added)."""
     dora: bool = False
@@ -211,21 +223,24 @@ class TrainSection(Section):
     """Sequences per optimiser step, over all devices. ft derives accumulation so this holds at any world size."""
     global_batch_tokens: Bounded(int, ge=1, le=2**27) | None = None
     """Alternative to global_batch_size: tokens per optimiser step (converted to sequences of seq_len)."""
-    micro_batch_size: Union[Auto, Bounded(int, ge=1, le=2**20)] = AUTO
+    micro_batch_size: Auto | Bounded(int, ge=1, le=2**20) = AUTO
     """Sequences per device per forward pass; `auto` picks the largest that fits."""
     max_steps: Steps | None = None
     """Optimiser steps to train. Set this or epochs."""
     epochs: Bounded(float, gt=0, le=10_000) | None = None
     """Passes over the data (default 1 when max_steps is not set)."""
-    lr: Union[Auto, Bounded(float, gt=0, le=10)] = AUTO
-    """Peak learning rate; `auto` picks a common starting point for the method and adapter (SFT: 2e-4 with an adapter, 2e-5 full; lower for DPO and GRPO), shown by `ft plan`."""
+    lr: Auto | Bounded(float, gt=0, le=10) = AUTO
+    """Peak learning rate; `auto` picks a common starting point for the method and adapter (SFT: 2e-4 with an adapter,
+    2e-5 full; lower for DPO and GRPO), shown by `ft plan`."""
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     """Learning-rate schedule after warmup."""
     warmup_steps: NonNegSteps = 0
     """Linear warmup in steps (set this or warmup_ratio)."""
     warmup_ratio: Bounded(float, ge=0, lt=1) = 0.0
     """Linear warmup as a fraction of all steps."""
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = "adamw_torch"
+    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"] = (
+        "adamw_torch"
+    )
     """Optimiser; the 8-bit ones (bitsandbytes) keep 2 bytes of state per trained parameter instead of 8."""
     weight_decay: Bounded(float, ge=0, le=100) = 0.0
     """Decoupled weight decay."""
@@ -233,7 +248,7 @@ class TrainSection(Section):
     """Clip the global gradient norm to this value (0: no clipping)."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Compute precision; `auto`: bf16 where the accelerator supports it, fp16 on older GPUs, fp32 on CPU."""
-    gradient_checkpointing: Union[Auto, bool] = AUTO
+    gradient_checkpointing: Auto | bool = AUTO
     """Recompute activations in the backward pass to save memory; `auto` turns it on only when needed to fit."""
     seed: Seed = 42
     """Seed for weights of new modules, dropout and data order."""
@@ -246,12 +261,14 @@ class DistributedSection(Section):
     backend: Literal["auto", "single", "ddp", "fsdp", "deepspeed"] = "auto"
     """`single` process, torch `ddp`, `fsdp` (FSDP2) or `deepspeed` ZeRO; `auto` picks the cheapest that fits."""
     sharding: Literal["auto", "none", "full_shard", "shard_grad_op", "hybrid_shard", "zero1", "zero2", "zero3"] = "auto"
-    """What is sharded: FSDP `full_shard` / `shard_grad_op` / `hybrid_shard` (shard in a node, replicate across nodes), or DeepSpeed `zero1` / `zero2` / `zero3`."""
+    """What is sharded: FSDP `full_shard` / `shard_grad_op` / `hybrid_shard` (shard in a node, replicate across nodes),
+    or DeepSpeed `zero1` / `zero2` / `zero3`."""
     offload: Literal["auto", "none", "optimizer", "all"] = "auto"
-    """Move optimiser states (`optimizer`, DeepSpeed) or parameters, gradients and optimiser states (`all`) to host RAM."""
-    nodes: Union[Auto, Bounded(int, ge=1, le=65536)] = AUTO
+    """Move optimiser states (`optimizer`, DeepSpeed) or parameters, gradients and optimiser states (`all`) to host
+    RAM."""
+    nodes: Auto | Bounded(int, ge=1, le=65536) = AUTO
     """Nodes to use; `auto`: all the hardware has."""
-    processes_per_node: Union[Auto, Bounded(int, ge=1, le=1024)] = AUTO
+    processes_per_node: Auto | Bounded(int, ge=1, le=1024) = AUTO
     """Processes per node; `auto`: one per GPU (one on a CPU-only machine)."""
     timeout_minutes: Bounded(float, gt=0, le=10_080) = 30
     """Time a collective may wait before the job fails with a message naming the rank."""
@@ -283,22 +300,29 @@ class OutputSection(Section):
 
 # ---------------------------------------------------------------- evaluation
 class EvaluationSection(Section):
-    """A task metric measured by generating answers: before training, every `every_steps` steps, and at the end. `ft eval RUN` measures it again."""
+    """A task metric measured by generating answers: before training, every `every_steps` steps, and at the end. `ft
+    eval RUN` measures it again."""
 
     path: FilePath
-    """Prompt/answer file (.jsonl, .json, .csv, .parquet): a conversation's last assistant message is its reference answer, else an `answer` column."""
+    """Prompt/answer file (.jsonl, .json, .csv, .parquet): a conversation's last assistant message is its reference
+    answer, else an `answer` column."""
     metric: Literal["exact_match", "contains", "regex", "function"] = "exact_match"
-    """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it; `regex`: what `pattern` extracts from the answer equals the reference; `function`: the mean of your `function`'s scores."""
+    """`exact_match`: the generated answer equals the reference (whitespace-trimmed); `contains`: it contains it;
+    `regex`: what `pattern` extracts from the answer equals the reference; `function`: the mean of your `function`'s
+    scores."""
     pattern: Annotated[str, checked_pattern] | None = None
-    """For metric regex: the pattern that extracts the answer (its first group when it has groups, else the whole match), e.g. '####\\s*(-?\\d+)'. A reference it matches is extracted the same way."""
+    """For metric regex: the pattern that extracts the answer (its first group when it has groups, else the whole
+    match), e.g. '####\\s*(-?\\d+)'. A reference it matches is extracted the same way."""
     function: FilePath | None = None
-    """For metric function: `module:function` or `path/to/file.py:function`, called as fn(completions, **columns) with each input column as a list (and `reference`), returning one number per completion."""
+    """For metric function: `module:function` or `path/to/file.py:function`, called as fn(completions, **columns) with
+    each input column as a list (and `reference`), returning one number per completion."""
     max_new_tokens: Tokens = 32
     """Longest answer generated (greedy decoding)."""
     samples: Steps | None = None
     """Evaluate on the first N records (unset: all)."""
     every_steps: NonNegSteps = 0
-    """Also evaluate every N optimiser steps during training, logged to metrics.jsonl as eval_METRIC (0: only before training and at the end)."""
+    """Also evaluate every N optimiser steps during training, logged to metrics.jsonl as eval_METRIC (0: only before
+    training and at the end)."""
 
 
 # ---------------------------------------------------------------- the job
@@ -324,7 +348,9 @@ class Config(Section):
     evaluation: EvaluationSection | None = None
     """Optional task evaluation by generation (e.g. exact-match accuracy), run before training and at the end."""
 
-    _env_references: dict = PrivateAttr(default_factory=dict)  # key path -> text as written, for values read from ${VAR}
+    _env_references: dict = PrivateAttr(
+        default_factory=dict
+    )  # key path -> text as written, for values read from ${VAR}
     _env_variables: dict = PrivateAttr(default_factory=dict)  # variable -> value, for the ${VAR} that were read
 
     def env_references(self) -> dict[tuple, str]:
@@ -334,4 +360,3 @@ class Config(Section):
     def env_variables(self) -> dict[str, str]:
         """The environment variables the file's `${VAR}` references read, with their values."""
         return dict(self._env_variables)
-

@@ -60,8 +60,10 @@ def _path(value: str) -> str:
         raise fail(f"is {len(value):,} characters long; at most {MAX_PATH} are allowed", "use a shorter path or name")
     longest = max(value.replace("\\", "/").split("/"), key=len)
     if len(longest) > MAX_NAME:
-        raise fail(f"has a part of {len(longest):,} characters between slashes; file and folder names have at most {MAX_NAME}",
-                   "use shorter names")
+        raise fail(
+            f"has a part of {len(longest):,} characters between slashes; file and folder names have at most {MAX_NAME}",
+            "use shorter names",
+        )
     return value
 
 
@@ -89,15 +91,20 @@ def _template(value: str) -> str:
     names = ["tokenizer", *BUILTIN]
     close = difflib.get_close_matches(value.lower(), names, n=1, cutoff=0.5)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    raise fail(f"unknown template {value!r}: not a built-in and no file of that name",
-               f"{hint}use tokenizer, a built-in ({', '.join(BUILTIN)}) or the path of a .jinja file")
+    raise fail(
+        f"unknown template {value!r}: not a built-in and no file of that name",
+        f"{hint}use tokenizer, a built-in ({', '.join(BUILTIN)}) or the path of a .jinja file",
+    )
 
 
 def _pattern(value: str) -> str:
     try:
         re.compile(value)
     except re.error as e:
-        raise fail(f"is not a valid regular expression ({e})", "fix the pattern; test it with python -c 'import re; re.compile(...)'") from None
+        raise fail(
+            f"is not a valid regular expression ({e})",
+            "fix the pattern; test it with python -c 'import re; re.compile(...)'",
+        ) from None
     except (OverflowError, RecursionError):
         raise fail("is too complex a regular expression", "simplify the pattern") from None
     return value

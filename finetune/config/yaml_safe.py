@@ -23,8 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from yaml.events import (AliasEvent, CollectionStartEvent, DocumentStartEvent, MappingStartEvent, ScalarEvent,
-                         SequenceStartEvent)
+from yaml.events import (
+    AliasEvent,
+    CollectionStartEvent,
+    DocumentStartEvent,
+    MappingStartEvent,
+    ScalarEvent,
+)
 from yaml.nodes import ScalarNode
 
 from finetune.errors import FtError, Problem
@@ -56,15 +61,19 @@ def read_text(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
         hint = " (it is a folder)" if p.is_dir() else (" (it is not a regular file)" if p.exists() else "")
-        raise FtError(f"config file not found: {path}{hint}. Pass the path of a job YAML, e.g. examples/yaml/quickstart.yaml")
+        raise FtError(
+            f"config file not found: {path}{hint}. Pass the path of a job YAML, e.g. examples/yaml/quickstart.yaml"
+        )
     try:
         with open(p, "rb") as f:
             data = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise FtError(f"{path}: cannot be read ({e.strerror or e}).\n    fix: check the file's permissions") from None
     if len(data) > MAX_BYTES:
-        raise FtError(f"{path}: the job file is larger than {MAX_BYTES // 2**20} MiB; a job file holds settings, not data.\n"
-                      "    fix: keep data in the files data.datasets points to")
+        raise FtError(
+            f"{path}: the job file is larger than {MAX_BYTES // 2**20} MiB; a job file holds settings, not data.\n"
+            "    fix: keep data in the files data.datasets points to"
+        )
     bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
     try:
         return data[bom:].decode("utf-8")
@@ -72,8 +81,10 @@ def read_text(path: str | Path) -> str:
         at = e.start + bom
         line = data[:at].count(b"\n") + 1
         column = at - (data.rfind(b"\n", 0, at) + 1) + 1
-        raise FtError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[at]:02x} at offset {at}); is it a YAML file?\n"
-                      "    fix: save the file as UTF-8") from None
+        raise FtError(
+            f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[at]:02x} at offset {at}); is it a YAML file?\n"
+            "    fix: save the file as UTF-8"
+        ) from None
 
 
 def bad_character(text: str, name: str) -> Problem | None:
@@ -85,15 +96,25 @@ def bad_character(text: str, name: str) -> Problem | None:
     column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
     char = m.group()
     what = "NUL" if char == "\0" else f"U+{ord(char):04X}"
-    return Problem((), f"control character {what} is not allowed in a job file",
-                   "remove it; write special characters as escapes inside double quotes (\"\\t\")", (f"{name}:{line}:{column}",))
+    return Problem(
+        (),
+        f"control character {what} is not allowed in a job file",
+        'remove it; write special characters as escapes inside double quotes ("\\t")',
+        (f"{name}:{line}:{column}",),
+    )
 
 
 def parse(text: str, name: str, lines: dict[tuple, int] | None = None) -> tuple[Any, list[Problem]]:
     """Text -> (plain data, problems). Data is None after a problem that stops reading (it is then last)."""
     if len(text) > MAX_BYTES:
-        return None, [Problem((), f"more than {MAX_BYTES // 2**20} MiB of YAML; a job file holds settings, not data",
-                              "keep data in the files data.datasets points to", (name,))]
+        return None, [
+            Problem(
+                (),
+                f"more than {MAX_BYTES // 2**20} MiB of YAML; a job file holds settings, not data",
+                "keep data in the files data.datasets points to",
+                (name,),
+            )
+        ]
     problem = bad_character(text, name)
     if problem:
         return None, [problem]
@@ -105,8 +126,14 @@ def parse(text: str, name: str, lines: dict[tuple, int] | None = None) -> tuple[
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark else name
-        return None, builder.problems + [Problem((), f"YAML syntax error: {e.problem or e.context}",
-                                                 "fix the syntax at that line (indentation, a missing ':' or an unclosed quote)", (where,))]
+        return None, builder.problems + [
+            Problem(
+                (),
+                f"YAML syntax error: {e.problem or e.context}",
+                "fix the syntax at that line (indentation, a missing ':' or an unclosed quote)",
+                (where,),
+            )
+        ]
     except yaml.YAMLError as e:
         return None, builder.problems + [Problem((), f"YAML error: {e}", "fix the file", (name,))]
     return data, builder.problems
@@ -155,7 +182,11 @@ class _Builder:
             if isinstance(event, DocumentStartEvent):
                 self.documents += 1
                 if self.documents > 1:
-                    self._fatal(event, "the file holds more than one YAML document (a second '---')", "keep one document per job file")
+                    self._fatal(
+                        event,
+                        "the file holds more than one YAML document (a second '---')",
+                        "keep one document per job file",
+                    )
             elif isinstance(event, CollectionStartEvent):
                 self._start(event)
             elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
@@ -172,7 +203,11 @@ class _Builder:
     # ------------------------------------------------------------ events
     def _start(self, event) -> None:
         if len(self.stack) >= MAX_DEPTH:
-            self._fatal(event, f"nested more than {MAX_DEPTH} levels deep", "a job file needs a few levels; remove the extra nesting")
+            self._fatal(
+                event,
+                f"nested more than {MAX_DEPTH} levels deep",
+                "a job file needs a few levels; remove the extra nesting",
+            )
         path = self._child_path()
         self._count(event, 1)
         bad = self._bad_tag(event, path)
@@ -196,8 +231,12 @@ class _Builder:
 
     def _alias(self, event: AliasEvent) -> None:
         if event.anchor not in self.anchors:
-            self._fatal(event, f"alias *{event.anchor} refers to an anchor that is not defined before it (or to the collection it is in)",
-                        f"define &{event.anchor} before using it, outside the collection that uses it")
+            self._fatal(
+                event,
+                f"alias *{event.anchor} refers to an anchor that is not defined before it (or to the collection "
+                "it is in)",
+                f"define &{event.anchor} before using it, outside the collection that uses it",
+            )
         value, size = self.anchors[event.anchor]
         self._count(event, size)
         self._record(self._child_path(), event)
@@ -207,8 +246,11 @@ class _Builder:
     def _count(self, event, n: int) -> None:
         self.count += n
         if self.count > MAX_VALUES:
-            self._fatal(event, f"the file describes more than {MAX_VALUES:,} values (aliases expanded)",
-                        "a job file holds a few hundred values; remove the repeated aliases (*name) or the extra data")
+            self._fatal(
+                event,
+                f"the file describes more than {MAX_VALUES:,} values (aliases expanded)",
+                "a job file holds a few hundred values; remove the repeated aliases (*name) or the extra data",
+            )
 
     def _anchor(self, anchor: str | None, value: Any, size: int) -> None:
         if anchor is not None:
@@ -245,13 +287,25 @@ class _Builder:
     def _key(self, frame: _Frame, key: Any, line: int) -> Any:
         if not isinstance(key, str):
             where = (f"{self.name}:{line}",)
-            self.problems.append(Problem((frame.path or (),), "a key must be a plain name, not a list, a mapping or a null",
-                                         "write the key as text", where))
+            self.problems.append(
+                Problem(
+                    (frame.path or (),),
+                    "a key must be a plain name, not a list, a mapping or a null",
+                    "write the key as text",
+                    where,
+                )
+            )
             return _DROP
         if key in frame.seen:
             if frame.path is not None:
-                self.problems.append(Problem((frame.path + (key,),), f"key written twice (first on line {frame.seen[key]})",
-                                             "keep only one of them", (f"{self.name}:{line}",)))
+                self.problems.append(
+                    Problem(
+                        (frame.path + (key,),),
+                        f"key written twice (first on line {frame.seen[key]})",
+                        "keep only one of them",
+                        (f"{self.name}:{line}",),
+                    )
+                )
             return _DROP
         frame.seen[key] = line
         if frame.path is not None:
@@ -262,10 +316,15 @@ class _Builder:
         tag = event.tag
         if tag in (None, "!") or tag in ALLOWED_TAGS:
             return False
-        shown = "!!" + tag[len(_STD):] if tag.startswith(_STD) else tag
-        self.problems.append(Problem((path,) if path else (), f"the tag {shown} is not allowed (it could build arbitrary objects)",
-                                     "remove the tag: a job file holds plain text, numbers, booleans, lists and mappings",
-                                     (f"{self.name}:{event.start_mark.line + 1}",)))
+        shown = "!!" + tag[len(_STD) :] if tag.startswith(_STD) else tag
+        self.problems.append(
+            Problem(
+                (path,) if path else (),
+                f"the tag {shown} is not allowed (it could build arbitrary objects)",
+                "remove the tag: a job file holds plain text, numbers, booleans, lists and mappings",
+                (f"{self.name}:{event.start_mark.line + 1}",),
+            )
+        )
         return True
 
     def _construct(self, event: ScalarEvent, path: tuple | None) -> Any:
@@ -275,18 +334,29 @@ class _Builder:
         if tag not in _SCALARS:
             return event.value  # `=` (the "value" tag) or `<<` (merge) as a value: plain text
         if tag in (_STD + "int", _STD + "float") and len(event.value) > MAX_NUMBER_CHARS:
-            self._value_problem(event, path, f"a number written with {len(event.value):,} characters is not allowed",
-                                f"write a number of at most {MAX_NUMBER_CHARS} characters")
+            self._value_problem(
+                event,
+                path,
+                f"a number written with {len(event.value):,} characters is not allowed",
+                f"write a number of at most {MAX_NUMBER_CHARS} characters",
+            )
             return None
         node = ScalarNode(tag, event.value, event.start_mark, event.end_mark, event.style)
         try:
             return _CONSTRUCTOR.yaml_constructors[tag](_CONSTRUCTOR, node)
         except (ValueError, TypeError, OverflowError, yaml.YAMLError):
-            self._value_problem(event, path, f"{event.value[:40]!r} is not a valid {tag[len(_STD):]}", "fix the value or remove the tag")
+            self._value_problem(
+                event,
+                path,
+                f"{event.value[:40]!r} is not a valid {tag[len(_STD) :]}",
+                "fix the value or remove the tag",
+            )
             return None
 
     def _value_problem(self, event, path: tuple | None, message: str, fix: str) -> None:
-        self.problems.append(Problem((path,) if path else (), message, fix, (f"{self.name}:{event.start_mark.line + 1}",)))
+        self.problems.append(
+            Problem((path,) if path else (), message, fix, (f"{self.name}:{event.start_mark.line + 1}",))
+        )
 
     def _fatal(self, event, message: str, fix: str) -> None:
         raise Fatal(Problem((), message, fix, (f"{self.name}:{event.start_mark.line + 1}",)))

@@ -95,8 +95,10 @@ class DataCache:
     def path(self, key: str) -> Path:
         """The folder of entry `key` (it may not exist yet)."""
         if not isinstance(key, str) or not _KEY.fullmatch(key) or key.endswith(".lock"):
-            raise ValueError(f"cache key {key!r} must be letters, digits, '.', '_' or '-', "
-                             "start with a letter or digit and not end in '.lock'")
+            raise ValueError(
+                f"cache key {key!r} must be letters, digits, '.', '_' or '-', "
+                "start with a letter or digit and not end in '.lock'"
+            )
         return self.root / key
 
     def is_complete(self, key: str) -> bool:
@@ -120,8 +122,10 @@ class DataCache:
         try:
             file_lock.acquire()
         except Timeout:
-            raise DataError(f"waited {timeout:g} s for another process preparing cache entry {key} "
-                            f"(lock {file_lock.lock_file}); wait longer or stop the other process") from None
+            raise DataError(
+                f"waited {timeout:g} s for another process preparing cache entry {key} "
+                f"(lock {file_lock.lock_file}); wait longer or stop the other process"
+            ) from None
         try:
             yield
         finally:

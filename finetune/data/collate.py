@@ -105,8 +105,13 @@ def varlen_boundaries(seq_lens: list[int], length: int) -> dict:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
-def collate(rows: list[dict], pad_id: int, attn_implementation: str,
-            pad_to_multiple_of: int | None = None, mask_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def collate(
+    rows: list[dict],
+    pad_id: int,
+    attn_implementation: str,
+    pad_to_multiple_of: int | None = None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
     """Pad a batch of rows to its longest row; returns input_ids, labels, position_ids (all (B, T) long)
     and, depending on the rows and the attention implementation, attention_mask.
 
@@ -133,8 +138,10 @@ def collate(rows: list[dict], pad_id: int, attn_implementation: str,
     for i, row in enumerate(rows):
         _check_row(i, row)
     if packed[0] and attn_implementation not in MASK_IMPLS + VARLEN_IMPLS:
-        raise DataError(f"packed rows are not supported with attn_implementation={attn_implementation!r}; "
-                        f"use one of {', '.join(MASK_IMPLS + VARLEN_IMPLS)} or turn packing off")
+        raise DataError(
+            f"packed rows are not supported with attn_implementation={attn_implementation!r}; "
+            f"use one of {', '.join(MASK_IMPLS + VARLEN_IMPLS)} or turn packing off"
+        )
     if packed[0] and attn_implementation in VARLEN_IMPLS:
         rows = [_flatten(rows)]
     length = _padded_length(rows, pad_to_multiple_of)

@@ -21,8 +21,8 @@ from functools import partial
 import datasets
 
 from finetune.config.schema import DatasetSpec
-from finetune.data.sources import MAX_EXAMPLES, ORIGIN, SKIP_FIX
-from finetune.data.sources import kind as _kind
+from finetune.data.readers import MAX_EXAMPLES, ORIGIN, SKIP_FIX
+from finetune.data.readers import kind as _kind
 from finetune.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -37,22 +37,37 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_only": ("prompt", "system"),
 }
 ROLES = {
-    "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "model": "assistant",
-    "bot": "assistant", "system": "system", "tool": "tool", "function": "tool",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
 }
 # Column names tried when the ft field's own name is absent and no mapping is given.
 _ALIASES = {"messages": ("conversations",)}
 # Likely source columns for each ft field, to suggest a mapping.
 _HINTS = {
-    "messages": ("conversations", "conversation", "dialog", "chat"), "instruction": ("prompt", "question", "query"),
-    "output": ("response", "answer", "completion", "target"), "input": ("context",), "text": ("content", "document"),
-    "prompt": ("question", "query", "instruction", "input"), "completion": ("response", "answer", "output"),
-    "chosen": ("accepted", "preferred"), "rejected": ("dispreferred",), "system": ("system_prompt",),
+    "messages": ("conversations", "conversation", "dialog", "chat"),
+    "instruction": ("prompt", "question", "query"),
+    "output": ("response", "answer", "completion", "target"),
+    "input": ("context",),
+    "text": ("content", "document"),
+    "prompt": ("question", "query", "instruction", "input"),
+    "completion": ("response", "answer", "output"),
+    "chosen": ("accepted", "preferred"),
+    "rejected": ("dispreferred",),
+    "system": ("system_prompt",),
 }
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 _TEXT = datasets.Value("string")
 _SHAPES = {
-    "chat": {"messages": _MESSAGES}, "instruction": {"messages": _MESSAGES}, "completion": {"text": _TEXT},
+    "chat": {"messages": _MESSAGES},
+    "instruction": {"messages": _MESSAGES},
+    "completion": {"text": _TEXT},
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
     "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES},
     "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT},
@@ -117,7 +132,7 @@ def _preference(record: dict, spec: DatasetSpec) -> dict:
     for field, raw in (("chosen", chosen_raw), ("rejected", rejected_raw)):
         turns = _turns(raw, names[field], "assistant")
         if turns[: len(prompt)] == prompt:
-            turns = turns[len(prompt):]
+            turns = turns[len(prompt) :]
         if not any(m["role"] == "assistant" for m in turns):
             raise RecordError(f"'{names[field]}' has no assistant message after the prompt")
         out[field] = turns
@@ -127,13 +142,19 @@ def _preference(record: dict, spec: DatasetSpec) -> dict:
 def _shared_prompt(record: dict, spec: DatasetSpec, chosen: object, rejected: object, names: dict) -> list[dict]:
     """Without a prompt column, the prompt is the leading messages that chosen and rejected share."""
     if not isinstance(chosen, list) or not isinstance(rejected, list):
-        raise MissingColumn(_missing("prompt", record, spec) + " (or give chosen and rejected as conversations that start with the prompt)")
+        raise MissingColumn(
+            _missing("prompt", record, spec)
+            + " (or give chosen and rejected as conversations that start with the prompt)"
+        )
     a, b = _messages(chosen, names["chosen"]), _messages(rejected, names["rejected"])
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     if n == 0:
-        raise RecordError(f"no prompt column, and '{names['chosen']}' and '{names['rejected']}' share no leading messages to use as the prompt")
+        raise RecordError(
+            f"no prompt column, and '{names['chosen']}' and '{names['rejected']}' share no leading messages to "
+            "use as the prompt"
+        )
     return a[:n]
 
 
@@ -146,8 +167,12 @@ def _prompt_only(record: dict, spec: DatasetSpec) -> dict:
 
 
 _NORMALIZERS = {
-    "chat": _chat, "instruction": _instruction, "completion": _completion,
-    "prompt_completion": _prompt_completion, "preference": _preference, "prompt_only": _prompt_only,
+    "chat": _chat,
+    "instruction": _instruction,
+    "completion": _completion,
+    "prompt_completion": _prompt_completion,
+    "preference": _preference,
+    "prompt_only": _prompt_only,
 }
 
 
@@ -183,9 +208,15 @@ def _missing(field: str, record: dict, spec: DatasetSpec) -> str:
     used = {spec.columns.get(f, f) for f in FIELDS[spec.format]}
     free = [k for k in present if k not in used]
     guess = next((h for h in _HINTS.get(field, ()) if h in free), None)
-    guess = guess or next(iter(difflib.get_close_matches(field, free, n=1)), None) or (free[0] if len(free) == 1 else "COLUMN")
-    return (f"no column '{name}' (mapped from ft field '{field}'); columns present: {', '.join(present) or '(none)'}; "
-            f"map it with columns: {{{field}: {guess}}}")
+    guess = (
+        guess
+        or next(iter(difflib.get_close_matches(field, free, n=1)), None)
+        or (free[0] if len(free) == 1 else "COLUMN")
+    )
+    return (
+        f"no column '{name}' (mapped from ft field '{field}'); columns present: {', '.join(present) or '(none)'}; "
+        f"map it with columns: {{{field}: {guess}}}"
+    )
 
 
 def _text(record: dict, field: str, spec: DatasetSpec, *, required: bool = True, empty_ok: bool = True) -> str | None:
@@ -226,7 +257,9 @@ def _messages(value: object, name: str) -> list[dict]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise RecordError(f"'{name}' holds text that is not a valid JSON list of messages ({e.msg} at column {e.colno})") from None
+            raise RecordError(
+                f"'{name}' holds text that is not a valid JSON list of messages ({e.msg} at column {e.colno})"
+            ) from None
     if not isinstance(value, list):
         raise RecordError(f"'{name}' must be a list of messages, got {_kind(value)}")
     if not value:
@@ -242,19 +275,34 @@ def _message(message: object, where: str) -> dict:
     role, content = message.get(keys[0]), message.get(keys[1])
     if role is None:
         present = ", ".join(k for k, v in message.items() if v is not None) or "(none)"
-        raise RecordError(f"message {where} has no role: expected role/content (OpenAI style) or from/value (ShareGPT style); keys present: {present}")
+        raise RecordError(
+            f"message {where} has no role: expected role/content (OpenAI style) or from/value (ShareGPT style); "
+            f"keys present: {present}"
+        )
     if not isinstance(role, str) or role.strip().lower() not in ROLES:
-        raise RecordError(f"message {where} has an unknown role {role!r}; use user, assistant, system or tool (ShareGPT: human, gpt)")
+        raise RecordError(
+            f"message {where} has an unknown role {role!r}; use user, assistant, system or tool (ShareGPT: human, gpt)"
+        )
     if content is None:
         raise RecordError(f"message {where} ({role}) has no '{keys[1]}'")
     if not isinstance(content, str):
-        raise RecordError(f"message {where} ({role}): '{keys[1]}' must be a string, got {_kind(content)}; ft reads text messages only")
+        raise RecordError(
+            f"message {where} ({role}): '{keys[1]}' must be a string, got {_kind(content)}; ft reads text messages only"
+        )
     return {"role": ROLES[role.strip().lower()], "content": content}
 
 
 # ---------------------------------------------------------------- a whole dataset
-def normalize_dataset(ds: datasets.Dataset, spec: DatasetSpec, *, skip_bad_records: bool = False, num_proc: int = 1, key: str = "",
-                      examples: list[str] | None = None, progress: Progress | None = None) -> tuple[datasets.Dataset, int]:
+def normalize_dataset(
+    ds: datasets.Dataset,
+    spec: DatasetSpec,
+    *,
+    skip_bad_records: bool = False,
+    num_proc: int = 1,
+    key: str = "",
+    examples: list[str] | None = None,
+    progress: Progress | None = None,
+) -> tuple[datasets.Dataset, int]:
     """Normalize every record; returns (normalized dataset, records skipped).
 
     A bad record raises DataError "ORIGIN: MESSAGE" naming the source (`key`, e.g. "data.datasets[0]"),
@@ -266,17 +314,34 @@ def normalize_dataset(ds: datasets.Dataset, spec: DatasetSpec, *, skip_bad_recor
     out = _map(ds, spec, skip_bad_records, num_proc, (key, source), progress)
     errors = [e for e in out["_error"][:] if e] if skip_bad_records else []
     if errors and len(errors) == len(out):
-        raise DataError(f"{errors[0]}\n    source: {source}: every record is bad ({len(errors)} skipped), so nothing is left to train on; "
-                        f"others: {'; '.join(errors[1:3]) or 'none'}\n    fix: correct the records, or check that data.datasets[].format matches the data")
+        raise DataError(
+            f"{errors[0]}\n    source: {source}: every record is bad ({len(errors)} skipped), so nothing is left "
+            "to train on; "
+            f"others: {'; '.join(errors[1:3]) or 'none'}\n    fix: correct the records, or check that "
+            "data.datasets[].format matches the data"
+        )
     if errors:
-        log.warning("%s: skipped %d bad record%s (data.skip_bad_records); first: %s", source, len(errors), "s" if len(errors) != 1 else "", "; ".join(errors[:MAX_EXAMPLES]))
+        log.warning(
+            "%s: skipped %d bad record%s (data.skip_bad_records); first: %s",
+            source,
+            len(errors),
+            "s" if len(errors) != 1 else "",
+            "; ".join(errors[:MAX_EXAMPLES]),
+        )
         if examples is not None:
             examples.extend(errors[: max(0, MAX_EXAMPLES - len(examples))])
         out = out.filter(lambda e: not e, input_columns="_error")
     return out.remove_columns("_error"), len(errors)
 
 
-def _map(ds: datasets.Dataset, spec: DatasetSpec, skip: bool, num_proc: int, where: tuple[str, str], progress: Progress | None) -> datasets.Dataset:
+def _map(
+    ds: datasets.Dataset,
+    spec: DatasetSpec,
+    skip: bool,
+    num_proc: int,
+    where: tuple[str, str],
+    progress: Progress | None,
+) -> datasets.Dataset:
     shape = datasets.Features({**features(spec.format), "_error": _TEXT})
     fn = partial(_normalize_batch, spec=spec, skip=skip, where=where, columns=tuple(shape))
     procs = min(num_proc, len(ds)) if num_proc > 1 and len(ds) > 1 else None
@@ -289,11 +354,21 @@ def _map(ds: datasets.Dataset, spec: DatasetSpec, skip: bool, num_proc: int, whe
             progress(f"reading {spec.path} as {spec.format}", done[0], total)
             return rows
 
-    return ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, features=shape, num_proc=procs,
-                  desc=f"Reading {spec.path} as {spec.format}", new_fingerprint=uuid.uuid4().hex)
+    return ds.map(
+        fn,
+        batched=True,
+        with_indices=True,
+        remove_columns=ds.column_names,
+        features=shape,
+        num_proc=procs,
+        desc=f"Reading {spec.path} as {spec.format}",
+        new_fingerprint=uuid.uuid4().hex,
+    )
 
 
-def _normalize_batch(batch: dict, indices: list[int], *, spec: DatasetSpec, skip: bool, where: tuple[str, str], columns: tuple) -> dict:
+def _normalize_batch(
+    batch: dict, indices: list[int], *, spec: DatasetSpec, skip: bool, where: tuple[str, str], columns: tuple
+) -> dict:
     rows = []
     for j, index in enumerate(indices):
         record = {k: values[j] for k, values in batch.items()}
@@ -303,7 +378,9 @@ def _normalize_batch(batch: dict, indices: list[int], *, spec: DatasetSpec, skip
         except RecordError as e:
             if not skip or isinstance(e, MissingColumn):
                 raise _record_error(origin, e, *where) from None
-            row = {k: [] if v is _MESSAGES else "" for k, v in _SHAPES[spec.format].items()} | {"_error": f"{origin}: {e}"}
+            row = {k: [] if v is _MESSAGES else "" for k, v in _SHAPES[spec.format].items()} | {
+                "_error": f"{origin}: {e}"
+            }
         row[ORIGIN] = origin
         rows.append(row)
     return {k: [r[k] for r in rows] for k in columns}
@@ -311,7 +388,10 @@ def _normalize_batch(batch: dict, indices: list[int], *, spec: DatasetSpec, skip
 
 def _record_error(origin: str, e: RecordError, key: str, source: str) -> DataError:
     if isinstance(e, MissingColumn):
-        fix = f"map the column in {key + '.columns' if key else 'the source columns'}, or choose the format that matches the data"
+        fix = (
+            f"map the column in {key + '.columns' if key else 'the source columns'}, or choose the format that "
+            "matches the data"
+        )
     else:
         fix = SKIP_FIX
     return DataError(f"{origin}: {e}\n    source: {source}\n    fix: {fix}")

@@ -101,10 +101,10 @@ def _assistant_span(messages, i: int, whole: str, tokenizer, jinja) -> tuple[int
     _check_prefix(turn, whole, name, f"messages[:{i + 1}]")
     if len(head) > len(turn):
         raise TemplateError(
-            f"{name}: the generation prompt {whole[len(turn):len(head)]!r} is not how it starts assistant "
+            f"{name}: the generation prompt {whole[len(turn) : len(head)]!r} is not how it starts assistant "
             f"message {i}.\n    fix: make add_generation_prompt write exactly the assistant turn's header"
         )
-    span = whole[len(head):len(turn)].rstrip()
+    span = whole[len(head) : len(turn)].rstrip()
     _check_turn(messages, i, span, head, tokenizer, jinja, name)
     return len(head), len(head) + len(span)
 
@@ -115,7 +115,7 @@ def _check_prefix(part: str, whole: str, name: str, what: str) -> None:
     at = next((k for k, (a, b) in enumerate(zip(part, whole)) if a != b), min(len(part), len(whole)))
     raise TemplateError(
         f"{name} does not render conversations incrementally (rendering {what} is not a prefix of rendering "
-        f"the whole conversation; at character {at}: {part[at:at + 40]!r} vs {whole[at:at + 40]!r}). ft finds "
+        f"the whole conversation; at character {at}: {part[at : at + 40]!r} vs {whole[at : at + 40]!r}). ft finds "
         "each assistant turn by rendering prefixes, so it cannot build a correct loss mask with it. Templates "
         "that change earlier turns once later ones exist (e.g. dropping past reasoning) or render the last "
         "message differently do this.\n    fix: set data.template to a built-in or to a Jinja file that "
@@ -136,7 +136,7 @@ def _check_turn(messages, i: int, span: str, head: str, tokenizer, jinja, name: 
             f"{span[:80]!r}), so ft cannot tell what to train.\n    fix: use a template that renders each "
             "assistant message's content as given"
         )
-    after = span[span.rfind(content) + len(content):] if content else span
+    after = span[span.rfind(content) + len(content) :] if content else span
     if not after:
         raise TemplateError(
             f"{name} writes nothing but whitespace after assistant message {i}'s content when it renders "

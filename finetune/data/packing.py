@@ -79,8 +79,10 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
         raise DataError(f"packing capacity must be at least 1 token, got {capacity}")
     for i, n in enumerate(lengths):
         if n < 1 or n > capacity:
-            raise DataError(f"example {i} has {n} tokens; packing needs 1..{capacity} "
-                            f"(truncate or drop longer examples before packing)")
+            raise DataError(
+                f"example {i} has {n} tokens; packing needs 1..{capacity} "
+                f"(truncate or drop longer examples before packing)"
+            )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rooms = _RoomIndex(capacity)
     bins: list[list[int]] = []
@@ -164,12 +166,18 @@ def pack(ds, seq_len: int, batch_size: int = 1000):
     digest = hashlib.sha256(repr((seq_len, len(ds), bins)).encode()).hexdigest()[:16]
     if not bins:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
-    bin_ds = datasets.Dataset.from_dict({"example_ids": bins},
-                                        features=datasets.Features({"example_ids": ints}))
+    bin_ds = datasets.Dataset.from_dict({"example_ids": bins}, features=datasets.Features({"example_ids": ints}))
     # new_fingerprint is given so that datasets does not hash (pickle) the source dataset.
-    return bin_ds.map(_pack_batch, batched=True, batch_size=batch_size, fn_kwargs={"source": ds},
-                      remove_columns=["example_ids"], features=features,
-                      new_fingerprint=f"ft-pack-{digest}", desc="packing")
+    return bin_ds.map(
+        _pack_batch,
+        batched=True,
+        batch_size=batch_size,
+        fn_kwargs={"source": ds},
+        remove_columns=["example_ids"],
+        features=features,
+        new_fingerprint=f"ft-pack-{digest}",
+        desc="packing",
+    )
 
 
 def efficiency(ds, seq_len: int, packed: bool) -> float:
@@ -196,6 +204,6 @@ def padding_efficiency(lengths: Sequence[int], batch_size: int) -> float:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     slots = 0
     for start in range(0, len(lengths), batch_size):
-        batch = lengths[start:start + batch_size]
+        batch = lengths[start : start + batch_size]
         slots += len(batch) * max(batch)
     return sum(lengths) / slots if slots else 0.0

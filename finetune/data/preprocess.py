@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from finetune.config.schema import Config, DatasetSpec
 from finetune.errors import DataError, FtError
@@ -71,7 +71,10 @@ def load_prepared(config: Config, root: Path) -> Prepared:
 
     disable_progress_bars()
     if not (root / "summary.json").is_file() or not (root / "train").is_dir():
-        raise FtError(f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train again, which prepares it")
+        raise FtError(
+            f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train "
+            "again, which prepares it"
+        )
     tokenizer, _, added = training_tokenizer(config)
     summary = json.loads((root / "summary.json").read_text())
     validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
@@ -79,7 +82,8 @@ def load_prepared(config: Config, root: Path) -> Prepared:
 
 
 def training_tokenizer(config: Config):
-    """The tokenizer training uses (with the tokens the config and the template add), the template, and the added tokens."""
+    """The tokenizer training uses (with the tokens the config and the template add), the template, and the added
+    tokens."""
     from finetune.models import add_special_tokens, load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
@@ -92,7 +96,9 @@ def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
     """The chat template text (None when no source needs one) and built-in tokens missing from the vocabulary."""
     from finetune.data.templates import missing_special_tokens, resolve
 
-    specs = list(config.data.datasets) + ([config.data.validation] if isinstance(config.data.validation, DatasetSpec) else [])
+    specs = list(config.data.datasets) + (
+        [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []
+    )
     if not any(s.format in TEMPLATED for s in specs):
         return None, []
     return resolve(tokenizer, config.data.template), missing_special_tokens(tokenizer, config.data.template)
@@ -104,18 +110,26 @@ def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
     from finetune.data.sources import resolve_files
 
     data = config.data.model_dump(mode="json", exclude={"num_proc", "cache_dir"})
-    specs = list(config.data.datasets) + ([config.data.validation] if isinstance(config.data.validation, DatasetSpec) else [])
+    specs = list(config.data.datasets) + (
+        [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []
+    )
     files = {}
     for spec in specs:
         paths = resolve_files(spec.path)
-        files[spec.path] = [(str(p), file_digest(p)) for p in paths] if paths is not None else {"hub": spec.path, "subset": spec.subset, "split": spec.split, "revision": spec.revision}
+        files[spec.path] = (
+            [(str(p), file_digest(p)) for p in paths]
+            if paths is not None
+            else {"hub": spec.path, "subset": spec.subset, "split": spec.split, "revision": spec.revision}
+        )
     return {
         "version": DATA_VERSION,
         "data": data,
         "method": config.method.name,
         "max_new_tokens": getattr(config.method, "max_new_tokens", 0),
         "files": files,
-        "tokenizer": tokenizer.backend_tokenizer.to_str() if hasattr(tokenizer, "backend_tokenizer") else repr(tokenizer),
+        "tokenizer": tokenizer.backend_tokenizer.to_str()
+        if hasattr(tokenizer, "backend_tokenizer")
+        else repr(tokenizer),
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),
         "template": jinja,
     }
@@ -126,7 +140,10 @@ def rules_for(config: Config, spec: DatasetSpec):
 
     room = config.data.seq_len - getattr(config.method, "max_new_tokens", 0)
     if spec.format == "prompt_only" and room < 1:
-        raise FtError(f"method.max_new_tokens ({config.method.max_new_tokens}) leaves no room for a prompt in data.seq_len ({config.data.seq_len}); raise seq_len or lower max_new_tokens")
+        raise FtError(
+            f"method.max_new_tokens ({config.method.max_new_tokens}) leaves no room for a prompt in data.seq_len "
+            f"({config.data.seq_len}); raise seq_len or lower max_new_tokens"
+        )
     return Rules(spec.format, config.data.train_on, config.data.seq_len, config.data.overlong, room)
 
 
@@ -139,7 +156,9 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     data = config.data
     counts: Counter = Counter()
     examples: list = []  # the first skipped records, with file:line and why
-    parts = [_source(config, i, spec, tokenizer, jinja, counts, progress, examples) for i, spec in enumerate(data.datasets)]
+    parts = [
+        _source(config, i, spec, tokenizer, jinja, counts, progress, examples) for i, spec in enumerate(data.datasets)
+    ]
     train = mix(parts, data.seed)
     if isinstance(data.validation, DatasetSpec):
         validation = _source(config, "validation", data.validation, tokenizer, jinja, Counter(), progress, examples)
@@ -151,7 +170,9 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     summary = _summary(counts, train, lengths, data.seq_len)
     if examples:
         summary["skipped_examples"] = examples[:5]
-    if data.packing and all(s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets):
+    if data.packing and all(
+        s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets
+    ):
         progress("packing", 0, 1)
         train = pack(train, data.seq_len)
         validation = pack(validation, data.seq_len) if validation is not None else None
@@ -165,7 +186,9 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     return summary
 
 
-def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress, examples: list):
+def _source(
+    config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress, examples: list
+):
     """One source: read, sample, normalize, tokenize, fit to seq_len."""
     from finetune.data.formats import normalize_dataset
     from finetune.data.sources import load_source, take
@@ -179,7 +202,15 @@ def _source(config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: 
     examples.extend(stats.skipped_examples)
     counts["read"] += stats.records_read
     counts["skipped_unreadable"] += stats.records_skipped
-    norm, skipped = normalize_dataset(raw, spec, skip_bad_records=data.skip_bad_records, num_proc=data.num_proc, key=key, examples=examples, progress=progress)
+    norm, skipped = normalize_dataset(
+        raw,
+        spec,
+        skip_bad_records=data.skip_bad_records,
+        num_proc=data.num_proc,
+        key=key,
+        examples=examples,
+        progress=progress,
+    )
     counts["skipped_bad_records"] += skipped
     norm = take(norm, spec, data.seed)
     counts["sampled"] += len(norm)
@@ -194,7 +225,10 @@ def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Pro
 
     def batch(records: dict) -> dict:
         n = len(records["_origin"])
-        rows = [_one({k: v[i] for k, v in records.items()}, rules, tokenizer, jinja, data.skip_bad_records, key) for i in range(n)]
+        rows = [
+            _one({k: v[i] for k, v in records.items()}, rules, tokenizer, jinja, data.skip_bad_records, key)
+            for i in range(n)
+        ]
         if data.num_proc == 1:
             done[0] += n
             progress(f"tokenizing {key}", done[0], total)
@@ -202,8 +236,14 @@ def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Pro
         return {k: [r[k] for r in rows] for k in columns}
 
     # Our own cache keys the result; fresh fingerprints stop datasets from hashing the tokenizer closure.
-    out = ds.map(batch, batched=True, batch_size=256, num_proc=data.num_proc if data.num_proc > 1 else None,
-                 remove_columns=ds.column_names, new_fingerprint=uuid.uuid4().hex)
+    out = ds.map(
+        batch,
+        batched=True,
+        batch_size=256,
+        num_proc=data.num_proc if data.num_proc > 1 else None,
+        remove_columns=ds.column_names,
+        new_fingerprint=uuid.uuid4().hex,
+    )
     status_column = out["_status"][:]  # datasets 5: [:] reads the column at once
     statuses = Counter(status_column)
     counts.update(statuses)
@@ -211,13 +251,21 @@ def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Pro
     keep = [i for i, s in enumerate(status_column) if s in ("kept", "truncated")]
     kept = out.select(keep).remove_columns("_status")
     if len(kept) == 0:
-        raise DataError(f"{key}: no training examples left ({dict(statuses)}); check the format, columns, seq_len and train_on settings")
+        raise DataError(
+            f"{key}: no training examples left ({dict(statuses)}); check the format, columns, seq_len and "
+            "train_on settings"
+        )
     return kept
 
 
-_EMPTY = {"chat": ("input_ids", "labels"), "instruction": ("input_ids", "labels"), "completion": ("input_ids", "labels"),
-          "prompt_completion": ("input_ids", "labels"), "preference": ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"),
-          "prompt_only": ("prompt_ids",)}
+_EMPTY = {
+    "chat": ("input_ids", "labels"),
+    "instruction": ("input_ids", "labels"),
+    "completion": ("input_ids", "labels"),
+    "prompt_completion": ("input_ids", "labels"),
+    "preference": ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"),
+    "prompt_only": ("prompt_ids",),
+}
 
 
 def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
@@ -227,7 +275,10 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
         row, status = fit_length(tokenize_record(rec, rules, tokenizer, jinja), rules)
     except FtError as e:
         if not skip_bad:
-            raise DataError(f"{key}: {rec.get('_origin', '?')}: {e}\n    fix: correct or remove the record, or set data.skip_bad_records: true to skip (and count) such records") from None
+            raise DataError(
+                f"{key}: {rec.get('_origin', '?')}: {e}\n    fix: correct or remove the record, or set "
+                "data.skip_bad_records: true to skip (and count) such records"
+            ) from None
         row, status = None, "skipped_bad_records"
     if row is None:
         row = {k: [] for k in _EMPTY[rules.format]} | {"length": 0}
@@ -240,7 +291,9 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
     from finetune.data.masking import IGNORE
 
     ordered = sorted(lengths)
-    pct = {f"p{p}": ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (50, 90, 99)} if ordered else {}
+    pct = (
+        {f"p{p}": ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (50, 90, 99)} if ordered else {}
+    )
     trained = 0
     label_cols = [c for c in train.column_names if c.endswith("labels")]
     for col in label_cols[:1]:
@@ -254,7 +307,11 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
         "dropped_too_long": counts["dropped_long"],
         "dropped_nothing_to_train": counts["dropped_untrained"],
         "train_samples": len(train),
-        "token_lengths": {**pct, "max": ordered[-1] if ordered else 0, "mean": round(sum(ordered) / max(1, len(ordered)), 1)},
+        "token_lengths": {
+            **pct,
+            "max": ordered[-1] if ordered else 0,
+            "mean": round(sum(ordered) / max(1, len(ordered)), 1),
+        },
         "tokens_per_epoch": sum(ordered),
         "trained_tokens_per_epoch": trained,
         "padding_efficiency": round(sum(ordered) / max(1, len(ordered) * seq_len), 4),

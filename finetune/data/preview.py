@@ -22,19 +22,29 @@ def print_summary(summary: dict, console) -> None:
         ("dropped: no token to train", summary["dropped_nothing_to_train"]),
         ("training samples", summary["train_samples"]),
         ("validation samples", summary.get("validation_samples", 0)),
-        ("tokens per sample p50 / p90 / p99 / max", " / ".join(str(lengths.get(k, "-")) for k in ("p50", "p90", "p99", "max"))),
+        (
+            "tokens per sample p50 / p90 / p99 / max",
+            " / ".join(str(lengths.get(k, "-")) for k in ("p50", "p90", "p99", "max")),
+        ),
         ("tokens per epoch", f"{summary['tokens_per_epoch']:,}"),
         ("trained tokens per epoch", f"{summary['trained_tokens_per_epoch']:,}"),
         ("efficiency if padded to seq_len", f"{100 * summary['padding_efficiency']:.1f}%"),
     ]
     if "packing_efficiency" in summary:
-        rows.append(("packing efficiency (real tokens / slots)", f"{100 * summary['packing_efficiency']:.1f}% in {summary['packed_rows']:,} rows"))
+        rows.append(
+            (
+                "packing efficiency (real tokens / slots)",
+                f"{100 * summary['packing_efficiency']:.1f}% in {summary['packed_rows']:,} rows",
+            )
+        )
     if summary.get("added_tokens"):
         rows.append(("special tokens added (embeddings grow)", ", ".join(summary["added_tokens"])))
     for what, value in rows:
         table.add_row(what, f"{value:,}" if isinstance(value, int) else str(value))
     console.print(table)
-    print_skipped(summary.get("skipped_examples") or [], summary["skipped_unreadable"] + summary["skipped_bad_records"], console)
+    print_skipped(
+        summary.get("skipped_examples") or [], summary["skipped_unreadable"] + summary["skipped_bad_records"], console
+    )
 
 
 def print_skipped(examples: list[str], total: int, console) -> None:
@@ -49,10 +59,14 @@ def print_skipped(examples: list[str], total: int, console) -> None:
 def samples(row: dict) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of each sample in a row; a packed row holds several."""
     if "input_ids" not in row:
-        return [(row["chosen_input_ids"], row["chosen_labels"]), (row["rejected_input_ids"], row["rejected_labels"])] if "chosen_input_ids" in row else [(row["prompt_ids"], [IGNORE] * len(row["prompt_ids"]))]
+        return (
+            [(row["chosen_input_ids"], row["chosen_labels"]), (row["rejected_input_ids"], row["rejected_labels"])]
+            if "chosen_input_ids" in row
+            else [(row["prompt_ids"], [IGNORE] * len(row["prompt_ids"]))]
+        )
     ids, labels, out, start = row["input_ids"], row["labels"], [], 0
     for n in row.get("seq_lens") or [len(ids)]:
-        out.append((ids[start:start + n], labels[start:start + n]))
+        out.append((ids[start : start + n], labels[start : start + n]))
         start += n
     return out
 

@@ -27,7 +27,11 @@ _SNIFF = 4096
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SIGNATURES = (  # (leading bytes, what the file is, how to fix it)
     (b"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -k FILE (and name the result .jsonl/.csv/...)"),
-    (b"PK\x03\x04", "a zip archive (xlsx and docx files are zip archives too)", "unzip it, or export the sheet as .csv or .jsonl"),
+    (
+        b"PK\x03\x04",
+        "a zip archive (xlsx and docx files are zip archives too)",
+        "unzip it, or export the sheet as .csv or .jsonl",
+    ),
     (b"BZh", "bzip2-compressed", "decompress it first: bunzip2 -k FILE"),
     (b"\xfd7zXZ\x00", "xz-compressed", "decompress it first: unxz -k FILE"),
     (b"\x28\xb5\x2f\xfd", "zstd-compressed", "decompress it first: unzstd FILE"),
@@ -89,11 +93,17 @@ def sniff(path: str) -> None:
         if head.startswith(signature):
             return _refuse(path, f"the file is {what}, not UTF-8 text", fix)
     if len(head) >= 8 and head[1::2].count(0) > len(head) // 4:
-        return _refuse(path, "the file looks like UTF-16 text without a byte-order mark (every other byte is NUL), not UTF-8",
-                       "save it as UTF-8: iconv -f utf-16le -t utf-8 FILE > OUT")
+        return _refuse(
+            path,
+            "the file looks like UTF-16 text without a byte-order mark (every other byte is NUL), not UTF-8",
+            "save it as UTF-8: iconv -f utf-16le -t utf-8 FILE > OUT",
+        )
     if b"\x00" in head and not _utf8(head):
-        return _refuse(path, f"the file looks binary (it holds NUL bytes and bytes that are not UTF-8 in its first {len(head)} bytes)",
-                       "point data.datasets[].path at the text data (.jsonl, .json, .csv, .txt) or a .parquet file")
+        return _refuse(
+            path,
+            f"the file looks binary (it holds NUL bytes and bytes that are not UTF-8 in its first {len(head)} bytes)",
+            "point data.datasets[].path at the text data (.jsonl, .json, .csv, .txt) or a .parquet file",
+        )
     return None
 
 
@@ -126,12 +136,19 @@ def lines(path: str) -> Iterator[tuple[int, str | None, str | None]]:
             try:
                 yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8").rstrip("\r\n"), None
             except UnicodeDecodeError as e:
-                yield number, None, f"{NOT_UTF8} (byte {e.start + 1} of the line); save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 IN > OUT"
+                yield (
+                    number,
+                    None,
+                    f"{NOT_UTF8} (byte {e.start + 1} of the line); save the file as UTF-8, e.g. iconv -f latin1 "
+                    "-t utf-8 IN > OUT",
+                )
 
 
 def _too_long(size: int) -> str:
-    return (f"the line is {mib(size)}, over ft's limit of {mib(MAX_LINE_BYTES)} for one record (only the first "
-            "data.seq_len tokens of a record are trained anyway); split the document into several records")
+    return (
+        f"the line is {mib(size)}, over ft's limit of {mib(MAX_LINE_BYTES)} for one record (only the first "
+        "data.seq_len tokens of a record are trained anyway); split the document into several records"
+    )
 
 
 # ---------------------------------------------------------------- one JSON record
@@ -147,7 +164,10 @@ def parse(text: str) -> tuple[object, str | None]:
         return None, f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)"
     except json.JSONDecodeError as e:
         if "\x00" in text:
-            return None, f"the line holds a NUL byte (column {text.index(chr(0)) + 1}): it is damaged or binary, not JSON"
+            return (
+                None,
+                f"the line holds a NUL byte (column {text.index(chr(0)) + 1}): it is damaged or binary, not JSON",
+            )
         return None, f"not valid JSON ({e.msg} at column {e.colno})"
     return value, check(value, text)
 
@@ -170,7 +190,10 @@ def check(value: object, text: str) -> str | None:
     if _SURROGATE_ESCAPE.search(text):
         bad = _surrogate(value)
         if bad is not None:
-            return f"the record holds an unpaired surrogate escape ({bad}), which is not text; write the character itself, or a valid pair"
+            return (
+                f"the record holds an unpaired surrogate escape ({bad}), which is not text; write the character "
+                "itself, or a valid pair"
+            )
     return None
 
 
@@ -216,7 +239,7 @@ def read_json(path: str, out: Collector) -> None:
     """A .json file holds either one list of records, or one record per line."""
     text = _read_text(path)
     start = len(text) - len(text.lstrip())
-    if text[start:start + 1] == "[":
+    if text[start : start + 1] == "[":
         _read_json_array(path, text, start, out)
     else:
         read_json_lines(path, out)
@@ -235,9 +258,15 @@ def _read_json_array(path: str, text: str, pos: int, out: Collector) -> None:
         except json.JSONDecodeError as e:
             raise _json_syntax(path, e) from None
         except RecursionError:
-            raise error(where, f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)", "flatten the record") from None
+            raise error(
+                where,
+                f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)",
+                "flatten the record",
+            ) from None
         except _Constant as e:
-            raise error(where, f"the record holds {e}, which JSON does not allow", "write null or a number instead") from None
+            raise error(
+                where, f"the record holds {e}, which JSON does not allow", "write null or a number instead"
+            ) from None
         problem = check(record, text[pos:end])
         out.bad(where, problem) if problem else out.add(record, where)
         pos = _skip_space(text, end)
@@ -245,7 +274,11 @@ def _read_json_array(path: str, text: str, pos: int, out: Collector) -> None:
             pos += 1
         elif not text.startswith("]", pos):
             line_no = text.count("\n", 0, pos) + 1
-            raise error(f"{path}:{line_no}", "not valid JSON (expected ',' or ']' between records)", "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line")
+            raise error(
+                f"{path}:{line_no}",
+                "not valid JSON (expected ',' or ']' between records)",
+                "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line",
+            )
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -255,8 +288,12 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 def _json_syntax(path: str, e: json.JSONDecodeError) -> DataError:
-    return error(f"{path}:{e.lineno}", f"not valid JSON ({e.msg} at column {e.colno})",
-                 "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a broken list cannot be skipped record by record)")
+    return error(
+        f"{path}:{e.lineno}",
+        f"not valid JSON ({e.msg} at column {e.colno})",
+        "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a "
+        "broken list cannot be skipped record by record)",
+    )
 
 
 def _read_text(path: str) -> str:
@@ -269,7 +306,9 @@ def _read_text(path: str) -> str:
 
 def not_utf8(path: str) -> DataError:
     line = next((number for number, _, problem in lines(path) if problem and problem.startswith(NOT_UTF8)), None)
-    return error(f"{path}:{line}" if line else path, NOT_UTF8, "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 IN > OUT")
+    return error(
+        f"{path}:{line}" if line else path, NOT_UTF8, "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 IN > OUT"
+    )
 
 
 def read_txt(path: str, out: Collector) -> None:
@@ -301,8 +340,11 @@ def _csv_rows(path: str, rows, out: Collector) -> None:
         try:
             row = next(rows, None)
         except csv.Error as e:
-            raise error(f"{path}:{start}", f"not valid CSV ({e}; the row that starts on this line runs to line {rows.line_num})",
-                        "close the quotes (a quote inside a quoted value is written twice: \"\"), or convert the file to .jsonl") from None
+            raise error(
+                f"{path}:{start}",
+                f"not valid CSV ({e}; the row that starts on this line runs to line {rows.line_num})",
+                'close the quotes (a quote inside a quoted value is written twice: ""), or convert the file to .jsonl',
+            ) from None
         if row is None:
             return
         if header is None:
@@ -326,7 +368,9 @@ def _check_header(path: str, header: list[str]) -> list[str]:
     for i, name in enumerate(header, 1):
         if not name.strip() or name in seen:
             what = "has no name" if not name.strip() else f"repeats the name {name!r}"
-            raise error(f"{path}:1", f"header column {i} {what}", "give every CSV column a unique name in the first line")
+            raise error(
+                f"{path}:1", f"header column {i} {what}", "give every CSV column a unique name in the first line"
+            )
         seen.add(name)
     return header
 
@@ -343,5 +387,9 @@ def read_parquet(path: str, out: Collector) -> None:
 
 
 READERS: dict[str, Callable[[str, Collector], None]] = {
-    ".jsonl": read_json_lines, ".json": read_json, ".csv": read_csv, ".parquet": read_parquet, ".txt": read_txt,
+    ".jsonl": read_json_lines,
+    ".json": read_json,
+    ".csv": read_csv,
+    ".parquet": read_parquet,
+    ".txt": read_txt,
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.config.schema import DatasetSpec
-from finetune.data.readers import MAX_EXAMPLES, ORIGIN, READERS, SKIP_FIX, Collector, kind, sniff  # noqa: F401 (re-exported)
+from finetune.data.readers import ORIGIN, READERS, Collector, sniff
 from finetune.data.readers import error as _error
 from finetune.errors import DataError
 
@@ -51,7 +51,9 @@ class SourceStats:
 
 
 # ---------------------------------------------------------------- public entry points
-def load_source(spec: DatasetSpec, *, skip_bad_records: bool = False, progress: Progress | None = None) -> tuple[datasets.Dataset, SourceStats]:
+def load_source(
+    spec: DatasetSpec, *, skip_bad_records: bool = False, progress: Progress | None = None
+) -> tuple[datasets.Dataset, SourceStats]:
     """Read every record of `spec.path` (local file, glob, folder or hub id) with an `_origin` column.
 
     progress, when given, is called as progress(stage, files done, files) after each file."""
@@ -64,10 +66,19 @@ def load_source(spec: DatasetSpec, *, skip_bad_records: bool = False, progress: 
         if progress is not None:
             progress(f"reading {spec.path}", done + 1, len(files))
     if not out.records:
-        raise _error(spec.path, f"no usable records: all {out.skipped} were bad; first: {out.examples[0]}", "fix the data, or point data.datasets[].path at the intended file")
+        raise _error(
+            spec.path,
+            f"no usable records: all {out.skipped} were bad; first: {out.examples[0]}",
+            "fix the data, or point data.datasets[].path at the intended file",
+        )
     if out.skipped:
-        log.warning("%s: skipped %d bad record%s (data.skip_bad_records); first: %s", spec.path, out.skipped,
-                    "s" if out.skipped != 1 else "", "; ".join(out.examples))
+        log.warning(
+            "%s: skipped %d bad record%s (data.skip_bad_records); first: %s",
+            spec.path,
+            out.skipped,
+            "s" if out.skipped != 1 else "",
+            "; ".join(out.examples),
+        )
     stats = SourceStats(spec.path, len(out.records), out.skipped, tuple(out.examples), tuple(files))
     return _to_dataset(out.records), stats
 
@@ -81,7 +92,9 @@ def _read_file(file: str, out: Collector) -> None:
             sniff(file)
         READERS[suffix](file, out)
     except OSError as e:  # removed, unreadable or a folder since resolve_files looked at it
-        raise _error(file, f"cannot read the file ({e.strerror or e})", "check that it exists and is readable (ls -l)") from None
+        raise _error(
+            file, f"cannot read the file ({e.strerror or e})", "check that it exists and is readable (ls -l)"
+        ) from None
     if len(out.records) + out.skipped == before:
         raise _error(file, "the file holds no records", "remove the empty file or fill it")
 
@@ -110,18 +123,31 @@ def resolve_files(path: str) -> list[str] | None:
         files = [p for p in matched if Path(p).suffix.lower() in SUPPORTED]
         if not files:
             found = f" (matched only: {', '.join(matched[:5])})" if matched else ""
-            raise _error(path, f"no {'/'.join(SUPPORTED)} files match this pattern{found}", f"check the pattern; relative paths are read from {os.getcwd()}")
+            raise _error(
+                path,
+                f"no {'/'.join(SUPPORTED)} files match this pattern{found}",
+                f"check the pattern; relative paths are read from {os.getcwd()}",
+            )
         return _readable(files)
     if os.path.isdir(expanded):
         return _readable(_folder_files(path, expanded))
     if os.path.isfile(expanded):
         if Path(expanded).suffix.lower() not in SUPPORTED:
-            raise _error(path, f"unsupported file type {repr(Path(expanded).suffix) if Path(expanded).suffix else '(no extension)'}; ft reads {', '.join(SUPPORTED)}", "convert the file to .jsonl (one JSON record per line)")
+            raise _error(
+                path,
+                "unsupported file type "
+                f"{repr(Path(expanded).suffix) if Path(expanded).suffix else '(no extension)'}; ft reads "
+                f"{', '.join(SUPPORTED)}",
+                "convert the file to .jsonl (one JSON record per line)",
+            )
         return _readable([expanded])
     _not_a_file(path, expanded)
     if looks_like_hub_id(path):
         return None
-    raise DataError(f"data file not found: {path}\n    fix: check the path (relative paths are read from {os.getcwd()}), or give a hub dataset id such as org/name")
+    raise DataError(
+        f"data file not found: {path}\n    fix: check the path (relative paths are read from {os.getcwd()}), or "
+        "give a hub dataset id such as org/name"
+    )
 
 
 def _not_a_file(path: str, expanded: str) -> None:
@@ -130,22 +156,46 @@ def _not_a_file(path: str, expanded: str) -> None:
         mode = os.stat(expanded).st_mode
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise _error(path, "is a symbolic link that loops back on itself", "point the link at the data file, or give the file's own path") from None
+            raise _error(
+                path,
+                "is a symbolic link that loops back on itself",
+                "point the link at the data file, or give the file's own path",
+            ) from None
         if os.path.islink(expanded):
-            raise _error(path, f"is a symbolic link to {os.readlink(expanded)}, which does not exist", "fix the link, or give the data file's own path") from None
+            raise _error(
+                path,
+                f"is a symbolic link to {os.readlink(expanded)}, which does not exist",
+                "fix the link, or give the data file's own path",
+            ) from None
         if e.errno == errno.EACCES:
-            raise _error(path, "cannot be looked at: permission denied on a folder above it", "make the folders readable, or copy the data somewhere readable") from None
+            raise _error(
+                path,
+                "cannot be looked at: permission denied on a folder above it",
+                "make the folders readable, or copy the data somewhere readable",
+            ) from None
         return
-    what = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device"}
+    what = {
+        stat.S_IFIFO: "a named pipe (FIFO)",
+        stat.S_IFSOCK: "a socket",
+        stat.S_IFCHR: "a character device",
+        stat.S_IFBLK: "a block device",
+    }
     name = what.get(stat.S_IFMT(mode), "not a regular file")
-    raise _error(path, f"is {name}, not a regular file; ft reads a data file twice (to fingerprint it for the cache, then to read it)",
-                 "write the data to a regular file first, e.g. cat PIPE > data.jsonl, and point data.datasets[].path at it")
+    raise _error(
+        path,
+        f"is {name}, not a regular file; ft reads a data file twice (to fingerprint it for the cache, then to read it)",
+        "write the data to a regular file first, e.g. cat PIPE > data.jsonl, and point data.datasets[].path at it",
+    )
 
 
 def _readable(files: list[str]) -> list[str]:
     for file in files:
         if not os.access(file, os.R_OK):
-            raise _error(file, "cannot be read: permission denied", f"make it readable (chmod a+r {file}), or run ft as a user who can read it")
+            raise _error(
+                file,
+                "cannot be read: permission denied",
+                f"make it readable (chmod a+r {file}), or run ft as a user who can read it",
+            )
     return files
 
 
@@ -159,11 +209,18 @@ def looks_like_hub_id(path: str) -> bool:
 def _folder_files(path: str, expanded: str) -> list[str]:
     root = Path(expanded)
     files = sorted(
-        str(p) for p in root.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUPPORTED and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        str(p)
+        for p in root.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in SUPPORTED
+        and not any(part.startswith(".") for part in p.relative_to(root).parts)
     )
     if not files:
-        raise _error(path, f"the folder holds no {'/'.join(SUPPORTED)} files", "put data files in it, or point data.datasets[].path at a file")
+        raise _error(
+            path,
+            f"the folder holds no {'/'.join(SUPPORTED)} files",
+            "put data files in it, or point data.datasets[].path at a file",
+        )
     return files
 
 
@@ -183,7 +240,9 @@ def _to_dataset(records: list[dict]) -> datasets.Dataset:
         try:
             arrays[key] = pa.array(values)
         except (pa.ArrowException, OverflowError, ValueError, TypeError):  # mixed types; ints beyond 64 bits
-            arrays[key] = pa.array([None if v is None else json.dumps(v, ensure_ascii=False) for v in values], type=pa.json_())
+            arrays[key] = pa.array(
+                [None if v is None else json.dumps(v, ensure_ascii=False) for v in values], type=pa.json_()
+            )
     return datasets.Dataset(pa.table(arrays))
 
 
@@ -194,12 +253,18 @@ def _load_hub(spec: DatasetSpec) -> tuple[datasets.Dataset, SourceStats]:
         ds = datasets.load_dataset(spec.path, name=spec.subset, split=spec.split, revision=spec.revision)
     except Exception as e:  # datasets raises many types (not found, offline, bad split); all mean the same to the user
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise _error(spec.path, f"no such local file or folder, and loading it as a hub dataset failed: {reason}",
-                     f"check the path (relative paths are read from {os.getcwd()}), or the hub id, subset and split; offline, the dataset must already be in the datasets cache") from None
+        raise _error(
+            spec.path,
+            f"no such local file or folder, and loading it as a hub dataset failed: {reason}",
+            f"check the path (relative paths are read from {os.getcwd()}), or the hub id, subset and split; "
+            "offline, the dataset must already be in the datasets cache",
+        ) from None
     if ORIGIN in ds.column_names:
         raise _error(spec.path, f"the column {ORIGIN!r} is reserved by ft", f"drop or rename the column {ORIGIN!r}")
     if len(ds) == 0:
-        raise _error(spec.path, f"the split {spec.split!r} holds no records", "choose another split with data.datasets[].split")
+        raise _error(
+            spec.path, f"the split {spec.split!r} holds no records", "choose another split with data.datasets[].split"
+        )
     name = f"{spec.path}[{spec.split}]"
     ds = ds.add_column(ORIGIN, [f"{name}:row {i + 1}" for i in range(len(ds))])
     return ds, SourceStats(spec.path, len(ds), 0)
@@ -245,8 +310,10 @@ def _align(part: datasets.Dataset, first: datasets.Dataset, number: int) -> data
         except Exception:  # pyarrow/datasets cast errors: report the two shapes below
             pass
     raise DataError(
-        f"cannot mix sources of different shapes: source 1 ({_name(first)}) has {_shape(first)}; source {number} ({_name(part)}) has {_shape(part)}"
-        "\n    fix: sources mixed together must be read in compatible formats (chat and instruction both give messages); train on the others in a separate job"
+        f"cannot mix sources of different shapes: source 1 ({_name(first)}) has {_shape(first)}; source {number} "
+        f"({_name(part)}) has {_shape(part)}"
+        "\n    fix: sources mixed together must be read in compatible formats (chat and instruction both give "
+        "messages); train on the others in a separate job"
     )
 
 
@@ -258,7 +325,9 @@ def _shape(ds: datasets.Dataset) -> str:
     return ", ".join(f"{k}: {v}" for k, v in ds.features.items() if k != ORIGIN)
 
 
-def split_validation(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+def split_validation(
+    ds: datasets.Dataset, fraction: float, seed: int
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
     """Hold out `fraction` of the records (at least one) for evaluation; 0 holds out nothing.
 
     Records are grouped by `_origin`, so a record repeated by weight or samples lands entirely on one
@@ -275,7 +344,8 @@ def split_validation(ds: datasets.Dataset, fraction: float, seed: int) -> tuple[
     n_val = max(1, math.floor(fraction * len(unique) + 0.5))
     if n_val >= len(unique):
         raise DataError(
-            f"data.validation: holding out {fraction} of {len(unique)} distinct record{'s' if len(unique) != 1 else ''} "
+            f"data.validation: holding out {fraction} of {len(unique)} distinct "
+            f"record{'s' if len(unique) != 1 else ''} "
             f"({n_val}) leaves no training records\n    fix: lower data.validation, or add training data"
         )
     held = {unique[i] for i in np.random.default_rng(seed & 0xFFFFFFFF).permutation(len(unique))[:n_val]}

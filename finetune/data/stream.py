@@ -43,7 +43,7 @@ class Stream:
         out = []
         while n:
             epoch, offset = divmod(start, self.rows)
-            chunk = self._permutation(epoch)[offset: offset + n]
+            chunk = self._permutation(epoch)[offset : offset + n]
             out += chunk
             start, n = start + len(chunk), n - len(chunk)
         return out

@@ -88,8 +88,7 @@ LLAMA3 = (
 # [INST] style: the prompt ends with [/INST], so the generation prompt adds nothing; the reply starts with a space.
 MISTRAL = (
     _FOLD_SYSTEM + "{{- '<s>' -}}"
-    "{%- for message in turns -%}" + _alternation_check("mistral") +
-    "{%- if message.role == 'user' -%}"
+    "{%- for message in turns -%}" + _alternation_check("mistral") + "{%- if message.role == 'user' -%}"
     "{{- '[INST] ' + (system + '\\n\\n' if loop.first and system else '') + message.content + ' [/INST]' -}}"
     "{%- else -%}"
     "{{- ' ' + message.content + '</s>' -}}"
@@ -99,8 +98,9 @@ MISTRAL = (
 
 GEMMA = (
     _FOLD_SYSTEM + "{{- '<bos>' -}}"
-    "{%- for message in turns -%}" + _alternation_check("gemma") +
-    "{%- set role = 'model' if message.role == 'assistant' else 'user' -%}"
+    "{%- for message in turns -%}"
+    + _alternation_check("gemma")
+    + "{%- set role = 'model' if message.role == 'assistant' else 'user' -%}"
     "{%- set prefix = system + '\\n\\n' if loop.first and system else '' -%}"
     "{{- '<start_of_turn>' + role + '\\n' + prefix + (message.content | trim) + '<end_of_turn>\\n' -}}"
     "{%- endfor -%}"
@@ -174,7 +174,9 @@ def resolve(tokenizer, spec: str) -> str:
     if path.is_file():
         text = path.read_text(encoding="utf-8")
         if not text.strip():
-            raise TemplateError(f"{KEY}: the template file {path} is empty.\n    fix: write a Jinja chat template in it")
+            raise TemplateError(
+                f"{KEY}: the template file {path} is empty.\n    fix: write a Jinja chat template in it"
+            )
         return text
     if _looks_like_path(spec):
         raise TemplateError(

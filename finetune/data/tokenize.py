@@ -78,7 +78,9 @@ def _shortened_messages(rec: dict, rules: Rules, budget: int, tokenizer, jinja: 
     """Messages up to `budget` characters of content (the last one cut), then only those that start
     within the first seq_len + MARGIN tokens; None when nothing is left out."""
     messages = rec.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+    ):
         return None
     total = sum(len(m["content"]) for m in messages)
     if total <= budget and len(messages) <= MANY_MESSAGES:
@@ -143,9 +145,18 @@ def _tokenize(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
     if fmt == "preference":
         c_ids, c_labels = tokenize_continuation(rec["prompt"], rec["chosen"], tokenizer, jinja)
         r_ids, r_labels = tokenize_continuation(rec["prompt"], rec["rejected"], tokenizer, jinja)
-        return {"chosen_input_ids": c_ids, "chosen_labels": c_labels, "rejected_input_ids": r_ids, "rejected_labels": r_labels}
+        return {
+            "chosen_input_ids": c_ids,
+            "chosen_labels": c_labels,
+            "rejected_input_ids": r_ids,
+            "rejected_labels": r_labels,
+        }
     if fmt == "prompt_only":
-        return {"prompt_ids": tokenize_prompt(rec["prompt"], tokenizer, jinja), "prompt": json.dumps(rec["prompt"]), "extra": rec.get("extra", "{}")}
+        return {
+            "prompt_ids": tokenize_prompt(rec["prompt"], tokenizer, jinja),
+            "prompt": json.dumps(rec["prompt"]),
+            "extra": rec.get("extra", "{}"),
+        }
     raise ValueError(f"unknown format {fmt!r}")
 
 
@@ -163,7 +174,11 @@ def fit_length(row: dict, rules: Rules) -> tuple[dict | None, str]:
             return {**row, "length": n}, "kept"
         if rules.overlong == "drop":
             return None, "dropped_long"
-        return {**row, "prompt_ids": row["prompt_ids"][-rules.max_prompt_len:], "length": rules.max_prompt_len}, "truncated"
+        return {
+            **row,
+            "prompt_ids": row["prompt_ids"][-rules.max_prompt_len :],
+            "length": rules.max_prompt_len,
+        }, "truncated"
     keys = ("chosen_", "rejected_") if rules.format == "preference" else ("",)
     status = "kept"
     out = dict(row)

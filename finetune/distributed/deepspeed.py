@@ -35,7 +35,10 @@ def config_for(plan, train, distributed) -> dict:
     try:
         theirs = json.loads(path.read_text())
     except FileNotFoundError:
-        raise FtError(f"distributed.deepspeed_config: {path} does not exist; give the path of a DeepSpeed JSON file, or remove the key to let ft write one") from None
+        raise FtError(
+            f"distributed.deepspeed_config: {path} does not exist; give the path of a DeepSpeed JSON file, or "
+            "remove the key to let ft write one"
+        ) from None
     except json.JSONDecodeError as e:
         raise FtError(f"distributed.deepspeed_config: {path} line {e.lineno}: not valid JSON ({e.msg})") from None
     for key in _AUTO_KEYS:
@@ -51,18 +54,25 @@ def config_for(plan, train, distributed) -> dict:
 
 def _check_users_file(config: dict, path: Path, plan) -> None:
     """What a user's DeepSpeed file must agree with: the planned stage (memory was planned for it, and ZeRO-3 models are
-    built partitioned), and overlap_comm only from stage 2 (deepspeed 0.19 runtime/engine.py asserts it when the training
+    built partitioned), and overlap_comm only from stage 2 (deepspeed 0.19 runtime/engine.py asserts it when the
+    training
     loop owns gradient accumulation, as ft's does)."""
     zero = config.get("zero_optimization", {})
     stage, planned = zero.get("stage", 0), STAGES[plan.sharding] if plan.sharding in STAGES else None
     if planned is not None and stage != planned:
         other = f", or distributed.sharding: zero{stage}" if f"zero{stage}" in STAGES else ""
-        raise FtError(f"distributed.deepspeed_config: {path} sets zero_optimization.stage {stage}, but the plan is {plan.sharding} "
-                      f"(distributed.sharding); set \"stage\": {planned} in the file{other}")
+        raise FtError(
+            f"distributed.deepspeed_config: {path} sets zero_optimization.stage {stage}, but the plan is "
+            f"{plan.sharding} "
+            f'(distributed.sharding); set "stage": {planned} in the file{other}'
+        )
     if zero.get("overlap_comm") is True and stage < 2:
-        raise FtError(f"distributed.deepspeed_config: {path} sets zero_optimization.overlap_comm true with stage {stage}; DeepSpeed "
-                      "overlaps communication only from stage 2 when the training loop owns gradient accumulation (ft's does): "
-                      "set \"overlap_comm\": false, or use stage 2 or 3")
+        raise FtError(
+            f"distributed.deepspeed_config: {path} sets zero_optimization.overlap_comm true with stage {stage}; "
+            "DeepSpeed "
+            "overlaps communication only from stage 2 when the training loop owns gradient accumulation (ft's does): "
+            'set "overlap_comm": false, or use stage 2 or 3'
+        )
 
 
 def _from_plan(plan, train) -> dict:
@@ -97,8 +107,11 @@ def offloads_optimizer(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
 
-def create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section):
-    """ZeRO-3: the model to train, constructed partitioned with its adapter (see deepspeed_load.py); `wrap` takes it as is."""
+def create_model(
+    model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
+):
+    """ZeRO-3: the model to train, constructed partitioned with its adapter (see deepspeed_load.py); `wrap` takes it as
+    is."""
     from finetune.distributed.deepspeed_load import partitioned_model
 
     _require_deepspeed()
@@ -106,8 +119,11 @@ def create_model(model_section, adapter_section, plan, tokenizer, attn, device, 
     return partitioned_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, config)
 
 
-def create_reference(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section):
-    """ZeRO-3: the frozen DPO/GRPO reference, partitioned like the policy, in its own DeepSpeed engine (forward only)."""
+def create_reference(
+    model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
+):
+    """ZeRO-3: the frozen DPO/GRPO reference, partitioned like the policy, in its own DeepSpeed engine (forward
+    only)."""
     from finetune.distributed.deepspeed_load import partitioned_reference
 
     _require_deepspeed()
@@ -119,10 +135,13 @@ def _require_deepspeed():
     try:
         import deepspeed  # noqa: F401
     except ImportError as e:
-        raise FtError(f"distributed.backend: deepspeed is not installed ({e}); install it with: DS_BUILD_OPS=0 pip install 'finetune[deepspeed]', or choose backend fsdp") from None
+        raise FtError(
+            f"distributed.backend: deepspeed is not installed ({e}); install it with: DS_BUILD_OPS=0 pip install "
+            "'finetune[deepspeed]', or choose backend fsdp"
+        ) from None
 
 
-def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
+def wrap(model, plan, train, distributed, total_steps: int) -> ZeroEngine:
     """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule. A model that
     create_model built partitioned is taken as it is (DeepSpeed partitions only parameters that are not yet)."""
     _require_deepspeed()
@@ -134,10 +153,14 @@ def wrap(model, plan, train, distributed, total_steps: int) -> "ZeroEngine":
     if offloads_optimizer(config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        optimizer = DeepSpeedCPUAdam(param_groups(model, train.weight_decay), lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
+        optimizer = DeepSpeedCPUAdam(
+            param_groups(model, train.weight_decay), lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True
+        )
     else:
         optimizer = build_optimizer(model, train, plan.lr)
-    scheduler = build_scheduler(optimizer, train, total_steps)  # ft steps it; DeepSpeed's wrapper shares its param groups
+    scheduler = build_scheduler(
+        optimizer, train, total_steps
+    )  # ft steps it; DeepSpeed's wrapper shares its param groups
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return ZeroEngine(engine, scheduler, stage_of(config), plan.generation)
 
@@ -151,7 +174,9 @@ class ZeroEngine:
         self.model, self.scheduler, self.stage = engine, scheduler, stage
         self.optimizer = engine.optimizer
         self.gathers_parameters = stage == 3
-        self.generation_mode = ("layerwise" if generation == "layerwise" else "gather") if stage == 3 else "local"  # plan.generation
+        self.generation_mode = (
+            ("layerwise" if generation == "layerwise" else "gather") if stage == 3 else "local"
+        )  # plan.generation
         # generate() needs synced_gpus=True only where each forward all-gathers layers (layerwise): with every parameter
         # gathered for the call, ZeRO-3's fetch hook gathers nothing (deepspeed 0.19 partitioned_param_coordinator
         # fetch_sub_module fetches only NOT_AVAILABLE parameters), so ranks may stop sampling at different lengths
@@ -187,14 +212,25 @@ class ZeroEngine:
         return deepspeed.zero.GatheredParameters(list(self.inner.parameters()), modifier_rank=None)
 
     def save_shards(self, path: Path) -> None:
-        """Every rank writes its partition of the trained parameters and optimizer states (frozen weights are not saved)."""
-        self.model.save_checkpoint(str(path / "deepspeed"), tag="zero", client_state={}, save_latest=False, exclude_frozen_parameters=True)
+        """Every rank writes its partition of the trained parameters and optimizer states (frozen weights are not
+        saved)."""
+        self.model.save_checkpoint(
+            str(path / "deepspeed"), tag="zero", client_state={}, save_latest=False, exclude_frozen_parameters=True
+        )
 
     def load_shards(self, path: Path) -> None:
-        loaded, _ = self.model.load_checkpoint(str(path / "deepspeed"), tag="zero", load_module_strict=False,
-                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        loaded, _ = self.model.load_checkpoint(
+            str(path / "deepspeed"),
+            tag="zero",
+            load_module_strict=False,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=False,
+        )
         if loaded is None:
-            raise FtError(f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}; resume with the same config and world size, or start a new output.dir")
+            raise FtError(
+                f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}; resume with the "
+                "same config and world size, or start a new output.dir"
+            )
 
     def full_state_dict(self, trainable_only: bool) -> dict | None:
         """ZeRO-3: the saved tensors gathered one at a time (a collective), copied to CPU on rank 0; with trainable_only
@@ -208,7 +244,11 @@ class ZeroEngine:
         for name, tensor in self.inner.state_dict(keep_vars=True).items():
             if trainable_only and not (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad):
                 continue  # decided before any gather: frozen partitions stay where they are
-            with deepspeed.zero.GatheredParameters([tensor], modifier_rank=None) if hasattr(tensor, "ds_id") else contextlib.nullcontext():
+            with (
+                deepspeed.zero.GatheredParameters([tensor], modifier_rank=None)
+                if hasattr(tensor, "ds_id")
+                else contextlib.nullcontext()
+            ):
                 if rank0:
                     out[name] = tensor.detach().cpu().clone()
         return out if rank0 else {}
@@ -218,4 +258,6 @@ def consolidated_trainable(checkpoint: Path) -> dict:
     """The trained parameters of a ZeRO checkpoint as one fp32 state dict (one process, no GPU needed)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "deepspeed"), tag="zero", exclude_frozen_parameters=True)
+    return get_fp32_state_dict_from_zero_checkpoint(
+        str(checkpoint / "deepspeed"), tag="zero", exclude_frozen_parameters=True
+    )

@@ -69,9 +69,15 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
     text = hf_config.get_text_config()
     grown = tokenizer is not None and len(tokenizer) > text.vocab_size
     if grown:
-        text.vocab_size = len(tokenizer)  # constructed at the new size: no whole-table copy as resize_token_embeddings makes
+        text.vocab_size = len(
+            tokenizer
+        )  # constructed at the new size: no whole-table copy as resize_token_embeddings makes
     models._register_attention(attn)
-    kwargs = {"dtype": zero_dtype(config), "attn_implementation": attn, "trust_remote_code": model_section.trust_remote_code}
+    kwargs = {
+        "dtype": zero_dtype(config),
+        "attn_implementation": attn,
+        "trust_remote_code": model_section.trust_remote_code,
+    }
     net = construct(hf_config, kwargs, config)
     announce_zero3(config)
     ckpt = models.Checkpoint(folder)
@@ -79,11 +85,16 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
         keys = models.checkpoint_keys(net, ckpt)
     except FtError:  # tensors transformers renames or fuses while loading (e.g. MoE experts): its own ZeRO-3 loader
         if grown:
-            raise FtError(f"model.name: {model_section.name} has a checkpoint layout that transformers converts while loading, which "
-                          "ZeRO-3 then reads whole on rank 0, and tokens were added: that combination is not supported; add no "
-                          "tokens, or use distributed.sharding: zero2") from None
+            raise FtError(
+                f"model.name: {model_section.name} has a checkpoint layout that transformers converts while "
+                "loading, which "
+                "ZeRO-3 then reads whole on rank 0, and tokens were added: that combination is not supported; add no "
+                "tokens, or use distributed.sharding: zero2"
+            ) from None
         del net
-        net = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)  # rank 0 reads the whole checkpoint (see module doc)
+        net = AutoModelForCausalLM.from_pretrained(
+            str(folder), **kwargs
+        )  # rank 0 reads the whole checkpoint (see module doc)
     else:
         fill(net, ckpt, keys)
     return models._finish(net, plan)
@@ -97,12 +108,21 @@ def construct(hf_config, kwargs: dict, config: dict):
     import deepspeed
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import prevent_arange_dtype_change, set_hf_deepspeed_config, unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import (
+        prevent_arange_dtype_change,
+        set_hf_deepspeed_config,
+        unset_hf_deepspeed_config,
+    )
 
     unset_hf_deepspeed_config()
     try:  # prevent_arange_dtype_change before zero.Init: rotary frequencies keep their fp32 arange (its docstring)
-        # GPU: zero.Init puts partitions on cuda:LOCAL_RANK, or in host RAM with offload_param (partition_parameters.Init)
-        with no_init_weights(), prevent_arange_dtype_change(), deepspeed.zero.Init(config_dict_or_path=config, dtype=kwargs["dtype"]):
+        # GPU: zero.Init puts partitions on cuda:LOCAL_RANK, or in host RAM with offload_param
+        # (partition_parameters.Init)
+        with (
+            no_init_weights(),
+            prevent_arange_dtype_change(),
+            deepspeed.zero.Init(config_dict_or_path=config, dtype=kwargs["dtype"]),
+        ):
             net = AutoModelForCausalLM.from_config(hf_config, **kwargs)
     finally:
         if "config" in _live:
@@ -127,7 +147,9 @@ def fill(net, ckpt, keys: dict) -> None:
             seen.update(id(p) for p in params)
             if params:
                 with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                    if writer:  # GPU: gathered on this rank's device; fill_rows stages each slice in host memory, then copies
+                    if (
+                        writer
+                    ):  # GPU: gathered on this rank's device; fill_rows stages each slice in host memory, then copies
                         for p in params:
                             models.fill_rows(ckpt, keys[id(p)], 0, p.data)
             for b in module.buffers(recurse=False):
@@ -138,7 +160,8 @@ def fill(net, ckpt, keys: dict) -> None:
 
 def _partition_the_rest(model, config: dict) -> None:
     """Partition what was created after construction (adapter weights, peft's trained copies of whole modules), in
-    ZeRO-3's dtype: the cast deepspeed.initialize gives a model it partitions itself (engine._cast_module_mixed_precision)
+    ZeRO-3's dtype: the cast deepspeed.initialize gives a model it partitions itself
+    (engine._cast_module_mixed_precision)
     and skips for a model that zero.Init built."""
     import deepspeed
 
@@ -147,7 +170,8 @@ def _partition_the_rest(model, config: dict) -> None:
     for p in whole:
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-    if whole:  # GPU: peft placed them on the base layers' device; Init(module=) moves each to cuda:LOCAL_RANK, broadcasts, splits
+    # GPU: peft placed them on the base layers' device; Init(module=) moves each to cuda:LOCAL_RANK, broadcasts, splits
+    if whole:
         deepspeed.zero.Init(module=model, config_dict_or_path=config)  # partitions the parameters not yet partitioned
 
 

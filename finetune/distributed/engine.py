@@ -35,8 +35,10 @@ class TorchEngine:
 
     @property
     def synced_generation(self) -> bool:
-        """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every forward,
-        so a rank that finished sampling keeps stepping until all have (transformers GenerationMixin._has_unfinished_sequences)."""
+        """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every
+        forward,
+        so a rank that finished sampling keeps stepping until all have (transformers
+        GenerationMixin._has_unfinished_sequences)."""
         return self.sharded and self.generation_mode == "layerwise"
 
     @property
@@ -70,8 +72,10 @@ class TorchEngine:
         return self.scheduler.get_last_lr()[0]
 
     def generation(self):
-        """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no collectives
-        inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward all-gathers
+        """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no
+        collectives
+        inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward
+        all-gathers
         layer by layer; callers pass synced_gpus=True); `local`: the model is whole already."""
         if self.sharded and self.generation_mode == "gather":
             return fsdp.unsharded(self.model, self.reshard_after_forward)
@@ -89,7 +93,8 @@ class TorchEngine:
 
 
 def build(model, plan, train, distributed, device: torch.device, total_steps: int):
-    """Wrap the model per the plan's backend and give it its optimizer and schedule (the only place that looks at plan.backend)."""
+    """Wrap the model per the plan's backend and give it its optimizer and schedule (the only place that looks at
+    plan.backend)."""
     from finetune.optim import build_optimizer, build_scheduler
 
     if plan.backend == "deepspeed":
@@ -99,13 +104,22 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     if plan.backend == "ddp":
         model = ddp.wrap(model, device)
     elif plan.backend == "fsdp":
-        model = fsdp.wrap(model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all")
+        model = fsdp.wrap(
+            model,
+            plan.precision,
+            plan.sharding,
+            plan.nodes,
+            plan.processes_per_node,
+            device,
+            offload=plan.offload == "all",
+        )
     optimizer = build_optimizer(model, train, plan.lr)  # after sharding: FSDP2 parameters are DTensors
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
     engine.generation_mode = plan.generation
-    # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small (memory.py counts it)
+    # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
+    # (memory.py counts it)
     engine.sync_every_micro_batch = plan.backend == "fsdp" and plan.adapter == "full"
     return engine
 
@@ -129,13 +143,25 @@ def clip_gradients(params, max_norm: float) -> float:
     return norm
 
 
-def create_model(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, train_section, distributed_section):
+def create_model(
+    model_section,
+    adapter_section,
+    plan,
+    tokenizer,
+    attn: str,
+    device: torch.device,
+    seed: int,
+    train_section,
+    distributed_section,
+):
     """The model this rank trains, ready for `build`, created as plan.loading says: `replica` loads it whole (4/8-bit
     bases quantized while loading), `meta` builds it sharded (FSDP2: fsdp.create_model), `partitioned` constructs it
     partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
     make = _deepspeed("create_model") if plan.loading == "partitioned" else None
     if make is not None:
-        model = make(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section)
+        model = make(
+            model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
+        )
     elif plan.loading == "meta":
         model = fsdp.create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed)
     else:
@@ -144,14 +170,28 @@ def create_model(model_section, adapter_section, plan, tokenizer, attn: str, dev
     return model
 
 
-def create_reference(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, train_section, distributed_section):
+def create_reference(
+    model_section,
+    adapter_section,
+    plan,
+    tokenizer,
+    attn: str,
+    device: torch.device,
+    seed: int,
+    train_section,
+    distributed_section,
+):
     """A frozen copy of the starting model (the DPO/GRPO reference when plan.reference is "copy"), in the plan's compute
     precision, and sharded like the policy where the policy is."""
     make = _deepspeed("create_reference") if plan.loading == "partitioned" else None
     if make is not None:
-        return make(model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section)
+        return make(
+            model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
+        )
     if plan.loading == "meta":
-        return fsdp.create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, frozen=True).eval()
+        return fsdp.create_model(
+            model_section, adapter_section, plan, tokenizer, attn, device, seed, frozen=True
+        ).eval()
     from finetune.models import load_model
 
     copy = load_model(model_section, plan, tokenizer, attn, dtype=plan.precision)

@@ -106,7 +106,9 @@ def full_state_dict(model, trainable_only: bool) -> dict:
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # every rank takes part in each all-gather
+            whole = (
+                p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            )  # every rank takes part in each all-gather
             if rank0:
                 out[name] = whole.to("cpu", copy=True)
             del whole
@@ -131,17 +133,27 @@ def load_sharded(path, model, optimizer) -> None:
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     state = {"model": {k: v for k, v in model_sd.items() if k in names}, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=StateDictOptions(strict=False))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=False),
+    )
 
 
 # ---------------------------------------------------------------- building sharded: meta -> fully_shard -> fill
-def create_model(model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, frozen: bool = False):
+def create_model(
+    model_section, adapter_section, plan, tokenizer, attn: str, device: torch.device, seed: int, frozen: bool = False
+):
     """The model built on the meta device (adapter included), sharded with `wrap`, then this rank's shards allocated and
     filled from the safetensors files. `frozen`: a reference copy in the compute precision, nothing trainable."""
     from finetune import adapters, models
 
     ckpt = models.Checkpoint(models.weights_folder(model_section))
-    net = models.build_empty(model_section, plan, tokenizer, attn, plan.precision if frozen else models.load_dtype(model_section, plan))
+    net = models.build_empty(
+        model_section, plan, tokenizer, attn, plan.precision if frozen else models.load_dtype(model_section, plan)
+    )
     keys = models.checkpoint_keys(net, ckpt)
     if frozen:
         model = net.requires_grad_(False)
@@ -149,7 +161,9 @@ def create_model(model_section, adapter_section, plan, tokenizer, attn: str, dev
         model = adapters.apply_adapter(net, adapter_section, plan)
     sources = _sources(model, keys)
     buffers = {name: keys[id(b)] for name, b in net.named_buffers() if id(b) in keys}
-    wrap(model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all")
+    wrap(
+        model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all"
+    )
     # CPU offload keeps the shards in pinned host memory: allocate them there, never on the GPU (torch fully_shard
     # CPUOffloadPolicy: FSDPParam.reset_sharded_param pins CPU shards, which FSDPModule._apply calls after to_empty)
     model.to_empty(device=torch.device("cpu") if plan.offload == "all" else device)
@@ -162,7 +176,8 @@ def create_model(model_section, adapter_section, plan, tokenizer, attn: str, dev
 
 
 def _sources(model, keys: dict[int, str]) -> dict[str, str | None]:
-    """Each parameter's checkpoint tensor, by name; None for adapter tensors (they start from adapters.initial_value). peft's
+    """Each parameter's checkpoint tensor, by name; None for adapter tensors (they start from adapters.initial_value).
+    peft's
     trainable copy of a module (modules_to_save) starts as the original module, so it reads the original's tensor."""
     import re
 
@@ -187,7 +202,10 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     dim = shards[0][0]
     chunk = -(-p.shape[0] // p.device_mesh.size(dim))
     start = min(p.device_mesh.get_local_rank(dim) * chunk, p.shape[0])
-    return p.to_local(), start  # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
+    return (
+        p.to_local(),
+        start,
+    )  # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
 
 
 @torch.no_grad()
@@ -204,8 +222,10 @@ def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
         if sources[name] is not None:
             models.fill_rows(ckpt, sources[name], start, local)
         else:
-            local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[start:start + local.shape[0]])
+            local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[start : start + local.shape[0]])
     for name, p in params.items():
         if adapters.is_dora_magnitude(name) and p.numel():
             base, _ = local_rows(params[name.split(".lora_magnitude_vector.")[0] + ".base_layer.weight"])
-            local_rows(p)[0].copy_(torch.linalg.norm(base, dim=1).to(base.dtype))  # lora_B starts at zero: ||W + s·BA|| = ||W||
+            local_rows(p)[0].copy_(
+                torch.linalg.norm(base, dim=1).to(base.dtype)
+            )  # lora_B starts at zero: ||W + s·BA|| = ||W||

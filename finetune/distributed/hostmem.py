@@ -15,7 +15,8 @@ THRESHOLD = 1 << 20
 
 
 def return_freed_memory() -> bool:
-    """Map buffers of 1 MiB and more on their own, so that freeing them unmaps them; True where it took effect (glibc)."""
+    """Map buffers of 1 MiB and more on their own, so that freeing them unmaps them; True where it took effect
+    (glibc)."""
     libc = _glibc()
     if libc is None:
         return False

@@ -17,20 +17,45 @@ def needs_launcher(backend: str, world_size: int) -> bool:
     return world_size > 1 or backend in ("fsdp", "deepspeed")
 
 
-def rank_command(run_dir: str, nodes: int, processes_per_node: int, process_group: bool, *, node_rank: int | str | None = None,
-                 master_addr: str | None = None, master_port: int = DEFAULT_PORT, python: str | None = None,
-                 resume_from: str | None = None) -> list[str]:
+def rank_command(
+    run_dir: str,
+    nodes: int,
+    processes_per_node: int,
+    process_group: bool,
+    *,
+    node_rank: int | str | None = None,
+    master_addr: str | None = None,
+    master_port: int = DEFAULT_PORT,
+    python: str | None = None,
+    resume_from: str | None = None,
+) -> list[str]:
     """argv that starts every rank of this node for the run in `run_dir` (resuming from a checkpoint folder if given).
 
     python=None writes the portable form (`python`, `torchrun`) shown by `ft plan`; ft itself passes its interpreter."""
     entry = ["-m", RANK_ENTRY, str(run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
     if not process_group:
         return [python or "python", *entry]
-    return torchrun(entry, nodes, processes_per_node, node_rank=node_rank, master_addr=master_addr, master_port=master_port, python=python)
+    return torchrun(
+        entry,
+        nodes,
+        processes_per_node,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        python=python,
+    )
 
 
-def torchrun(entry: list[str], nodes: int, processes_per_node: int, *, node_rank: int | str | None = None, master_addr: str | None = None,
-             master_port: int = DEFAULT_PORT, python: str | None = None) -> list[str]:
+def torchrun(
+    entry: list[str],
+    nodes: int,
+    processes_per_node: int,
+    *,
+    node_rank: int | str | None = None,
+    master_addr: str | None = None,
+    master_port: int = DEFAULT_PORT,
+    python: str | None = None,
+) -> list[str]:
     """torchrun running `entry` (e.g. ["-m", "module", args...]) on nodes x processes_per_node ranks; unknown node
     rank or address become `$NODE_RANK` / `$MASTER_ADDR` placeholders for a script to fill in."""
     cmd = ["torchrun"] if python is None else [python, "-m", "torch.distributed.run"]

@@ -138,7 +138,10 @@ def start_torchrun(cmd: list[str], env: dict, ranks_stop_themselves: bool) -> su
     if os.name != "posix":
         return subprocess.Popen(cmd, env=env)
     if ranks_stop_themselves:
-        env = {**env, "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT"}  # --signals-to-handle; a torch without it handles all four
+        env = {
+            **env,
+            "PET_SIGNALS_TO_HANDLE": "SIGHUP,SIGQUIT",
+        }  # --signals-to-handle; a torch without it handles all four
         setup = _child_setup(signal.SIGKILL, STOP_SIGNALS)
     else:
         setup = _child_setup(signal.SIGTERM, ())
@@ -164,7 +167,8 @@ class Exchange:
         os.replace(tmp, self.folder / STOP_FILE)
 
     def reports(self) -> list[dict]:
-        """What the ranks that stopped on a signal wrote (rank, outcome, signal, message or during), lowest rank first."""
+        """What the ranks that stopped on a signal wrote (rank, outcome, signal, message or during), lowest rank
+        first."""
         out = []
         for path in sorted(self.folder.glob("rank-*.json")):
             try:
@@ -241,7 +245,9 @@ def _alive(pid: int) -> bool:
 
 def orphaned() -> bool:
     """True in a rank whose parent (torchrun) or launcher is gone: no one else will say what happened."""
-    return _rank["parent"] is not None and (os.getppid() != _rank["parent"] or (under_launcher() and not launcher_alive()))
+    return _rank["parent"] is not None and (
+        os.getppid() != _rank["parent"] or (under_launcher() and not launcher_alive())
+    )
 
 
 _rank = {"parent": None, "trained": False}
@@ -286,7 +292,9 @@ def start_rank() -> None:
     die_with_parent(signal.SIGTERM)
     folder = os.environ.get(ENV_FOLDER)
     launcher = int(os.environ.get(ENV_LAUNCHER) or 0)
-    threading.Thread(target=_watch, args=(parent, launcher, Path(folder) if folder else None), name="ft-lifecycle", daemon=True).start()
+    threading.Thread(
+        target=_watch, args=(parent, launcher, Path(folder) if folder else None), name="ft-lifecycle", daemon=True
+    ).start()
 
 
 def _watch(parent: int, launcher: int, folder: Path | None) -> None:

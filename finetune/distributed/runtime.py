@@ -96,7 +96,9 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # read when the NCCL backend starts: a timed-out collective fails
+        os.environ.setdefault(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+        )  # read when the NCCL backend starts: a timed-out collective fails
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
     return Runtime(rank, local, world)
@@ -120,7 +122,8 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 
 @contextlib.contextmanager
 def explained_failures(timeout_minutes: float):
-    """Turn a failed collective into an FtError naming this rank, the collective's timeout and what the rank was doing."""
+    """Turn a failed collective into an FtError naming this rank, the collective's timeout and what the rank was
+    doing."""
     try:
         yield
     except RuntimeError as e:  # torch.distributed's backend errors are RuntimeErrors
@@ -129,10 +132,15 @@ def explained_failures(timeout_minutes: float):
             raise
         rank, during = torch.distributed.get_rank(), (_failed_during or [doing()])[0]
         if any(k in text for k in _TIMEOUT):
-            raise FtError(f"rank {rank} waited {timeout_minutes:g} min for the other ranks during {during} and gave up: another rank is "
-                          "stuck or died (its output above says which), or a step takes longer than distributed.timeout_minutes; "
-                          f"raise it if the job is only slow. ({str(e).strip().splitlines()[0][:200]})") from None
+            raise FtError(
+                f"rank {rank} waited {timeout_minutes:g} min for the other ranks during {during} and gave up: "
+                "another rank is "
+                "stuck or died (its output above says which), or a step takes longer than distributed.timeout_minutes; "
+                f"raise it if the job is only slow. ({str(e).strip().splitlines()[0][:200]})"
+            ) from None
         if any(k in text for k in _PEER_GONE):
-            raise FtError(f"rank {rank} lost its connection to another rank during {during}: that rank exited or crashed "
-                          f"(its error is above). ({str(e).strip().splitlines()[0][:200]})") from None
+            raise FtError(
+                f"rank {rank} lost its connection to another rank during {during}: that rank exited or crashed "
+                f"(its error is above). ({str(e).strip().splitlines()[0][:200]})"
+            ) from None
         raise

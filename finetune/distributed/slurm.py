@@ -7,17 +7,27 @@ import shlex
 from finetune.plan.plan import Plan
 
 
-def sbatch_script(config_path: str, plan: Plan, run_dir: str, job_name: str, time_limit: str = "24:00:00",
-                  partition: str | None = None, overrides: tuple[str, ...] = ()) -> str:
+def sbatch_script(
+    config_path: str,
+    plan: Plan,
+    run_dir: str,
+    job_name: str,
+    time_limit: str = "24:00:00",
+    partition: str | None = None,
+    overrides: tuple[str, ...] = (),
+) -> str:
     """The script text. SLURM sends SIGTERM two minutes before the time limit; ft then checkpoints and stops,
     and a requeued job resumes from that checkpoint (output.resume=auto)."""
     gpus = "" if "CPU" in plan.device else f"#SBATCH --gpus-per-node={plan.processes_per_node}\n"
     part = f"#SBATCH --partition={partition}\n" if partition else ""
     sets = " ".join(f"--set {shlex.quote(o)}" for o in (*overrides, "output.resume=auto"))
-    cmd = (f"ft train {shlex.quote(config_path)} {sets} --nnodes \"$SLURM_NNODES\" --node-rank \"$SLURM_NODEID\" "
-           f"--master-addr \"$MASTER_ADDR\" --master-port \"$MASTER_PORT\"")
+    cmd = (
+        f'ft train {shlex.quote(config_path)} {sets} --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" '
+        f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"'
+    )
     return f"""#!/bin/bash
-# Written by `ft launch --slurm` for {plan.model} ({plan.method}, {plan.adapter}, {plan.backend}); plan: {plan.nodes} node(s) x {plan.processes_per_node} process(es).
+# Written by `ft launch --slurm` for {plan.model} ({plan.method}, {plan.adapter}, {plan.backend});
+# plan: {plan.nodes} node(s) x {plan.processes_per_node} process(es).
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={plan.nodes}
 #SBATCH --ntasks-per-node=1

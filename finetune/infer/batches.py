@@ -19,7 +19,7 @@ def plan(lengths: Sequence[int], batch_size: int, sort: bool = True) -> list[lis
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if sort else list(range(len(lengths)))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def deal(batches: Sequence[int], rank: int, world: int) -> list[int]:

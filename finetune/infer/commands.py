@@ -8,10 +8,35 @@ from pathlib import Path
 from finetune.errors import FtError
 
 
-def run_generate(source: str, prompts: str, out: str, *, base=None, dataset=None, template=None, system=None, prompt_field=None,
-                 id_field="id", output_field="completion", samples=None, max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-                 seed=0, stop=(), batch_size=None, sort=True, processes=None, engine="auto", tensor_parallel=1, dtype="auto",
-                 overwrite=False, trust_remote_code=False, progress=True):
+def run_generate(
+    source: str,
+    prompts: str,
+    out: str,
+    *,
+    base=None,
+    dataset=None,
+    template=None,
+    system=None,
+    prompt_field=None,
+    id_field="id",
+    output_field="completion",
+    samples=None,
+    max_new_tokens=256,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    seed=0,
+    stop=(),
+    batch_size=None,
+    sort=True,
+    processes=None,
+    engine="auto",
+    tensor_parallel=1,
+    dtype="auto",
+    overwrite=False,
+    trust_remote_code=False,
+    progress=True,
+):
     """`ft generate`: build the job from the options, generate, print the summary."""
     from finetune.infer.engines import Sampling
     from finetune.infer.generate import GenerateJob, generate
@@ -21,17 +46,52 @@ def run_generate(source: str, prompts: str, out: str, *, base=None, dataset=None
     job = GenerateJob(
         source=resolve(source, base, trust_remote_code),
         prompts=PromptSpec(prompts, dataset, prompt_field, None, id_field, system, samples),
-        out=out, sampling=Sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop)), template=template,
-        batch_size=batch_size, sort=sort, engine=engine, tensor_parallel=tensor_parallel, dtype=dtype, output_field=output_field)
+        out=out,
+        sampling=Sampling(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop)),
+        template=template,
+        batch_size=batch_size,
+        sort=sort,
+        engine=engine,
+        tensor_parallel=tensor_parallel,
+        dtype=dtype,
+        output_field=output_field,
+    )
     result = generate(job, processes=processes, overwrite=overwrite, progress=progress)
     _console().print(str(result))
     return result
 
 
-def run_eval(source: str, *, data=None, dataset=None, metrics=(), pattern=None, reference_field=None, prompt_field=None, id_field="id",
-             system=None, samples=None, template=None, max_new_tokens=None, batch_size=None, processes=None, engine="auto",
-             tensor_parallel=1, dtype="auto", predictions=None, out=None, as_json=False, lm_eval=(), lm_eval_include=None,
-             lm_eval_limit=None, lm_eval_chat=True, overwrite=False, base=None, trust_remote_code=False, progress=True):
+def run_eval(
+    source: str,
+    *,
+    data=None,
+    dataset=None,
+    metrics=(),
+    pattern=None,
+    reference_field=None,
+    prompt_field=None,
+    id_field="id",
+    system=None,
+    samples=None,
+    template=None,
+    max_new_tokens=None,
+    batch_size=None,
+    processes=None,
+    engine="auto",
+    tensor_parallel=1,
+    dtype="auto",
+    predictions=None,
+    out=None,
+    as_json=False,
+    lm_eval=(),
+    lm_eval_include=None,
+    lm_eval_limit=None,
+    lm_eval_chat=True,
+    overwrite=False,
+    base=None,
+    trust_remote_code=False,
+    progress=True,
+):
     """`ft eval`: the metrics asked for (or the run's `evaluation:` section), as a table or JSON, and to --out."""
     from finetune.infer.evaluation import LOSS, EvalJob, evaluate, from_run, print_table
     from finetune.infer.prompts import PromptSpec
@@ -52,10 +112,27 @@ def run_eval(source: str, *, data=None, dataset=None, metrics=(), pattern=None, 
         spec = None
     else:
         run_spec, run_metrics, run_max = from_run(source)
-        spec = PromptSpec(run_spec.path, dataset, prompt_field, reference_field, id_field, system, samples or run_spec.samples)
+        spec = PromptSpec(
+            run_spec.path, dataset, prompt_field, reference_field, id_field, system, samples or run_spec.samples
+        )
         parsed = parsed if metrics else run_metrics
-    job = EvalJob(src, spec, parsed, loss, max_new_tokens or run_max or 256, template, batch_size, engine, tensor_parallel, dtype,
-                  predictions, tasks, lm_eval_include, lm_eval_limit, lm_eval_chat)
+    job = EvalJob(
+        src,
+        spec,
+        parsed,
+        loss,
+        max_new_tokens or run_max or 256,
+        template,
+        batch_size,
+        engine,
+        tensor_parallel,
+        dtype,
+        predictions,
+        tasks,
+        lm_eval_include,
+        lm_eval_limit,
+        lm_eval_chat,
+    )
     result = evaluate(job, processes=processes, overwrite=overwrite, progress=progress)
     text = json.dumps(result.to_json(), indent=2)
     if out:

@@ -8,7 +8,6 @@ depend on which process generated it, nor on what that process generated before.
 from __future__ import annotations
 
 import contextlib
-
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -32,12 +31,16 @@ class Sampling:
     stop: tuple[str, ...] = ()  # texts that end a completion (not included in it)
 
     def check(self) -> None:
-        problems = [f"{name} {value}: {rule}" for name, value, ok, rule in (
-            ("--max-new-tokens", self.max_new_tokens, self.max_new_tokens >= 1, "must be at least 1"),
-            ("--temperature", self.temperature, self.temperature >= 0, "must be 0 (greedy) or more"),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("--top-k", self.top_k, self.top_k >= 0, "must be 0 (off) or more"),
-        ) if not ok]
+        problems = [
+            f"{name} {value}: {rule}"
+            for name, value, ok, rule in (
+                ("--max-new-tokens", self.max_new_tokens, self.max_new_tokens >= 1, "must be at least 1"),
+                ("--temperature", self.temperature, self.temperature >= 0, "must be 0 (greedy) or more"),
+                ("--top-p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+                ("--top-k", self.top_k, self.top_k >= 0, "must be 0 (off) or more"),
+            )
+            if not ok
+        ]
         if problems:
             raise FtError("; ".join(problems))
 
@@ -62,12 +65,18 @@ def choose(engine: str, tensor_parallel: int) -> str:
         raise FtError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine == "vllm" and not has_vllm:
-        raise FtError("--engine vllm: vLLM is not installed.\n    fix: pip install vllm (Linux with a CUDA GPU), or use --engine transformers")
+        raise FtError(
+            "--engine vllm: vLLM is not installed.\n    fix: pip install vllm (Linux with a CUDA GPU), or use "
+            "--engine transformers"
+        )
     if engine == "vllm" and not torch.cuda.is_available():
         raise FtError("--engine vllm: vLLM needs a GPU, and none is visible.\n    fix: use --engine transformers")
     chosen = engine if engine != "auto" else ("vllm" if has_vllm and torch.cuda.is_available() else "transformers")
     if tensor_parallel > 1 and chosen != "vllm":
-        raise FtError(f"--tensor-parallel {tensor_parallel}: splitting a model over GPUs needs vLLM.\n    fix: pip install vllm and use --engine vllm, or --tensor-parallel 1")
+        raise FtError(
+            f"--tensor-parallel {tensor_parallel}: splitting a model over GPUs needs vLLM.\n    fix: pip install "
+            "vllm and use --engine vllm, or --tensor-parallel 1"
+        )
     return chosen
 
 
@@ -94,8 +103,10 @@ class TransformersEngine:
         torch.manual_seed(batch_seed(self.sampling.seed, number))
         if self.synced:
             extra["synced_gpus"] = True
-        with torch.no_grad(), (self.context() if self.context else contextlib.nullcontext()):
-            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra)
+        with torch.no_grad(), self.context() if self.context else contextlib.nullcontext():
+            out = self.model.generate(
+                input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra
+            )
         return [self._finish(row.tolist()) for row in out[:, width:]]
 
     def _config(self):
@@ -103,8 +114,15 @@ class TransformersEngine:
 
         s = self.sampling
         sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k} if s.temperature > 0 else {}
-        return GenerationConfig(max_new_tokens=s.max_new_tokens, do_sample=s.temperature > 0, num_beams=1, use_cache=True,
-                                pad_token_id=self.pad, eos_token_id=self.stop, **sampled)
+        return GenerationConfig(
+            max_new_tokens=s.max_new_tokens,
+            do_sample=s.temperature > 0,
+            num_beams=1,
+            use_cache=True,
+            pad_token_id=self.pad,
+            eos_token_id=self.stop,
+            **sampled,
+        )
 
     def _finish(self, row: list[int]) -> tuple[str, int]:
         """(text up to the first stop token or stop text, tokens generated including the stop token)."""
@@ -116,7 +134,7 @@ class TransformersEngine:
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
     """The text before the earliest stop text."""
     cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return text[:min(cuts)] if cuts else text
+    return text[: min(cuts)] if cuts else text
 
 
 class VllmEngine:
@@ -128,9 +146,14 @@ class VllmEngine:
         from vllm import LLM
 
         self.sampling, self.stop = sampling, stop_ids(tokenizer)
-        kwargs = {"model": source.model, "tokenizer": tokenizer.name_or_path, "tensor_parallel_size": tensor_parallel,
-                  "seed": sampling.seed, "trust_remote_code": source.trust_remote_code,
-                  "dtype": {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]}
+        kwargs = {
+            "model": source.model,
+            "tokenizer": tokenizer.name_or_path,
+            "tensor_parallel_size": tensor_parallel,
+            "seed": sampling.seed,
+            "trust_remote_code": source.trust_remote_code,
+            "dtype": {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+        }
         self.lora = None
         if source.adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -145,10 +168,23 @@ class VllmEngine:
 
         s = self.sampling
         top_k = {"top_k": s.top_k} if s.top_k else {}
-        params = [SamplingParams(n=1, temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_new_tokens, stop=list(s.stop) or None,
-                                 stop_token_ids=self.stop, seed=batch_seed(s.seed, number) + j, skip_special_tokens=True, **top_k)
-                  for j in range(len(batch))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, lora_request=self.lora, use_tqdm=False)
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_new_tokens,
+                stop=list(s.stop) or None,
+                stop_token_ids=self.stop,
+                seed=batch_seed(s.seed, number) + j,
+                skip_special_tokens=True,
+                **top_k,
+            )
+            for j in range(len(batch))
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, lora_request=self.lora, use_tqdm=False
+        )
         return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
 
 
@@ -157,6 +193,9 @@ def _vllm_rank(adapter: Path) -> int:
     cfg = json.loads((adapter / "adapter_config.json").read_text())
     if cfg.get("use_dora") or cfg.get("modules_to_save"):
         what = "DoRA" if cfg.get("use_dora") else f"modules trained in full ({', '.join(cfg['modules_to_save'])})"
-        raise FtError(f"{adapter}: vLLM cannot serve an adapter with {what}.\n    fix: merge it first (ft merge-lora {adapter} --out MERGED) and generate from MERGED, or use --engine transformers")
+        raise FtError(
+            f"{adapter}: vLLM cannot serve an adapter with {what}.\n    fix: merge it first (ft merge-lora "
+            f"{adapter} --out MERGED) and generate from MERGED, or use --engine transformers"
+        )
     rank = int(cfg.get("r") or 8)
     return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)

@@ -65,11 +65,18 @@ def from_run(run: str) -> tuple[PromptSpec, tuple[Metric, ...], int]:
     path = Path(run) / "config.yaml"
     section = (_read_yaml(path) if path.is_file() else {}).get("evaluation")
     if not section:
-        raise FtError(f"{run}: no data to evaluate on{' (the run has no evaluation: section)' if path.is_file() else ''}.\n    fix: pass --data with a prompt-answer file")
+        raise FtError(
+            f"{run}: no data to evaluate "
+            f"on{' (the run has no evaluation: section)' if path.is_file() else ''}.\n    fix: pass --data with "
+            "a prompt-answer file"
+        )
     try:
         e = EvaluationSection.model_validate(section)
     except ValueError as err:  # pydantic's ValidationError
-        raise FtError(f"{path}: the evaluation: section is not valid ({err.__class__.__name__}: {str(err).splitlines()[0]}).\n    fix: pass --data and --metric instead") from None
+        raise FtError(
+            f"{path}: the evaluation: section is not valid ({err.__class__.__name__}: "
+            f"{str(err).splitlines()[0]}).\n    fix: pass --data and --metric instead"
+        ) from None
     return PromptSpec(e.path, samples=e.samples), (from_section(e),), e.max_new_tokens
 
 
@@ -95,13 +102,29 @@ def evaluate(job: EvalJob, processes: int | None = None, overwrite: bool = False
             _task_metrics(job, prompt_set, scorers, result, processes, overwrite, progress)
         if job.loss:
             model, tokenizer = _load(job.source, job.dtype)
-            result.metrics.update(_loss(model, tokenizer, job.template or prompt_set.template or job.source.template, prompt_set.prompts, job.batch_size or 16))
+            result.metrics.update(
+                _loss(
+                    model,
+                    tokenizer,
+                    job.template or prompt_set.template or job.source.template,
+                    prompt_set.prompts,
+                    job.batch_size or 16,
+                )
+            )
     if job.lm_eval:
         from finetune.infer.lmeval import run_tasks
 
         if model is None:
             model, tokenizer = _load(job.source, job.dtype)
-        result.lm_eval = run_tasks(model, tokenizer, list(job.lm_eval), job.lm_eval_include, job.lm_eval_limit, job.batch_size or 16, job.lm_eval_chat)
+        result.lm_eval = run_tasks(
+            model,
+            tokenizer,
+            list(job.lm_eval),
+            job.lm_eval_include,
+            job.lm_eval_limit,
+            job.batch_size or 16,
+            job.lm_eval_chat,
+        )
     return result
 
 
@@ -110,9 +133,16 @@ def _check_references(prompts, metrics, loss: bool) -> None:
         return
     missing = next((p for p in prompts if p.reference is None), None)
     if missing is not None:
-        needs = "loss" if loss and not any(m.needs_reference for m in metrics) else next(m.name for m in metrics if m.needs_reference)
-        raise FtError(f"{missing.origin}: {needs} needs a reference answer: the conversation does not end with an assistant message, and the record has no answer column.\n"
-                      "    fix: add the answers, or name their column with --reference-field")
+        needs = (
+            "loss"
+            if loss and not any(m.needs_reference for m in metrics)
+            else next(m.name for m in metrics if m.needs_reference)
+        )
+        raise FtError(
+            f"{missing.origin}: {needs} needs a reference answer: the conversation does not end with an assistant "
+            "message, and the record has no answer column.\n"
+            "    fix: add the answers, or name their column with --reference-field"
+        )
 
 
 def _task_metrics(job: EvalJob, prompt_set, scorers, result: EvalResult, processes, overwrite, progress) -> None:
@@ -120,12 +150,28 @@ def _task_metrics(job: EvalJob, prompt_set, scorers, result: EvalResult, process
     from finetune.infer.prompts import columns
 
     prompts = prompt_set.prompts
-    field_name = next(f for f in ("completion", "ft_completion", "ft_eval_completion") if not any(f in p.fields for p in prompts))
+    field_name = next(
+        f for f in ("completion", "ft_completion", "ft_eval_completion") if not any(f in p.fields for p in prompts)
+    )
     with tempfile.TemporaryDirectory(prefix="ft-eval-") as tmp:
         predictions = job.predictions or str(Path(tmp) / "predictions.jsonl")
-        gen = generate(GenerateJob(job.source, job.data, predictions, Sampling(max_new_tokens=job.max_new_tokens), template=job.template,
-                                   batch_size=job.batch_size, engine=job.engine, tensor_parallel=job.tensor_parallel, dtype=job.dtype,
-                                   output_field=field_name), processes=processes, overwrite=overwrite, progress=progress)
+        gen = generate(
+            GenerateJob(
+                job.source,
+                job.data,
+                predictions,
+                Sampling(max_new_tokens=job.max_new_tokens),
+                template=job.template,
+                batch_size=job.batch_size,
+                engine=job.engine,
+                tensor_parallel=job.tensor_parallel,
+                dtype=job.dtype,
+                output_field=field_name,
+            ),
+            processes=processes,
+            overwrite=overwrite,
+            progress=progress,
+        )
         rows = [json.loads(line) for line in Path(predictions).read_text(encoding="utf-8").splitlines()]
     completions = [r[field_name] for r in rows]
     fields = columns(prompts)
@@ -134,8 +180,15 @@ def _task_metrics(job: EvalJob, prompt_set, scorers, result: EvalResult, process
         scores = scorer(completions, references, fields, origins)
         result.metrics[scorer.metric.name] = sum(scores) / len(scores)
     result.predictions = job.predictions
-    result.generation = {"engine": gen.engine, "processes": gen.processes, "generated": gen.generated, "max_new_tokens": job.max_new_tokens, "decoding": "greedy",
-                         "prompts_per_s": round(gen.prompts_per_s, 3), "tokens_per_s": round(gen.tokens_per_s, 1)}
+    result.generation = {
+        "engine": gen.engine,
+        "processes": gen.processes,
+        "generated": gen.generated,
+        "max_new_tokens": job.max_new_tokens,
+        "decoding": "greedy",
+        "prompts_per_s": round(gen.prompts_per_s, 3),
+        "tokens_per_s": round(gen.tokens_per_s, 1),
+    }
 
 
 def _load(source: ModelSource, dtype: str):
@@ -165,15 +218,31 @@ def _loss(model, tokenizer, template: str, prompts, batch_rows: int) -> dict[str
     for p in prompts:
         if jinja is None:
             if p.text is None:
-                raise DataError(f"{p.origin}: the prompt is a conversation, which needs a chat template.\n    fix: drop --template none")
-            rules, record = Rules("prompt_completion", "assistant", seq_len, "truncate", 0), {"prompt": p.text, "completion": p.reference}
+                raise DataError(
+                    f"{p.origin}: the prompt is a conversation, which needs a chat template.\n    fix: drop "
+                    "--template none"
+                )
+            rules, record = (
+                Rules("prompt_completion", "assistant", seq_len, "truncate", 0),
+                {"prompt": p.text, "completion": p.reference},
+            )
         else:
-            rules, record = Rules("chat", "last_assistant", seq_len, "truncate", 0), {"messages": [*p.messages, {"role": "assistant", "content": p.reference}]}
+            rules, record = (
+                Rules("chat", "last_assistant", seq_len, "truncate", 0),
+                {"messages": [*p.messages, {"role": "assistant", "content": p.reference}]},
+            )
         row, _ = fit_length(tokenize_record(record, rules, tokenizer, jinja), rules)
         if row is not None:
             rows.append({"input_ids": row["input_ids"], "labels": row["labels"]})
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    loss = validation_loss(model, SFT(pad, "sdpa", batch_rows), datasets.Dataset.from_list(rows), model.device, contextlib.nullcontext, batch_rows)
+    loss = validation_loss(
+        model,
+        SFT(pad, "sdpa", batch_rows),
+        datasets.Dataset.from_list(rows),
+        model.device,
+        contextlib.nullcontext,
+        batch_rows,
+    )
     return {LOSS: loss, "perplexity": math.exp(min(loss, 700.0))}
 
 
@@ -196,5 +265,8 @@ def print_table(result: EvalResult, console) -> None:
     if g and not g["generated"]:
         console.print(f"all completions were already in {result.predictions}")
     elif g:
-        console.print(f"generated with {g['engine']} on {g['processes']} process{'es' if g['processes'] != 1 else ''}: {g['prompts_per_s']:.2f} prompts/s, {g['tokens_per_s']:,.0f} tokens/s"
-                      + (f"; completions in {result.predictions}" if result.predictions else ""))
+        console.print(
+            f"generated with {g['engine']} on {g['processes']} process{'es' if g['processes'] != 1 else ''}: "
+            f"{g['prompts_per_s']:.2f} prompts/s, {g['tokens_per_s']:,.0f} tokens/s"
+            + (f"; completions in {result.predictions}" if result.predictions else "")
+        )

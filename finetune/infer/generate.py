@@ -47,10 +47,17 @@ class GenerateJob:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> "GenerateJob":
+    def from_json(cls, data: dict) -> GenerateJob:
         sampling = {**data["sampling"], "stop": tuple(data["sampling"]["stop"])}
         source = {**data["source"], "tokenizer_dirs": tuple(data["source"]["tokenizer_dirs"])}
-        return cls(**{**data, "source": ModelSource(**source), "prompts": PromptSpec(**data["prompts"]), "sampling": Sampling(**sampling)})
+        return cls(
+            **{
+                **data,
+                "source": ModelSource(**source),
+                "prompts": PromptSpec(**data["prompts"]),
+                "sampling": Sampling(**sampling),
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -75,12 +82,21 @@ class GenerateResult:
     def __str__(self) -> str:
         kept = self.rows - self.generated
         if not self.generated:
-            return f"{self.out}: all {self.rows} prompts already have a completion; nothing to generate (--overwrite generates them again)"
-        return (f"wrote {self.out}: {self.rows} rows ({self.generated} generated now{f', {kept} kept from before' if kept else ''}), "
-                f"{self.prompts_per_s:.2f} prompts/s, {self.tokens_per_s:,.0f} tokens/s on {self.processes} process{'es' if self.processes > 1 else ''} ({self.engine})")
+            return (
+                f"{self.out}: all {self.rows} prompts already have a completion; nothing to generate (--overwrite "
+                "generates them again)"
+            )
+        return (
+            f"wrote {self.out}: {self.rows} rows ({self.generated} generated "
+            f"now{f', {kept} kept from before' if kept else ''}), "
+            f"{self.prompts_per_s:.2f} prompts/s, {self.tokens_per_s:,.0f} tokens/s on {self.processes} "
+            f"process{'es' if self.processes > 1 else ''} ({self.engine})"
+        )
 
 
-def generate(job: GenerateJob, processes: int | None = None, overwrite: bool = False, progress: bool = True) -> GenerateResult:
+def generate(
+    job: GenerateJob, processes: int | None = None, overwrite: bool = False, progress: bool = True
+) -> GenerateResult:
     """Generate what OUT lacks, then write OUT in input order; see the module docstring."""
     from finetune.infer import batches, engines, store
     from finetune.infer.prompts import encode, read_prompts, template_for
@@ -90,8 +106,13 @@ def generate(job: GenerateJob, processes: int | None = None, overwrite: bool = F
     out = _output_path(job.out)
     prompt_set = read_prompts(job.prompts)
     engine = engines.choose(job.engine, job.tensor_parallel)
-    job = dataclasses.replace(job, out=str(out), engine=engine, batch_size=job.batch_size or DEFAULT_BATCH[engine],
-                              template=job.template or prompt_set.template or job.source.template)
+    job = dataclasses.replace(
+        job,
+        out=str(out),
+        engine=engine,
+        batch_size=job.batch_size or DEFAULT_BATCH[engine],
+        template=job.template or prompt_set.template or job.source.template,
+    )
     prompts = prompt_set.prompts
     _check_output_field(prompts, job.output_field, job.prompts.id_field)
     tokenizer = load_tokenizer(job.source)
@@ -109,12 +130,16 @@ def generate(job: GenerateJob, processes: int | None = None, overwrite: bool = F
     if todo:
         attempt = store.next_attempt(parts)
         skip = sorted(i for b in todo for i in plan[b] if keys[i] in done)
-        (parts / f"plan-{attempt}.json").write_text(json.dumps({"keys": keys, "batches": plan, "todo": todo, "skip": skip}))
+        (parts / f"plan-{attempt}.json").write_text(
+            json.dumps({"keys": keys, "batches": plan, "todo": todo, "skip": skip})
+        )
         world = _processes(processes, engine, job.tensor_parallel, len(todo))
         _run(parts, attempt, world, sum(len(plan[b]) for b in todo) - len(skip), progress)
         stats = store.read_stats(parts, attempt)
     rows = store.merge(out, keys, job.prompts.id_field)
-    return GenerateResult(out, rows, stats.rows, stats.tokens, stats.seconds, world, engine, batches.padding_share(lengths, plan))
+    return GenerateResult(
+        out, rows, stats.rows, stats.tokens, stats.seconds, world, engine, batches.padding_share(lengths, plan)
+    )
 
 
 def _output_path(out: str) -> Path:
@@ -130,8 +155,10 @@ def _check_output_field(prompts, output_field: str, id_field: str) -> None:
         raise FtError(f"--output-field {output_field} is also the id field.\n    fix: choose another name")
     taken = next((p for p in prompts if output_field in p.fields), None)
     if taken is not None:
-        raise DataError(f"{taken.origin}: the input already has a field {output_field!r}, where the completion would go.\n"
-                        "    fix: name another output field with --output-field")
+        raise DataError(
+            f"{taken.origin}: the input already has a field {output_field!r}, where the completion would go.\n"
+            "    fix: name another output field with --output-field"
+        )
 
 
 def _claim(folder: Path, job: GenerateJob) -> Path:
@@ -143,8 +170,10 @@ def _claim(folder: Path, job: GenerateJob) -> Path:
         theirs = json.loads(saved.read_text())
         changed = _differences(theirs, ours)
         if changed:
-            raise FtError(f"{folder} holds an unfinished run with other settings ({'; '.join(changed[:4])}).\n"
-                          "    fix: run it again with the same settings to finish it, or pass --overwrite to start over")
+            raise FtError(
+                f"{folder} holds an unfinished run with other settings ({'; '.join(changed[:4])}).\n"
+                "    fix: run it again with the same settings to finish it, or pass --overwrite to start over"
+            )
     else:
         saved.write_text(json.dumps(ours, indent=2))
     return folder
@@ -162,14 +191,18 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
 
 
 def _processes(asked: int | None, engine: str, tensor_parallel: int, batches_todo: int) -> int:
-    """Processes to run: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never more than batches."""
+    """Processes to run: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never more than
+    batches."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if asked is not None and asked < 1:
         raise FtError(f"--processes {asked}: must be at least 1")
     if gpus and asked and asked * tensor_parallel > gpus:
-        raise FtError(f"--processes {asked} x --tensor-parallel {tensor_parallel} needs {asked * tensor_parallel} GPUs; {gpus} are visible")
+        raise FtError(
+            f"--processes {asked} x --tensor-parallel {tensor_parallel} needs {asked * tensor_parallel} GPUs; "
+            f"{gpus} are visible"
+        )
     if engine == "vllm" and tensor_parallel > gpus:
         raise FtError(f"--tensor-parallel {tensor_parallel}: only {gpus} GPUs are visible")
     default = max(1, gpus // tensor_parallel) if gpus else 1
@@ -186,17 +219,18 @@ def _run(parts: Path, attempt: int, world: int, total: int, progress: bool) -> N
             return
         code = _launch(parts, attempt, world, bar)
     if code:
-        raise FtError(f"generation failed: a process exited with code {code} (its error is printed above).\n"
-                      "    fix: correct the cause and run the same command again: rows already written are kept")
+        raise FtError(
+            f"generation failed: a process exited with code {code} (its error is printed above).\n"
+            "    fix: correct the cause and run the same command again: rows already written are kept"
+        )
 
 
 def _launch(parts: Path, attempt: int, world: int, bar) -> int:
     import torch
 
+    from finetune.distributed.launch import torchrun
     from finetune.infer.store import PartsWatcher
     from finetune.workflow import _run_forwarding_signals
-
-    from finetune.distributed.launch import torchrun
 
     cmd = torchrun(["-m", "finetune.infer.worker", str(parts), str(attempt)], 1, world, python=sys.executable)
     env = dict(os.environ)
@@ -230,11 +264,26 @@ class _Bar:
     def __enter__(self):
         if self.enabled:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
-            columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("{task.fields[pps]:.2f} prompts/s  {task.fields[tps]:,.0f} tokens/s"), TimeElapsedColumn(), TimeRemainingColumn())
-            self._progress = self._stack.enter_context(Progress(*columns, console=Console(stderr=True, highlight=False)))
+            columns = (
+                TextColumn("generating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[pps]:.2f} prompts/s  {task.fields[tps]:,.0f} tokens/s"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
+            self._progress = self._stack.enter_context(
+                Progress(*columns, console=Console(stderr=True, highlight=False))
+            )
             self._task = self._progress.add_task("generate", total=self.total, pps=0.0, tps=0.0)
         return self
 
@@ -252,7 +301,12 @@ class _Bar:
             return
         t0, r0, k0 = self._first or (now, rows, tokens)
         dt = now - t0
-        self._progress.update(self._task, completed=rows, pps=(rows - r0) / dt if dt > 0 else 0.0, tps=(tokens - k0) / dt if dt > 0 else 0.0)
+        self._progress.update(
+            self._task,
+            completed=rows,
+            pps=(rows - r0) / dt if dt > 0 else 0.0,
+            tps=(tokens - k0) / dt if dt > 0 else 0.0,
+        )
 
     def __exit__(self, *exc):
         self._stack.close()

@@ -23,7 +23,9 @@ def check_installed() -> None:
         raise FtError(f"--lm-eval needs lm-evaluation-harness, which is not installed.\n    fix: {INSTALL}")
 
 
-def run_tasks(model, tokenizer, tasks: list[str], include: str | None, limit: int | None, batch_size: int, chat: bool) -> dict[str, dict[str, float]]:
+def run_tasks(
+    model, tokenizer, tasks: list[str], include: str | None, limit: int | None, batch_size: int, chat: bool
+) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} for the harness's tasks; `chat` applies the tokenizer's chat template."""
     check_installed()
     from lm_eval import simple_evaluate
@@ -34,10 +36,14 @@ def run_tasks(model, tokenizer, tasks: list[str], include: str | None, limit: in
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {include}" if include else ""
-        raise FtError(f"--lm-eval: unknown task {', '.join(unknown)} (not among the harness's tasks{where}).\n"
-                      "    fix: check the name (lm-eval ls tasks), or add the folder holding its YAML with --lm-eval-include")
+        raise FtError(
+            f"--lm-eval: unknown task {', '.join(unknown)} (not among the harness's tasks{where}).\n"
+            "    fix: check the name (lm-eval ls tasks), or add the folder holding its YAML with --lm-eval-include"
+        )
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, apply_chat_template=chat, log_samples=False)
+    results = simple_evaluate(
+        model=lm, tasks=list(tasks), task_manager=manager, limit=limit, apply_chat_template=chat, log_samples=False
+    )
     return {task: _numbers(values) for task, values in (results or {}).get("results", {}).items()}
 
 
@@ -46,7 +52,12 @@ def _numbers(values: dict) -> dict[str, float]:
     out = {}
     for key, value in values.items():
         metric, _, flt = key.partition(",")
-        if metric in ("alias", "name", "sample_len") or metric.endswith("_stderr") or not isinstance(value, (int, float)) and not hasattr(value, "item"):
+        if (
+            metric in ("alias", "name", "sample_len")
+            or metric.endswith("_stderr")
+            or not isinstance(value, (int, float))
+            and not hasattr(value, "item")
+        ):
             continue
         out[metric if flt in ("", "none") else f"{metric} ({flt})"] = float(value)
     return out

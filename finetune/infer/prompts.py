@@ -83,8 +83,12 @@ def template_for(tokenizer, spec: str):
     except TemplateError:
         if spec != "tokenizer":
             raise
-        raise TemplateError(f"the tokenizer ({tokenizer.name_or_path}) has no chat template (a base model?), and no other template was named.\n"
-                            f"    fix: pass --template none to give prompts as plain text, or --template with a built-in ({', '.join(BUILTIN)}) or a .jinja file") from None
+        raise TemplateError(
+            f"the tokenizer ({tokenizer.name_or_path}) has no chat template (a base model?), and no other template "
+            "was named.\n"
+            "    fix: pass --template none to give prompts as plain text, or --template with a built-in "
+            f"({', '.join(BUILTIN)}) or a .jinja file"
+        ) from None
 
 
 def encode(prompt: Prompt, tokenizer, jinja: str | None) -> list[int]:
@@ -93,7 +97,10 @@ def encode(prompt: Prompt, tokenizer, jinja: str | None) -> list[int]:
 
     if jinja is None:
         if prompt.text is None:
-            raise DataError(f"{prompt.origin}: the prompt is a conversation, which needs a chat template.\n    fix: drop --template none, or give the prompt as text")
+            raise DataError(
+                f"{prompt.origin}: the prompt is a conversation, which needs a chat template.\n    fix: drop "
+                "--template none, or give the prompt as text"
+            )
         return list(tokenizer(prompt.text)["input_ids"])
     try:
         return tokenize_prompt(list(prompt.messages), tokenizer, jinja)
@@ -119,19 +126,25 @@ def _from_file(spec: PromptSpec) -> PromptSet:
 def _prompt_field(spec: PromptSpec, columns: list[str]) -> str:
     if spec.prompt_field is not None:
         if spec.prompt_field not in columns:
-            raise DataError(f"{spec.path}: no column {spec.prompt_field!r} (--prompt-field); columns: {', '.join(columns)}")
+            raise DataError(
+                f"{spec.path}: no column {spec.prompt_field!r} (--prompt-field); columns: {', '.join(columns)}"
+            )
         return spec.prompt_field
     found = next((f for f in PROMPT_FIELDS if f in columns), None)
     if found is None:
-        raise DataError(f"{spec.path}: no prompt column; looked for {', '.join(PROMPT_FIELDS)}; columns: {', '.join(columns)}\n"
-                        "    fix: name the column with --prompt-field")
+        raise DataError(
+            f"{spec.path}: no prompt column; looked for {', '.join(PROMPT_FIELDS)}; columns: {', '.join(columns)}\n"
+            "    fix: name the column with --prompt-field"
+        )
     return found
 
 
 def _reference_field(spec: PromptSpec, columns: list[str], prompt_field: str) -> str | None:
     if spec.reference_field is not None:
         if spec.reference_field not in columns:
-            raise DataError(f"{spec.path}: no column {spec.reference_field!r} (--reference-field); columns: {', '.join(columns)}")
+            raise DataError(
+                f"{spec.path}: no column {spec.reference_field!r} (--reference-field); columns: {', '.join(columns)}"
+            )
         return spec.reference_field
     return next((f for f in REFERENCE_FIELDS if f in columns and f != prompt_field), None)
 
@@ -142,10 +155,18 @@ def _file_prompt(index: int, id_, record: dict, field: str, reference_field: str
 
     origin = record.pop(ORIGIN)
     value = record.get(field)
-    if field == "instruction" and isinstance(value, str) and isinstance(record.get("input"), str) and record["input"].strip():
+    if (
+        field == "instruction"
+        and isinstance(value, str)
+        and isinstance(record.get("input"), str)
+        and record["input"].strip()
+    ):
         value = f"{value}\n\n{record['input']}"  # alpaca records, as the instruction format reads them
     try:
-        messages = normalize({field: value}, DatasetSpec(path=origin, format="prompt_only", columns={"prompt": field}, system_prompt=system))["prompt"]
+        messages = normalize(
+            {field: value},
+            DatasetSpec(path=origin, format="prompt_only", columns={"prompt": field}, system_prompt=system),
+        )["prompt"]
     except RecordError as e:
         raise DataError(f"{origin}: {e}") from None
     messages, reference = _split_answer(messages, origin)
@@ -173,10 +194,15 @@ def _ids(records: list[dict], id_field: str, where: str) -> list:
     for r in records:
         value = r.get(id_field)
         if value is None:
-            raise DataError(f"{r[ORIGIN]}: no {id_field!r}, though other records have one.\n    fix: give every record an id, or none (ids are then positions)")
+            raise DataError(
+                f"{r[ORIGIN]}: no {id_field!r}, though other records have one.\n    fix: give every record an "
+                "id, or none (ids are then positions)"
+            )
         key = id_key(value)
         if key in seen:
-            raise DataError(f"{r[ORIGIN]}: the id {value!r} was already used at {seen[key]}.\n    fix: make the ids unique")
+            raise DataError(
+                f"{r[ORIGIN]}: the id {value!r} was already used at {seen[key]}.\n    fix: make the ids unique"
+            )
         seen[key] = r[ORIGIN]
     return [r[id_field] for r in records]
 
@@ -189,12 +215,19 @@ def _from_job(spec: PromptSpec) -> PromptSet:
     config = load(spec.path)
     key, source = _job_dataset(config.data, spec)
     if source.format == "completion":
-        raise DataError(f"{spec.path}: {key} holds completion data (plain text), which has no prompts.\n    fix: choose another dataset with --dataset")
+        raise DataError(
+            f"{spec.path}: {key} holds completion data (plain text), which has no prompts.\n    fix: choose "
+            "another dataset with --dataset"
+        )
     ds, _ = load_source(source)
     records = ds.to_list()[: spec.samples] if spec.samples else ds.to_list()
     ids = _ids(records, spec.id_field, source.path)
     prompts = [_job_prompt(i, ids[i], r, source) for i, r in enumerate(records)]
-    return PromptSet(prompts, NO_TEMPLATE if source.format == "prompt_completion" else config.data.template, f"{spec.path} ({key}: {source.path})")
+    return PromptSet(
+        prompts,
+        NO_TEMPLATE if source.format == "prompt_completion" else config.data.template,
+        f"{spec.path} ({key}: {source.path})",
+    )
 
 
 def _job_dataset(data, spec: PromptSpec):
@@ -204,10 +237,16 @@ def _job_dataset(data, spec: PromptSpec):
     if choice in (None, "validation") and isinstance(data.validation, DatasetSpec):
         return "data.validation", data.validation
     if choice == "validation":
-        raise DataError(f"{spec.path}: data.validation is not a dataset of its own.\n    fix: choose one of data.datasets with --dataset 0")
+        raise DataError(
+            f"{spec.path}: data.validation is not a dataset of its own.\n    fix: choose one of data.datasets "
+            "with --dataset 0"
+        )
     index = int(choice) if choice is not None and str(choice).isdigit() else (0 if choice is None else -1)
     if not 0 <= index < len(data.datasets):
-        raise DataError(f"{spec.path}: --dataset {choice}: expected `validation` or an index 0..{len(data.datasets) - 1} into data.datasets")
+        raise DataError(
+            f"{spec.path}: --dataset {choice}: expected `validation` or an index 0..{len(data.datasets) - 1} "
+            "into data.datasets"
+        )
     return f"data.datasets[{index}]", data.datasets[index]
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from finetune.errors import DataError, FtError
 
@@ -53,7 +53,10 @@ def parse(text: str, pattern: str | None, key: str = "--metric") -> Metric:
     if ":" in text:
         return Metric("function", key, function=text)
     if text not in BUILT_IN:
-        raise FtError(f"{key} {text!r}: not a metric.\n    fix: use {', '.join(BUILT_IN)}, loss, or a function as module:function or file.py:function")
+        raise FtError(
+            f"{key} {text!r}: not a metric.\n    fix: use {', '.join(BUILT_IN)}, loss, or a function as "
+            "module:function or file.py:function"
+        )
     if text == "regex" and not pattern:
         raise FtError(f"{key} regex needs --pattern, e.g. --pattern '####\\s*(-?\\d+)'")
     return Metric(text, key, pattern=pattern if text == "regex" else None)
@@ -64,7 +67,11 @@ class Scorer:
 
     def __init__(self, metric: Metric):
         self.metric = metric
-        self._regex = _compile(metric.pattern, "evaluation.pattern" if metric.key.startswith("evaluation") else "--pattern") if metric.kind == "regex" else None
+        self._regex = (
+            _compile(metric.pattern, "evaluation.pattern" if metric.key.startswith("evaluation") else "--pattern")
+            if metric.kind == "regex"
+            else None
+        )
         self._fn: Callable | None = None
         if metric.kind == "function":
             from finetune.userfn import load_function
@@ -72,13 +79,19 @@ class Scorer:
             key = "evaluation.function" if metric.key.startswith("evaluation") else metric.key
             self._fn = load_function(metric.function, key)
 
-    def __call__(self, completions: list[str], references: list[str | None], columns: dict[str, list], origins: list[str]) -> list[float]:
+    def __call__(
+        self, completions: list[str], references: list[str | None], columns: dict[str, list], origins: list[str]
+    ) -> list[float]:
         """One score per completion. `origins` ("file:line") name samples in error messages."""
         if self.metric.needs_reference:
             missing = next((i for i, r in enumerate(references) if r is None), None)
             if missing is not None:
-                raise DataError(f"{origins[missing]}: no reference answer for {self.metric.name}: the conversation does not end with an assistant message, "
-                                "and the record has no answer column.\n    fix: add the answer (a final assistant message, or an `answer` column), or name its column with --reference-field")
+                raise DataError(
+                    f"{origins[missing]}: no reference answer for {self.metric.name}: the conversation does not "
+                    "end with an assistant message, "
+                    "and the record has no answer column.\n    fix: add the answer (a final assistant message, or "
+                    "an `answer` column), or name its column with --reference-field"
+                )
             return [float(self._match(c, r)) for c, r in zip(completions, references)]
         if any(r is not None for r in references) and "reference" not in columns:
             columns = {**columns, "reference": list(references)}
@@ -98,7 +111,9 @@ def _compile(pattern: str | None, key: str) -> re.Pattern:
     try:
         return re.compile(pattern or "")
     except re.error as e:
-        raise FtError(f"{key} {pattern!r}: not a regular expression ({e}).\n    fix: correct the pattern (Python re syntax)") from None
+        raise FtError(
+            f"{key} {pattern!r}: not a regular expression ({e}).\n    fix: correct the pattern (Python re syntax)"
+        ) from None
 
 
 def _extract(regex: re.Pattern, text: str) -> str | None:
@@ -108,7 +123,9 @@ def _extract(regex: re.Pattern, text: str) -> str | None:
     return (m.group(1) if regex.groups else m.group(0)).strip()
 
 
-def call_metric(fn: Callable, name: str, completions: list[str], columns: dict[str, list], origins: list[str]) -> list[float]:
+def call_metric(
+    fn: Callable, name: str, completions: list[str], columns: dict[str, list], origins: list[str]
+) -> list[float]:
     """fn(completions, **columns) checked: one finite number per completion; failures name the sample."""
     columns = {k: v for k, v in columns.items() if k != "completions"}
     try:
@@ -118,15 +135,24 @@ def call_metric(fn: Callable, name: str, completions: list[str], columns: dict[s
     if hasattr(scores, "tolist"):
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)):
-        raise FtError(f"metric function {name} returned {type(scores).__name__}; it must return a list with one number per completion ({len(completions)})")
+        raise FtError(
+            f"metric function {name} returned {type(scores).__name__}; it must return a list with one number per "
+            f"completion ({len(completions)})"
+        )
     if len(scores) != len(completions):
-        raise FtError(f"metric function {name} returned {len(scores)} scores for {len(completions)} completions; it must return one per completion")
+        raise FtError(
+            f"metric function {name} returned {len(scores)} scores for {len(completions)} completions; it must "
+            "return one per completion"
+        )
     out = []
     for i, value in enumerate(scores):
         if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
             out.append(float(value))
         else:
-            raise FtError(f"metric function {name} gave {value!r} for sample {i} ({origins[i]}); each score must be a finite number")
+            raise FtError(
+                f"metric function {name} gave {value!r} for sample {i} ({origins[i]}); each score must be a "
+                "finite number"
+            )
     return out
 
 
@@ -136,6 +162,11 @@ def _failure(fn, name, completions, columns, origins, error: Exception) -> FtErr
         try:
             fn([completions[i]], **{k: [v[i]] for k, v in columns.items()})
         except Exception as e:
-            return FtError(f"metric function {name} failed on sample {i} ({origins[i]}): {type(e).__name__}: {e}\n"
-                           f"    completion: {completions[i][:200]!r}\n    fix: correct the function or the data")
-    return FtError(f"metric function {name} failed on the batch of {len(completions)} samples (each alone works): {type(error).__name__}: {error}")
+            return FtError(
+                f"metric function {name} failed on sample {i} ({origins[i]}): {type(e).__name__}: {e}\n"
+                f"    completion: {completions[i][:200]!r}\n    fix: correct the function or the data"
+            )
+    return FtError(
+        f"metric function {name} failed on the batch of {len(completions)} samples (each alone works): "
+        f"{type(error).__name__}: {error}"
+    )

@@ -36,13 +36,20 @@ def resolve(source: str, base: str | None = None, trust_remote_code: bool = Fals
     from finetune.data.sources import looks_like_hub_id
 
     if not looks_like_hub_id(source):
-        raise FtError(f"{source}: no such folder.\n    fix: pass a run folder (config.yaml + final/), a model folder (config.json), an adapter folder (adapter_config.json), a hub id or ft-tiny")
+        raise FtError(
+            f"{source}: no such folder.\n    fix: pass a run folder (config.yaml + final/), a model folder "
+            "(config.json), an adapter folder (adapter_config.json), a hub id or ft-tiny"
+        )
     if base:
-        raise FtError(f"--base is for adapters, but {source} names a model.\n    fix: drop --base, or pass the adapter folder")
+        raise FtError(
+            f"--base is for adapters, but {source} names a model.\n    fix: drop --base, or pass the adapter folder"
+        )
     from finetune.config.schema import ModelSection
     from finetune.models import model_path
 
-    return ModelSource(model_path(ModelSection(name=source)), None, (), "tokenizer", "the model argument", trust_remote_code)
+    return ModelSource(
+        model_path(ModelSection(name=source)), None, (), "tokenizer", "the model argument", trust_remote_code
+    )
 
 
 def _folder(path: Path, base: str | None, trust_remote_code: bool) -> ModelSource:
@@ -54,7 +61,10 @@ def _folder(path: Path, base: str | None, trust_remote_code: bool) -> ModelSourc
         trust = trust_remote_code  # never the run's own config.yaml: a run folder may come from anyone
         final = path / "final"
         if not final.is_dir():
-            raise FtError(f"{path}: the run has no final/ folder: training has not finished.\n    fix: finish it (ft train CONFIG --resume), or pass a model folder")
+            raise FtError(
+                f"{path}: the run has no final/ folder: training has not finished.\n    fix: finish it (ft train "
+                "CONFIG --resume), or pass a model folder"
+            )
         if not (final / "adapter_config.json").is_file():
             _check_model_folder(final, f"the run's final folder {final}")
             return ModelSource(str(final), None, (), template, f"{final}", trust)
@@ -77,8 +87,10 @@ def _adapter(src, base: str | None, template: str, trust: bool) -> ModelSource:
 def _check_model_folder(path: Path, what: str) -> None:
     if not (path / "config.json").is_file():
         found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
-        raise FtError(f"{what} holds neither config.json (a model) nor adapter_config.json (an adapter); it holds: {found}.\n"
-                      "    fix: pass a run folder (config.yaml + final/), a model folder or an adapter folder")
+        raise FtError(
+            f"{what} holds neither config.json (a model) nor adapter_config.json (an adapter); it holds: {found}.\n"
+            "    fix: pass a run folder (config.yaml + final/), a model folder or an adapter folder"
+        )
 
 
 def torch_dtype(name: str, device):
@@ -100,7 +112,10 @@ def load_tokenizer(src: ModelSource):
 
     tokenizer, _ = merge._load_tokenizer([Path(d) for d in src.tokenizer_dirs], src.model, src.trust_remote_code)
     if tokenizer is None:
-        raise FtError(f"no tokenizer found for {src.describe()}.\n    fix: copy the tokenizer files (tokenizer.json, tokenizer_config.json) into the model folder")
+        raise FtError(
+            f"no tokenizer found for {src.describe()}.\n    fix: copy the tokenizer files (tokenizer.json, "
+            "tokenizer_config.json) into the model folder"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -125,12 +140,21 @@ def _full_model(src: ModelSource, dtype, device):
 
     from finetune.merge import _first_line
 
-    placed = {"device_map": {"": device}} if device.type == "cuda" else {}  # straight onto the GPU, not through host memory
+    placed = (
+        {"device_map": {"": device}} if device.type == "cuda" else {}
+    )  # straight onto the GPU, not through host memory
     try:
-        return AutoModelForCausalLM.from_pretrained(src.model, dtype=dtype, trust_remote_code=src.trust_remote_code, **placed)
+        return AutoModelForCausalLM.from_pretrained(
+            src.model, dtype=dtype, trust_remote_code=src.trust_remote_code, **placed
+        )
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e) and not src.trust_remote_code:
-            raise FtError(f"the model {src.model!r} ({src.where}) ships its own Python code, which ft runs only when asked.\n"
-                          "    fix: read that code; if you trust it, pass --trust-remote-code (a saved config.yaml never turns it on)") from None
-        raise FtError(f"cannot load the model {src.model!r} ({src.where}): {_first_line(e)}\n"
-                      "    fix: pass a folder holding config.json and the weights, a hub id (online), or ft-tiny") from None
+            raise FtError(
+                f"the model {src.model!r} ({src.where}) ships its own Python code, which ft runs only when asked.\n"
+                "    fix: read that code; if you trust it, pass --trust-remote-code (a saved config.yaml never "
+                "turns it on)"
+            ) from None
+        raise FtError(
+            f"cannot load the model {src.model!r} ({src.where}): {_first_line(e)}\n"
+            "    fix: pass a folder holding config.json and the weights, a hub id (online), or ft-tiny"
+        ) from None

@@ -64,8 +64,11 @@ def done_rows(out: Path, id_field: str, known: set[str]) -> dict[str, str]:
         for number, line in complete_lines(out):
             key = id_key(_parse(out, number, line).get(id_field))
             if key not in known:
-                raise FtError(f"{out}:{number}: a row with {id_field} {json.loads(key)!r}, which is not among the prompts: {out} was written for other prompts.\n"
-                              "    fix: pass --overwrite to replace it, or choose another --out")
+                raise FtError(
+                    f"{out}:{number}: a row with {id_field} {json.loads(key)!r}, which is not among the prompts: "
+                    f"{out} was written for other prompts.\n"
+                    "    fix: pass --overwrite to replace it, or choose another --out"
+                )
             rows.setdefault(key, line)
     folder = parts_dir(out)
     for part in sorted(folder.glob("part-*.jsonl")) if folder.is_dir() else ():
@@ -79,7 +82,9 @@ def _parse(path: Path, number: int, line: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
-        raise FtError(f"{path}:{number}: not a JSON record ({e.msg}).\n    fix: delete that line (its prompt is generated again)") from None
+        raise FtError(
+            f"{path}:{number}: not a JSON record ({e.msg}).\n    fix: delete that line (its prompt is generated again)"
+        ) from None
     if not isinstance(record, dict):
         raise FtError(f"{path}:{number}: not a JSON object.\n    fix: delete that line (its prompt is generated again)")
     return record
@@ -94,7 +99,12 @@ class PartWriter:
 
     def write(self, items: list[tuple[object, int, str]]) -> None:
         """(id, generated tokens, row text) per prompt; on disk before this returns."""
-        self._file.write("".join(json.dumps({"id": i, "tokens": n, "row": row}, ensure_ascii=False, default=str) + "\n" for i, n, row in items))
+        self._file.write(
+            "".join(
+                json.dumps({"id": i, "tokens": n, "row": row}, ensure_ascii=False, default=str) + "\n"
+                for i, n, row in items
+            )
+        )
         self._file.flush()
         os.fsync(self._file.fileno())
 
@@ -137,7 +147,9 @@ class Stats:
 
 
 def write_stats(folder: Path, attempt: int, rank: int, rows: int, tokens: int, start: float, end: float) -> None:
-    (folder / f"stats-{attempt}-r{rank}.json").write_text(json.dumps({"rows": rows, "tokens": tokens, "start": start, "end": end}))
+    (folder / f"stats-{attempt}-r{rank}.json").write_text(
+        json.dumps({"rows": rows, "tokens": tokens, "start": start, "end": end})
+    )
 
 
 def read_stats(folder: Path, attempt: int) -> Stats:
@@ -153,8 +165,10 @@ def merge(out: Path, keys: list[str], id_field: str) -> int:
     rows = done_rows(out, id_field, set(keys))
     missing = [k for k in keys if k not in rows]
     if missing:
-        raise FtError(f"{len(missing)} prompts have no output yet (first: {id_field} {json.loads(missing[0])!r}).\n"
-                      "    fix: run the same command again: it generates only what is missing")
+        raise FtError(
+            f"{len(missing)} prompts have no output yet (first: {id_field} {json.loads(missing[0])!r}).\n"
+            "    fix: run the same command again: it generates only what is missing"
+        )
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         f.write("".join(rows[k] + "\n" for k in keys))

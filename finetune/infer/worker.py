@@ -15,8 +15,19 @@ from pathlib import Path
 
 from finetune.errors import FtError
 
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-                  "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, on_rows=None) -> None:
@@ -38,7 +49,9 @@ def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, o
         for done, b in enumerate(mine, 1):
             batch = plan["batches"][b]
             outputs = engine.generate([_encode(prompts[i], tokenizer, jinja) for i in batch], b)
-            items = [(prompts[i].id, n, _row(job, prompts[i], text)) for i, (text, n) in zip(batch, outputs) if i not in skip]
+            items = [
+                (prompts[i].id, n, _row(job, prompts[i], text)) for i, (text, n) in zip(batch, outputs) if i not in skip
+            ]
             writer.write(items)
             rows, tokens = rows + len(items), tokens + sum(n for _, n, _ in items)
             _injected_crash(rank, done, writer)
@@ -56,7 +69,10 @@ def _inputs(job, keys: list[str]):
 
     prompts = read_prompts(job.prompts).prompts
     if [id_key(p.id) for p in prompts] != keys:
-        raise FtError(f"{job.prompts.path} changed after the job was planned.\n    fix: run the command again (it plans anew and keeps the rows already written)")
+        raise FtError(
+            f"{job.prompts.path} changed after the job was planned.\n    fix: run the command again (it plans "
+            "anew and keeps the rows already written)"
+        )
     tokenizer = load_tokenizer(job.source)
     return prompts, tokenizer, template_for(tokenizer, job.template)
 
@@ -94,24 +110,30 @@ def _own_gpus(local_rank: int, tensor_parallel: int) -> None:
     """Give this process its own group of GPUs for vLLM, and hide torchrun's variables from vLLM's own workers."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[local_rank * tensor_parallel:(local_rank + 1) * tensor_parallel])
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+        ids[local_rank * tensor_parallel : (local_rank + 1) * tensor_parallel]
+    )
     for name in _LAUNCHER_VARS + tuple(k for k in os.environ if k.startswith("TORCHELASTIC_")):
         os.environ.pop(name, None)
 
 
 def _gpu_count() -> int:
-    """GPUs on the machine, counted without initialising CUDA in this process (so CUDA_VISIBLE_DEVICES still applies)."""
+    """GPUs on the machine, counted without initialising CUDA in this process (so CUDA_VISIBLE_DEVICES still
+    applies)."""
     import subprocess
 
     try:
         listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
-        raise FtError("cannot count the GPUs (nvidia-smi failed).\n    fix: set CUDA_VISIBLE_DEVICES to the GPUs to use") from None
+        raise FtError(
+            "cannot count the GPUs (nvidia-smi failed).\n    fix: set CUDA_VISIBLE_DEVICES to the GPUs to use"
+        ) from None
     return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
 
 
 def _injected_crash(rank: int, batches_done: int, writer) -> None:
-    """For tests of resume: FT_TEST_CRASH=RANK:BATCHES makes that rank die after that many batches, leaving half a line."""
+    """For tests of resume: FT_TEST_CRASH=RANK:BATCHES makes that rank die after that many batches, leaving half a
+    line."""
     if os.environ.get("FT_TEST_CRASH") == f"{rank}:{batches_done}":
         writer.cut_short()
         os._exit(137)

@@ -10,7 +10,8 @@ from finetune.errors import FtError
 
 
 def rows_per_step(method, global_batch: int) -> int:
-    """Dataset rows one optimizer step consumes: sequences (SFT), pairs (DPO), prompts (GRPO: completions / group size)."""
+    """Dataset rows one optimizer step consumes: sequences (SFT), pairs (DPO), prompts (GRPO: completions / group
+    size)."""
     return global_batch // method.num_generations if method.name == "grpo" else global_batch
 
 
@@ -33,8 +34,18 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast):
     from finetune.methods.rewards import load_rewards
 
     if m.engine == "vllm":
-        raise FtError("method.engine: vllm generation for GRPO is not available in this version of ft; set engine: transformers (or auto)")
-    return GRPO(m, tokenizer, plan.micro_batch_size, Generator(engine, tokenizer, m, device, autocast), reference, load_rewards(m.rewards))
+        raise FtError(
+            "method.engine: vllm generation for GRPO is not available in this version of ft; set engine: "
+            "transformers (or auto)"
+        )
+    return GRPO(
+        m,
+        tokenizer,
+        plan.micro_batch_size,
+        Generator(engine, tokenizer, m, device, autocast),
+        reference,
+        load_rewards(m.rewards),
+    )
 
 
 def _reference(config, plan, engine, prepared, attn, device):
@@ -47,5 +58,16 @@ def _reference(config, plan, engine, prepared, attn, device):
         return dpo.AdapterDisabled(engine.inner)
     from finetune.distributed.engine import create_reference
 
-    return dpo.FrozenCopy(create_reference(config.model, config.adapter, plan, prepared.tokenizer, attn, device, config.train.seed,
-                                           config.train, config.distributed))
+    return dpo.FrozenCopy(
+        create_reference(
+            config.model,
+            config.adapter,
+            plan,
+            prepared.tokenizer,
+            attn,
+            device,
+            config.train.seed,
+            config.train,
+            config.distributed,
+        )
+    )

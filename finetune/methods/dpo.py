@@ -25,11 +25,15 @@ def token_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
     targets = batch["labels"][:, 1:].to(logits.device)
     mask = targets != IGNORE
-    logps = -F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none").view_as(targets)
+    logps = -F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none"
+    ).view_as(targets)
     return logps * mask, mask
 
 
-def pair_losses(kind: str, beta: float, smoothing: float, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens):
+def pair_losses(
+    kind: str, beta: float, smoothing: float, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens
+):
     """Per-pair DPO losses from summed sequence log-probs (see the module docstring)."""
     c, r = chosen - ref_chosen, rejected - ref_rejected
     if kind == "sigmoid":
@@ -58,10 +62,23 @@ class DPO:
         rows = dataset.select(indices)[:]
         out = []
         for i in range(0, len(indices), self.micro):
-            chosen = [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["chosen_input_ids"][i:i + self.micro], rows["chosen_labels"][i:i + self.micro])]
-            rejected = [{"input_ids": ids, "labels": lab} for ids, lab in zip(rows["rejected_input_ids"][i:i + self.micro], rows["rejected_labels"][i:i + self.micro])]
+            chosen = [
+                {"input_ids": ids, "labels": lab}
+                for ids, lab in zip(
+                    rows["chosen_input_ids"][i : i + self.micro], rows["chosen_labels"][i : i + self.micro]
+                )
+            ]
+            rejected = [
+                {"input_ids": ids, "labels": lab}
+                for ids, lab in zip(
+                    rows["rejected_input_ids"][i : i + self.micro], rows["rejected_labels"][i : i + self.micro]
+                )
+            ]
             batch = collate(chosen + rejected, self.pad_id, "sdpa")
-            batch.update(rows=torch.tensor(indices[i:i + self.micro]), num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected))
+            batch.update(
+                rows=torch.tensor(indices[i : i + self.micro]),
+                num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected),
+            )
             out.append(batch)
         return out
 
@@ -84,9 +101,14 @@ class DPO:
         n_c, n_r = counts.chunk(2)
         losses = pair_losses(self.kind, self.beta, self.smoothing, chosen, rejected, ref_chosen, ref_rejected, n_c, n_r)
         rc, rr = self.beta * (chosen - ref_chosen).detach(), self.beta * (rejected - ref_rejected).detach()
-        metrics = {"rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(), "rewards/margin": (rc - rr).mean().item(),
-                   "rewards/accuracy": (rc > rr).float().mean().item(), "logps/chosen": chosen.detach().mean().item(),
-                   "logps/rejected": rejected.detach().mean().item()}
+        metrics = {
+            "rewards/chosen": rc.mean().item(),
+            "rewards/rejected": rr.mean().item(),
+            "rewards/margin": (rc - rr).mean().item(),
+            "rewards/accuracy": (rc > rr).float().mean().item(),
+            "logps/chosen": chosen.detach().mean().item(),
+            "logps/rejected": rejected.detach().mean().item(),
+        }
         return losses.sum() / normaliser, metrics
 
 

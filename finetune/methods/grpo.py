@@ -54,9 +54,9 @@ class GRPO:
         seqs = [{"input_ids": p + c, "labels": [IGNORE] * len(p) + c} for p, c in zip(prompt_ids, completions)]
         out = []
         for i in range(0, len(seqs), self.micro):
-            chunk = seqs[i:i + self.micro]
+            chunk = seqs[i : i + self.micro]
             batch = collate(chunk, self.pad_id, "sdpa")
-            batch.update(advantages=advantages[i:i + self.micro], num_tokens=sum(len(s["input_ids"]) for s in chunk))
+            batch.update(advantages=advantages[i : i + self.micro], num_tokens=sum(len(s["input_ids"]) for s in chunk))
             out.append(batch)
         out[0]["metrics"] = metrics
         return out
@@ -65,16 +65,23 @@ class GRPO:
         """Weighted sum of the rewards of each completion, and their means for logging."""
         g = self.s.num_generations
         extras = [json.loads(e) for e in rows["extra"]]
-        columns = {k: [extras[i // g].get(k) for i in range(len(texts))] for k in dict.fromkeys(k for e in extras for k in e)}
+        columns = {
+            k: [extras[i // g].get(k) for i in range(len(texts))] for k in dict.fromkeys(k for e in extras for k in e)
+        }
         prompts = [json.loads(rows["prompt"][i // g]) for i in range(len(texts))]
-        origins = [(rows["_origin"][i // g] if "_origin" in rows else f"row {indices[i // g]}") for i in range(len(texts))]
+        origins = [
+            (rows["_origin"][i // g] if "_origin" in rows else f"row {indices[i // g]}") for i in range(len(texts))
+        ]
         total = torch.zeros(len(texts))
         metrics = {}
         for reward in self.rewards:
             values = torch.tensor(reward(texts, prompts, columns, origins))
             total += reward.weight * values
             metrics[f"rewards/{reward.name}"] = values.mean().item()
-        metrics["reward"], metrics["reward_std"] = total.mean().item(), total.view(-1, g).std(-1).mean().item() if g > 1 else 0.0
+        metrics["reward"], metrics["reward_std"] = (
+            total.mean().item(),
+            total.view(-1, g).std(-1).mean().item() if g > 1 else 0.0,
+        )
         return total, metrics
 
     def tokens(self, batch: dict) -> int:
@@ -138,9 +145,19 @@ class Generator:
         model.eval()
         try:
             with self.engine.generation(), self.autocast():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=self.s.temperature, top_p=self.s.top_p,
-                                     top_k=0, max_new_tokens=self.s.max_new_tokens, eos_token_id=self.stop, pad_token_id=self.pad, use_cache=True,
-                                     synced_gpus=self.engine.synced_generation)  # sharded: ranks sample different lengths
+                out = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=self.s.temperature,
+                    top_p=self.s.top_p,
+                    top_k=0,
+                    max_new_tokens=self.s.max_new_tokens,
+                    eos_token_id=self.stop,
+                    pad_token_id=self.pad,
+                    use_cache=True,
+                    synced_gpus=self.engine.synced_generation,
+                )  # sharded: ranks sample different lengths
         finally:
             model.train(was_training)
         return [self._trim(row.tolist()) for row in out[:, width:]]

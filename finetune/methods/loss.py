@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 IGNORE = -100
-MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+MODEL_INPUTS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
 
 
 def trained_tokens(labels: torch.Tensor) -> int:
@@ -31,4 +39,9 @@ def causal_lm_loss(model, batch: dict, normaliser: float) -> torch.Tensor:
     out = model(**inputs, use_cache=False)
     logits = out.logits[..., :-1, :].float()
     targets = batch["labels"][..., 1:].to(logits.device)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum") / normaliser
+    return (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        )
+        / normaliser
+    )

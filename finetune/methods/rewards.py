@@ -30,7 +30,10 @@ def _extract(text: str, pattern: str | None) -> str | None:
 
 def exact_match(completions, column: str = "answer", extract: str | None = None, **columns):
     if column not in columns:
-        raise KeyError(f"the dataset has no column {column!r} (it has: {', '.join(sorted(k for k in columns if k != 'prompts')) or 'none'})")
+        raise KeyError(
+            f"the dataset has no column {column!r} (it has: "
+            f"{', '.join(sorted(k for k in columns if k != 'prompts')) or 'none'})"
+        )
     out = []
     for text, reference in zip(completions, columns[column]):
         got, want = _extract(text, extract), _extract(str(reference), extract)
@@ -61,20 +64,31 @@ class Reward:
         self.fn = BUILT_IN.get(spec.function) or load_function(spec.function, self.key)
         self.weight, self.args = spec.weight, dict(spec.args)
 
-    def __call__(self, completions: list[str], prompts: list, columns: dict[str, list], origins: list[str]) -> list[float]:
+    def __call__(
+        self, completions: list[str], prompts: list, columns: dict[str, list], origins: list[str]
+    ) -> list[float]:
         try:
             values = self.fn(completions, prompts=prompts, **columns, **self.args)
         except Exception as e:
-            raise FtError(f"{self.key}: reward {self.name!r} raised {type(e).__name__}: {e} — on a rollout of {len(completions)} completions "
-                          f"whose first prompt is {origins[0]}; first completion: {completions[0][:80]!r}") from None
+            raise FtError(
+                f"{self.key}: reward {self.name!r} raised {type(e).__name__}: {e} — on a rollout of "
+                f"{len(completions)} completions "
+                f"whose first prompt is {origins[0]}; first completion: {completions[0][:80]!r}"
+            ) from None
         return self._checked(values, completions, origins)
 
     def _checked(self, values, completions, origins) -> list[float]:
         if not hasattr(values, "__len__") or isinstance(values, (str, bytes, dict)):
-            raise FtError(f"{self.key}: reward {self.name!r} returned {type(values).__name__}; it must return a list of numbers, one per completion ({len(completions)})")
+            raise FtError(
+                f"{self.key}: reward {self.name!r} returned {type(values).__name__}; it must return a list of "
+                f"numbers, one per completion ({len(completions)})"
+            )
         values = list(values)
         if len(values) != len(completions):
-            raise FtError(f"{self.key}: reward {self.name!r} returned {len(values)} values for {len(completions)} completions; return one number per completion, in order")
+            raise FtError(
+                f"{self.key}: reward {self.name!r} returned {len(values)} values for {len(completions)} "
+                "completions; return one number per completion, in order"
+            )
         out = []
         for i, v in enumerate(values):
             try:
@@ -82,8 +96,11 @@ class Reward:
             except (TypeError, ValueError):
                 f = math.nan
             if math.isnan(f) or math.isinf(f):
-                raise FtError(f"{self.key}: reward {self.name!r} gave {v!r} for completion {i} (prompt {origins[i]}, completion {completions[i][:80]!r}); "
-                              "every reward must be a finite number")
+                raise FtError(
+                    f"{self.key}: reward {self.name!r} gave {v!r} for completion {i} (prompt {origins[i]}, "
+                    f"completion {completions[i][:80]!r}); "
+                    "every reward must be a finite number"
+                )
             out.append(f)
         return out
 

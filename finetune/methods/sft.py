@@ -22,8 +22,10 @@ class SFT:
         rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
         out = []
         for i in range(0, len(rows), self.micro):
-            chunk = rows[i:i + self.micro]
-            out.append({**collate(chunk, self.pad_id, self.attn), "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
+            chunk = rows[i : i + self.micro]
+            out.append(
+                {**collate(chunk, self.pad_id, self.attn), "num_tokens": sum(len(r["input_ids"]) for r in chunk)}
+            )
         return out
 
     def tokens(self, batch: dict) -> int:

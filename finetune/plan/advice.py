@@ -6,14 +6,14 @@ so every number quoted is what `ft plan` would print after that change.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import planner
-from finetune.plan.memory import GiB, Estimate
+from finetune.plan.memory import Estimate, GiB
 
 Relaxation = tuple[str, Callable[[Config], Config]]
 
@@ -35,9 +35,16 @@ def relaxations(config: Config) -> list[Relaxation]:
     if a.type == "full":
         out.append(("`adapter.type: lora`", lambda c: _set(c, "adapter", type="lora")))
     if a.type != "qlora" and q.type in ("auto", "none"):
-        out.append(("`adapter.type: qlora`", lambda c: _set(_set(c, "adapter", type="qlora"), "quantization", type="nf4")))
+        out.append(
+            ("`adapter.type: qlora`", lambda c: _set(_set(c, "adapter", type="qlora"), "quantization", type="nf4"))
+        )
     if d.backend not in ("auto",) or d.offload == "none" or d.sharding != "auto":
-        out.append(("`distributed: {backend: auto, sharding: auto, offload: auto}`", lambda c: _set(c, "distributed", backend="auto", sharding="auto", offload="auto")))
+        out.append(
+            (
+                "`distributed: {backend: auto, sharding: auto, offload: auto}`",
+                lambda c: _set(c, "distributed", backend="auto", sharding="auto", offload="auto"),
+            )
+        )
     return out
 
 
@@ -76,9 +83,21 @@ def options(config: Config, hw: Hardware, m: ModelFacts, limit: int = 4) -> list
     for label, bigger in _scaled(hw):
         if len(found) >= limit:
             break
-        est = _try(_set(config, "distributed", backend="fsdp" if config.distributed.backend in ("auto", "single", "ddp") else config.distributed.backend, sharding="auto", nodes="auto", processes_per_node="auto"), bigger, m)
+        backend = "fsdp" if config.distributed.backend in ("auto", "single", "ddp") else config.distributed.backend
+        est = _try(
+            _set(
+                config,
+                "distributed",
+                backend=backend,
+                sharding="auto",
+                nodes="auto",
+                processes_per_node="auto",
+            ),
+            bigger,
+            m,
+        )
         if est is not None:
-            found.append(f"{label} with `distributed.backend: {'fsdp' if config.distributed.backend in ('auto', 'single', 'ddp') else config.distributed.backend}` (est. {est.device_bytes / GiB:.1f} GiB)")
+            found.append(f"{label} with `distributed.backend: {backend}` (est. {est.device_bytes / GiB:.1f} GiB)")
             break
     return found[:limit]
 
@@ -90,7 +109,9 @@ def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precisi
     mb = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     ckpt = True if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
     for cand in planner.candidates(config, hw, topo):
-        est = planner.estimate(m, planner.setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
+        est = planner.estimate(
+            m, planner.setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node
+        )
         if best is None or est.device_bytes < best.device_bytes:
             best = est
     assert best is not None
@@ -103,9 +124,20 @@ def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: s
     need, have = est.device_bytes / GiB, planner.device_capacity(hw) / GiB
     top = sorted(est.device.items(), key=lambda kv: -kv[1])[:4]
     parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in top)
-    msg = f"{m.name} does not fit: needs {need:.1f} GiB per {unit} ({parts}), {have:.1f} GiB usable of {hw.device_memory_bytes / GiB:.1f} GiB"
+    msg = (
+        f"{m.name} does not fit: needs {need:.1f} GiB per {unit} ({parts}), {have:.1f} GiB usable of "
+        f"{hw.device_memory_bytes / GiB:.1f} GiB"
+    )
     if need <= have and not hw.is_cpu:
-        msg = f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node for offloading, {planner.host_capacity(hw) / GiB:.1f} GiB usable"
+        msg = (
+            f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node for offloading, "
+            f"{planner.host_capacity(hw) / GiB:.1f} GiB usable"
+        )
     opts = options(config, hw, m)
-    msg += (" — options that fit: " + "; or ".join(opts)) if opts else " — no single change to this config fits this hardware; try a smaller model or larger hardware (ft plan --hardware ...)"
+    msg += (
+        (" — options that fit: " + "; or ".join(opts))
+        if opts
+        else " — no single change to this config fits this hardware; try a smaller model or larger hardware (ft plan "
+        "--hardware ...)"
+    )
     return PlanError(msg)

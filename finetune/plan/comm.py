@@ -22,9 +22,18 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def step_traffic(backend: str, sharding: str | None, nodes: int, per_node: int, trainable: int, params: int,
-                 bytes_per_param: float, micro_batches: int) -> dict[str, float]:
-    """Bytes each rank sends per optimizer step, by collective (bytes_per_param: as gathered, e.g. 2 for bf16, ~0.55 for nf4)."""
+def step_traffic(
+    backend: str,
+    sharding: str | None,
+    nodes: int,
+    per_node: int,
+    trainable: int,
+    params: int,
+    bytes_per_param: float,
+    micro_batches: int,
+) -> dict[str, float]:
+    """Bytes each rank sends per optimizer step, by collective (bytes_per_param: as gathered, e.g. 2 for bf16, ~0.55 for
+    nf4)."""
     world = nodes * per_node
     grads, weights = 4 * trainable, bytes_per_param * params
     if world == 1 or backend == "single":
@@ -36,7 +45,10 @@ def step_traffic(backend: str, sharding: str | None, nodes: int, per_node: int, 
         return out
     group = per_node if sharding == "hybrid_shard" else world
     gathers = 1 if sharding == "shard_grad_op" else 2
-    out = {"all-gather parameters": gathers * micro_batches * _ring(group) * weights, "reduce-scatter gradients": _ring(group) * grads}
+    out = {
+        "all-gather parameters": gathers * micro_batches * _ring(group) * weights,
+        "reduce-scatter gradients": _ring(group) * grads,
+    }
     if sharding == "hybrid_shard":
         out["all-reduce gradient shards across nodes"] = 2 * _ring(nodes) * grads / per_node
     return out

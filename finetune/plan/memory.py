@@ -51,7 +51,13 @@ from finetune.catalog import ModelFacts
 
 GiB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-OPTIMIZER_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "paged_adamw_32bit": 8, "adamw_8bit": 2, "paged_adamw_8bit": 2}
+OPTIMIZER_BYTES = {
+    "adamw_torch": 8,
+    "adamw_torch_fused": 8,
+    "paged_adamw_32bit": 8,
+    "adamw_8bit": 2,
+    "paged_adamw_8bit": 2,
+}
 CUDA_CONTEXT = 1 * GiB
 FRAGMENTATION = 0.05
 PROCESS_HOST_RAM = int(2.5 * GiB)
@@ -142,7 +148,9 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)
 
 
-def _shard_and_offload(m: ModelFacts, s: Setup, a: int, state: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+def _shard_and_offload(
+    m: ModelFacts, s: Setup, a: int, state: dict[str, int]
+) -> tuple[dict[str, float], dict[str, float]]:
     """Divide state by the shard group, then move offloaded parts to the host."""
     n = max(1, s.shard_size)
     sharded = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.plan.memory import GiB, Estimate
+from finetune.plan.memory import Estimate, GiB
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,18 @@ class Plan:
     communication: dict  # bytes each rank sends per optimizer step, by collective (see plan/comm.py)
     communication_seconds: float
     # Values derived once here so that nothing downstream re-derives them from the config or from decision text:
-    quant_storage: str | None = None  # 4-bit weights packed in this dtype's container (bf16/fp16/fp32) for sharding; None: uint8
+    quant_storage: str | None = (
+        None  # 4-bit weights packed in this dtype's container (bf16/fp16/fp32) for sharding; None: uint8
+    )
     train_embeddings: bool = False  # tokens were added: embeddings and output head are resized and trained in full
-    reference: str = "none"  # DPO/GRPO reference model: none | adapter (base with the adapter off) | copy (frozen copy) | precomputed
+    # DPO/GRPO reference model: none | adapter (base with the adapter off) | copy (frozen copy) | precomputed
+    reference: str = "none"
     process_group: bool = False  # the ranks join a process group (several ranks, or FSDP2/DeepSpeed even for one)
-    loading: str = "replica"  # replica: each rank loads the whole model | meta: FSDP2 builds on meta, shards, then fills from safetensors
-                              # | partitioned: ZeRO-3 constructs the model partitioned
-    generation: str = "local"  # local: unsharded model | gather: whole model gathered for generate() | layerwise: per-layer gathers, synced ranks
+    # replica: each rank loads the whole model | meta: FSDP2 builds on meta, shards, then fills from safetensors
+    loading: str = "replica"
+    # | partitioned: ZeRO-3 constructs the model partitioned
+    # local: unsharded model | gather: whole model gathered for generate() | layerwise: per-layer gathers, synced ranks
+    generation: str = "local"
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -100,10 +105,14 @@ class Plan:
                 "per_device_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.device.items()},
                 "host_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.host.items()},
             },
-            "decisions": [{"field": d.field, "value": d.value, "reason": d.reason, "source": d.source} for d in self.decisions],
+            "decisions": [
+                {"field": d.field, "value": d.value, "reason": d.reason, "source": d.source} for d in self.decisions
+            ],
             "launch": list(self.launch),
-            "communication": {"per_rank_gib_per_step": {k: round(v / GiB, 3) for k, v in self.communication.items()},
-                              "seconds_per_step_estimate": round(self.communication_seconds, 3)},
+            "communication": {
+                "per_rank_gib_per_step": {k: round(v / GiB, 3) for k, v in self.communication.items()},
+                "seconds_per_step_estimate": round(self.communication_seconds, 3),
+            },
             "quant_storage": self.quant_storage,
             "train_embeddings": self.train_embeddings,
             "reference": self.reference,
@@ -111,23 +120,67 @@ class Plan:
             "loading": self.loading,
             "generation": self.generation,
             # exact values, for from_json (the rounded figures above are for people)
-            "exact": {"estimate": {"device": e.device, "host": e.host, "total_params": e.total_params, "trainable_params": e.trainable_params,
-                                   "notes": list(e.notes)},
-                      "device_capacity_bytes": self.device_capacity_bytes, "host_capacity_bytes": self.host_capacity_bytes,
-                      "communication": self.communication, "communication_seconds": self.communication_seconds, "offload": self.offload},
+            "exact": {
+                "estimate": {
+                    "device": e.device,
+                    "host": e.host,
+                    "total_params": e.total_params,
+                    "trainable_params": e.trainable_params,
+                    "notes": list(e.notes),
+                },
+                "device_capacity_bytes": self.device_capacity_bytes,
+                "host_capacity_bytes": self.host_capacity_bytes,
+                "communication": self.communication,
+                "communication_seconds": self.communication_seconds,
+                "offload": self.offload,
+            },
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "Plan":
+    def from_json(cls, data: dict[str, Any]) -> Plan:
         """The Plan that `to_json` wrote (plan.json in the run folder): what every rank of a job runs."""
         exact = data["exact"]
         e = exact["estimate"]
-        simple = {f: data[f] for f in ("model", "hardware", "device", "method", "precision", "adapter", "quantization", "backend", "sharding",
-                                       "micro_batch_size", "gradient_accumulation_steps", "gradient_checkpointing", "world_size", "nodes",
-                                       "processes_per_node", "global_batch_size", "seq_len", "lr", "attn_implementation", "quant_storage",
-                                       "train_embeddings", "reference", "process_group", "loading", "generation")}
-        return cls(**simple, offload=exact["offload"],
-                   estimate=Estimate(dict(e["device"]), dict(e["host"]), e["total_params"], e["trainable_params"], tuple(e["notes"])),
-                   device_capacity_bytes=exact["device_capacity_bytes"], host_capacity_bytes=exact["host_capacity_bytes"],
-                   decisions=tuple(Decision(d["field"], d["value"], d["reason"], d["source"]) for d in data["decisions"]),
-                   launch=tuple(data["launch"]), communication=dict(exact["communication"]), communication_seconds=exact["communication_seconds"])
+        simple = {
+            f: data[f]
+            for f in (
+                "model",
+                "hardware",
+                "device",
+                "method",
+                "precision",
+                "adapter",
+                "quantization",
+                "backend",
+                "sharding",
+                "micro_batch_size",
+                "gradient_accumulation_steps",
+                "gradient_checkpointing",
+                "world_size",
+                "nodes",
+                "processes_per_node",
+                "global_batch_size",
+                "seq_len",
+                "lr",
+                "attn_implementation",
+                "quant_storage",
+                "train_embeddings",
+                "reference",
+                "process_group",
+                "loading",
+                "generation",
+            )
+        }
+        return cls(
+            **simple,
+            offload=exact["offload"],
+            estimate=Estimate(
+                dict(e["device"]), dict(e["host"]), e["total_params"], e["trainable_params"], tuple(e["notes"])
+            ),
+            device_capacity_bytes=exact["device_capacity_bytes"],
+            host_capacity_bytes=exact["host_capacity_bytes"],
+            decisions=tuple(Decision(d["field"], d["value"], d["reason"], d["source"]) for d in data["decisions"]),
+            launch=tuple(data["launch"]),
+            communication=dict(exact["communication"]),
+            communication_seconds=exact["communication_seconds"],
+        )

@@ -19,7 +19,7 @@ from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan.comm import seconds, step_traffic
-from finetune.plan.memory import GiB, Estimate, Setup, estimate
+from finetune.plan.memory import Estimate, GiB, Setup, estimate
 from finetune.plan.plan import Decision, Plan
 
 GPU_HEADROOM = 0.10  # keep 10% of each GPU free: estimator error, allocator spikes, other processes
@@ -54,7 +54,9 @@ class Fit:
     estimate: Estimate
 
 
-def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml", new_tokens: int = 0) -> Plan:
+def plan(
+    config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml", new_tokens: int = 0
+) -> Plan:
     """Compile `config` for `hardware`; raise PlanError when it cannot run there.
 
     new_tokens: tokens the data pipeline adds beyond data.add_special_tokens (a built-in template's
@@ -74,25 +76,61 @@ def plan(config: Config, hardware: Hardware, model: ModelFacts, config_path: str
     _record_fit(config, fit, topo, batch, precision, decisions)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
-        decisions.append(Decision("embeddings", f"+{n} tokens", "new tokens need trained embedding rows: the input embeddings and output head are resized and trained in full next to the adapter"))
+        decisions.append(
+            Decision(
+                "embeddings",
+                f"+{n} tokens",
+                "new tokens need trained embedding rows: the input embeddings and output head are resized and "
+                "trained in full next to the adapter",
+            )
+        )
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     attn = choose_attention(config, hardware, decisions)
     c = fit.candidate
     accumulation = batch // topo.world // fit.micro_batch_size
     traffic = _traffic(fit, topo, model, precision, batch)
     return Plan(
-        model=model.name, hardware=hardware.describe(), device="CPU process" if hardware.is_cpu else "GPU", method=config.method.name, precision=precision,
-        adapter=c.adapter, quantization=c.quantization, backend=c.backend, sharding=c.sharding, offload=c.offload,
-        micro_batch_size=fit.micro_batch_size, gradient_accumulation_steps=accumulation,
-        gradient_checkpointing=fit.checkpointing, world_size=topo.world, nodes=topo.nodes,
-        processes_per_node=topo.processes_per_node, global_batch_size=batch, seq_len=config.data.seq_len, lr=lr,
-        attn_implementation=attn, estimate=fit.estimate, device_capacity_bytes=device_capacity(hardware),
-        host_capacity_bytes=host_capacity(hardware), decisions=tuple(decisions),
-        launch=tuple(rank_command(config.output.dir, topo.nodes, topo.processes_per_node, needs_launcher(c.backend, topo.world), master_addr=hardware.launch.master_addr)),
-        communication=traffic, communication_seconds=seconds(traffic, topo.nodes, c.sharding),
+        model=model.name,
+        hardware=hardware.describe(),
+        device="CPU process" if hardware.is_cpu else "GPU",
+        method=config.method.name,
+        precision=precision,
+        adapter=c.adapter,
+        quantization=c.quantization,
+        backend=c.backend,
+        sharding=c.sharding,
+        offload=c.offload,
+        micro_batch_size=fit.micro_batch_size,
+        gradient_accumulation_steps=accumulation,
+        gradient_checkpointing=fit.checkpointing,
+        world_size=topo.world,
+        nodes=topo.nodes,
+        processes_per_node=topo.processes_per_node,
+        global_batch_size=batch,
+        seq_len=config.data.seq_len,
+        lr=lr,
+        attn_implementation=attn,
+        estimate=fit.estimate,
+        device_capacity_bytes=device_capacity(hardware),
+        host_capacity_bytes=host_capacity(hardware),
+        decisions=tuple(decisions),
+        launch=tuple(
+            rank_command(
+                config.output.dir,
+                topo.nodes,
+                topo.processes_per_node,
+                needs_launcher(c.backend, topo.world),
+                master_addr=hardware.launch.master_addr,
+            )
+        ),
+        communication=traffic,
+        communication_seconds=seconds(traffic, topo.nodes, c.sharding),
         quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
-        train_embeddings=bool(new_tokens or config.data.add_special_tokens), reference=reference_kind(config.method, c.adapter),
-        process_group=needs_launcher(c.backend, topo.world), loading=loading(c), generation=generation(fit, model, hardware, precision),
+        train_embeddings=bool(new_tokens or config.data.add_special_tokens),
+        reference=reference_kind(config.method, c.adapter),
+        process_group=needs_launcher(c.backend, topo.world),
+        loading=loading(c),
+        generation=generation(fit, model, hardware, precision),
     )
 
 
@@ -102,11 +140,14 @@ def sharded_params(c: Candidate) -> bool:
 
 
 def reference_kind(method, adapter: str) -> str:
-    """What DPO/GRPO compare the policy with: none, the base with the adapter off, a frozen copy, or precomputed log-probs."""
+    """What DPO/GRPO compare the policy with: none, the base with the adapter off, a frozen copy, or precomputed
+    log-probs."""
     if isinstance(method, GRPOMethod):
         return "none" if method.kl_coef == 0 else ("copy" if adapter == "full" else "adapter")
     if isinstance(method, DPOMethod):
-        kind = {"auto": "copy" if adapter == "full" else "adapter", "adapter_disabled": "adapter"}.get(method.reference, method.reference)
+        kind = {"auto": "copy" if adapter == "full" else "adapter", "adapter_disabled": "adapter"}.get(
+            method.reference, method.reference
+        )
         return kind
     return "none"
 
@@ -123,7 +164,8 @@ def loading(c: Candidate) -> str:
 
 def generation(fit: Fit, m: ModelFacts, hw: Hardware, precision: str) -> str:
     """How a model with sharded parameters samples (GRPO rollouts, evaluation): gather it whole for the call where the
-    whole model fits next to the training state, else gather layer by layer with the ranks kept in step (synced_gpus)."""
+    whole model fits next to the training state, else gather layer by layer with the ranks kept in step
+    (synced_gpus)."""
     c = fit.candidate
     if not sharded_params(c):
         return "local"
@@ -136,17 +178,34 @@ def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topolo
     d = config.distributed
     unit = "process" if hw.is_cpu else "GPU"
     if d.backend == "single":
-        out.append(Decision("world_size", 1, f"backend single runs one process{'' if hw.world_size == 1 else f' ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)'}", "config"))
+        idle = "" if hw.world_size == 1 else f" ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)"
+        out.append(
+            Decision(
+                "world_size",
+                1,
+                "backend single runs one process" + idle,
+                "config",
+            )
+        )
         return Topology(1, 1)
     nodes = hw.nodes if d.nodes == "auto" else d.nodes
     if nodes > hw.nodes:
-        raise PlanError(f"distributed.nodes: {nodes} asks for more nodes than the hardware has ({hw.describe()}); set distributed.nodes: {hw.nodes} or auto, or plan for the hardware you will run on (--hardware {nodes}x{hw.devices_per_node}x...)")
+        raise PlanError(
+            f"distributed.nodes: {nodes} asks for more nodes than the hardware has ({hw.describe()}); set "
+            f"distributed.nodes: {hw.nodes} or auto, or plan for the hardware you will run on (--hardware "
+            f"{nodes}x{hw.devices_per_node}x...)"
+        )
     ppn = hw.devices_per_node if d.processes_per_node == "auto" else d.processes_per_node
     if not hw.is_cpu and ppn > hw.devices_per_node:
-        raise PlanError(f"distributed.processes_per_node: {ppn} is more than the {hw.devices_per_node} GPUs per node; set it to {hw.devices_per_node} or auto")
+        raise PlanError(
+            f"distributed.processes_per_node: {ppn} is more than the {hw.devices_per_node} GPUs per node; set it "
+            f"to {hw.devices_per_node} or auto"
+        )
     source = "auto" if d.nodes == "auto" and d.processes_per_node == "auto" else "config"
     why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {unit}{'s' if ppn > 1 else ''}"
-    out.append(Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source))
+    out.append(
+        Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source)
+    )
     return Topology(nodes, ppn)
 
 
@@ -155,16 +214,30 @@ def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
     acc = hw.accelerator
     if p != "auto":
         if acc is not None and p == "bf16" and not acc.bf16:
-            raise PlanError(f"train.precision: bf16 is not supported by {acc.name}; set train.precision: fp16 (or auto)")
+            raise PlanError(
+                f"train.precision: bf16 is not supported by {acc.name}; set train.precision: fp16 (or auto)"
+            )
         if acc is None and p == "fp16":
-            raise PlanError("train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 (or auto)")
+            raise PlanError(
+                "train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 "
+                "(or auto)"
+            )
         out.append(Decision("precision", p, "as set in the config", "config"))
         return p
     if acc is None:
-        out.append(Decision("precision", "fp32", "CPU: fp32 is exact and supported everywhere (set bf16 to use AMX/AVX-512 bf16 units where the CPU has them)"))
+        out.append(
+            Decision(
+                "precision",
+                "fp32",
+                "CPU: fp32 is exact and supported everywhere (set bf16 to use AMX/AVX-512 bf16 units where the "
+                "CPU has them)",
+            )
+        )
         return "fp32"
     if acc.bf16:
-        out.append(Decision("precision", "bf16", f"{acc.name} supports bf16: half the memory of fp32, no loss scaling needed"))
+        out.append(
+            Decision("precision", "bf16", f"{acc.name} supports bf16: half the memory of fp32, no loss scaling needed")
+        )
         return "bf16"
     out.append(Decision("precision", "fp16", f"{acc.name} has no bf16; fp16 with dynamic loss scaling"))
     return "fp16"
@@ -174,13 +247,30 @@ def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> 
     t, world = config.train, topo.world
     if t.global_batch_tokens is not None:
         seqs = max(world, round(t.global_batch_tokens / config.data.seq_len / world) * world)
-        out.append(Decision("global_batch_size", seqs, f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world size {world}: {seqs * config.data.seq_len} tokens per step"))
+        out.append(
+            Decision(
+                "global_batch_size",
+                seqs,
+                f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world "
+                f"size {world}: {seqs * config.data.seq_len} tokens per step",
+            )
+        )
         return seqs
     if t.global_batch_size % world:
         lower, upper = (t.global_batch_size // world) * world, (t.global_batch_size // world + 1) * world
         options = " or ".join(str(n) for n in (lower, upper) if n)
-        raise PlanError(f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} ranks; set it to {options}, or change distributed.processes_per_node / nodes")
-    out.append(Decision("global_batch_size", t.global_batch_size, f"{t.global_batch_size // world} sequences per rank × {world} ranks", "config" if t.explicit("global_batch_size") else "auto"))
+        raise PlanError(
+            f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} "
+            f"ranks; set it to {options}, or change distributed.processes_per_node / nodes"
+        )
+    out.append(
+        Decision(
+            "global_batch_size",
+            t.global_batch_size,
+            f"{t.global_batch_size // world} sequences per rank × {world} ranks",
+            "config" if t.explicit("global_batch_size") else "auto",
+        )
+    )
     return t.global_batch_size
 
 
@@ -192,10 +282,18 @@ def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precisio
     from itertools import groupby
 
     backends = {"single": 0, "ddp": 0}
-    for _, group in groupby(candidates(config, hw, topo), key=lambda c: (c.offload != "none", c.adapter, c.quantization)):
+    for _, group in groupby(
+        candidates(config, hw, topo), key=lambda c: (c.offload != "none", c.adapter, c.quantization)
+    ):
         fits = [f for f in (fit_candidate(config, hw, m, topo, precision, batch, c) for c in group) if f is not None]
         if fits:
-            return min(fits, key=lambda f: (backends.get(f.candidate.backend, 1), seconds(_traffic(f, topo, m, precision, batch), topo.nodes, f.candidate.sharding)))
+            return min(
+                fits,
+                key=lambda f: (
+                    backends.get(f.candidate.backend, 1),
+                    seconds(_traffic(f, topo, m, precision, batch), topo.nodes, f.candidate.sharding),
+                ),
+            )
     return None
 
 
@@ -203,16 +301,31 @@ def _traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int
     c = fit.candidate
     stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
     accumulation = batch // topo.world // fit.micro_batch_size
-    return step_traffic(c.backend, c.sharding, topo.nodes, topo.processes_per_node, fit.estimate.trainable_params, m.num_params, stored, accumulation)
+    return step_traffic(
+        c.backend,
+        c.sharding,
+        topo.nodes,
+        topo.processes_per_node,
+        fit.estimate.trainable_params,
+        m.num_params,
+        stored,
+        accumulation,
+    )
 
 
 def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
     """Every setup the config allows, in preference order; host offload (slow) only after all others."""
     from finetune.config.checks import BNB_OPTIMIZERS
 
-    bnb_optimizer = config.train.optimizer in BNB_OPTIMIZERS  # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
-    out = [Candidate(a, q, b, s, o) for a, q in adapter_options(config) for b, s, o in backend_options(config, hw, topo)
-           if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")]
+    bnb_optimizer = (
+        config.train.optimizer in BNB_OPTIMIZERS
+    )  # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
+    out = [
+        Candidate(a, q, b, s, o)
+        for a, q in adapter_options(config)
+        for b, s, o in backend_options(config, hw, topo)
+        if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
+    ]
     return sorted(out, key=lambda c: c.offload != "none")
 
 
@@ -254,7 +367,10 @@ def _shardings(backend: str, asked: str, topo: Topology) -> list[str | None]:
         return [None]
     if asked != "auto":
         if asked == "hybrid_shard" and topo.nodes == 1:
-            raise PlanError("distributed.sharding: hybrid_shard shards inside a node and replicates across nodes, but the job has 1 node; set sharding: full_shard (or auto)")
+            raise PlanError(
+                "distributed.sharding: hybrid_shard shards inside a node and replicates across nodes, but the "
+                "job has 1 node; set sharding: full_shard (or auto)"
+            )
         return [asked]
     if backend == "deepspeed":
         return ["zero1", "zero2", "zero3"]
@@ -266,7 +382,10 @@ def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> l
         return ["none"]
     if asked != "auto":
         if asked != "none" and hw.is_cpu:
-            raise PlanError(f"distributed.offload: {asked} moves memory from GPUs to host RAM, but this hardware has no GPU; set offload: none (or auto)")
+            raise PlanError(
+                f"distributed.offload: {asked} moves memory from GPUs to host RAM, but this hardware has no GPU; "
+                "set offload: none (or auto)"
+            )
         return [asked]
     if hw.is_cpu:
         return ["none"]
@@ -275,14 +394,20 @@ def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> l
     return ["none", "all"] if sharding == "full_shard" else ["none"]
 
 
-def fit_candidate(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, cand: Candidate) -> Fit | None:
+def fit_candidate(
+    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, cand: Candidate
+) -> Fit | None:
     """Largest micro-batch without checkpointing; checkpointing only when even that does not fit."""
     per_rank = batch // topo.world
     t = config.train
     ckpts = [False, True] if t.gradient_checkpointing == "auto" else [t.gradient_checkpointing]
     sizes = divisors(per_rank)[::-1] if t.micro_batch_size == "auto" else [t.micro_batch_size]
     if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
-        raise PlanError(f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or auto")
+        raise PlanError(
+            f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank "
+            f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or "
+            "auto"
+        )
     for ckpt in ckpts:
         for mb in sizes:
             est = estimate(m, setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
@@ -299,7 +424,9 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool) -> Setup:
+def setup(
+    config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool
+) -> Setup:
     """The memory estimator's view of one candidate."""
     a, method = config.adapter, config.method
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
@@ -308,13 +435,30 @@ def setup(config: Config, hw: Hardware, topo: Topology, precision: str, batch: i
     gen_tokens = config.data.seq_len if isinstance(method, GRPOMethod) else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
-        adapter=cand.adapter, quantization=cand.quantization, precision=precision, optimizer=config.train.optimizer,
-        micro_batch_size=mb, seq_len=config.data.seq_len, gradient_checkpointing=ckpt, sharding=cand.sharding,
-        shard_size=shard_size if cand.sharding else 1, offload=cand.offload, lora_r=a.r, lora_targets=targets,
-        lora_dropout=a.dropout, dora=a.dora, modules_to_save=tuple(a.modules_to_save), double_quant=config.quantization.double_quant,
-        attention=attn, method=method.name, reference_copy=reference_copy, generation_tokens=gen_tokens,
-        generation_batch=batch // topo.world if gen_tokens else 0, accelerator=not hw.is_cpu,
-        loading=loading(cand), accumulation=batch // topo.world // mb,
+        adapter=cand.adapter,
+        quantization=cand.quantization,
+        precision=precision,
+        optimizer=config.train.optimizer,
+        micro_batch_size=mb,
+        seq_len=config.data.seq_len,
+        gradient_checkpointing=ckpt,
+        sharding=cand.sharding,
+        shard_size=shard_size if cand.sharding else 1,
+        offload=cand.offload,
+        lora_r=a.r,
+        lora_targets=targets,
+        lora_dropout=a.dropout,
+        dora=a.dora,
+        modules_to_save=tuple(a.modules_to_save),
+        double_quant=config.quantization.double_quant,
+        attention=attn,
+        method=method.name,
+        reference_copy=reference_copy,
+        generation_tokens=gen_tokens,
+        generation_batch=batch // topo.world if gen_tokens else 0,
+        accelerator=not hw.is_cpu,
+        loading=loading(cand),
+        accumulation=batch // topo.world // mb,
     )
 
 
@@ -336,20 +480,77 @@ def fits(est: Estimate, hw: Hardware) -> bool:
 def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision: str, out: list[Decision]) -> None:
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
-    out.append(_choice("adapter", c.adapter, a.type, {
-        "lora": f"LoRA fits ({gib}): trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} parameters, base kept in full precision",
-        "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
-    }.get(c.adapter, "")))
-    out.append(_choice("quantization", c.quantization, q.type, {"nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""), "none": "the base fits unquantized"}.get(c.quantization, "")))
+    out.append(
+        _choice(
+            "adapter",
+            c.adapter,
+            a.type,
+            {
+                "lora": f"LoRA fits ({gib}): trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} "
+                "parameters, base kept in full precision",
+                "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
+            }.get(c.adapter, ""),
+        )
+    )
+    out.append(
+        _choice(
+            "quantization",
+            c.quantization,
+            q.type,
+            {
+                "nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""),
+                "none": "the base fits unquantized",
+            }.get(c.quantization, ""),
+        )
+    )
     out.append(_choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
     out.append(_choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
-    out.append(_choice("offload", c.offload, d.offload, "everything fits in device memory" if c.offload == "none" else f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)"))
+    out.append(
+        _choice(
+            "offload",
+            c.offload,
+            d.offload,
+            "everything fits in device memory"
+            if c.offload == "none"
+            else f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)",
+        )
+    )
     per_rank = batch // topo.world
-    out.append(_choice("micro_batch_size", fit.micro_batch_size, t.micro_batch_size, f"largest divisor of the {per_rank} sequences per rank that fits ({gib})"))
-    out.append(Decision("gradient_accumulation_steps", per_rank // fit.micro_batch_size, f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × {topo.world} ranks"))
-    out.append(_choice("gradient_checkpointing", fit.checkpointing, t.gradient_checkpointing, "on: without it even micro-batch 1 does not fit (costs ~30% more compute)" if fit.checkpointing else "off: activations fit without recomputation"))
+    out.append(
+        _choice(
+            "micro_batch_size",
+            fit.micro_batch_size,
+            t.micro_batch_size,
+            f"largest divisor of the {per_rank} sequences per rank that fits ({gib})",
+        )
+    )
+    out.append(
+        Decision(
+            "gradient_accumulation_steps",
+            per_rank // fit.micro_batch_size,
+            f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × "
+            f"{topo.world} ranks",
+        )
+    )
+    out.append(
+        _choice(
+            "gradient_checkpointing",
+            fit.checkpointing,
+            t.gradient_checkpointing,
+            "on: without it even micro-batch 1 does not fit (costs ~30% more compute)"
+            if fit.checkpointing
+            else "off: activations fit without recomputation",
+        )
+    )
     if c.quantization == "nf4" and (c.backend == "fsdp" or c.sharding == "zero3"):
-        out.append(Decision("quant_storage", precision, f"{'FSDP' if c.backend == 'fsdp' else 'ZeRO-3'} shards flat tensors of one dtype: the 4-bit weights are stored in the compute dtype's container"))
+        out.append(
+            Decision(
+                "quant_storage",
+                precision,
+                f"{'FSDP' if c.backend == 'fsdp' else 'ZeRO-3'} shards flat tensors of one dtype: the 4-bit "
+                "weights are stored in the compute dtype's container",
+            )
+        )
 
 
 def _choice(field: str, value, asked, reason: str) -> Decision:
@@ -364,17 +565,24 @@ def _backend_reason(c: Candidate, topo: Topology) -> str:
     if c.backend == "ddp":
         return f"a full replica fits on each of the {topo.world} devices: DDP only all-reduces gradients"
     if c.backend == "fsdp":
-        return "a full replica does not fit per device; FSDP2 shards it" + (" and offloads to host RAM" if c.offload != "none" else "")
+        return "a full replica does not fit per device; FSDP2 shards it" + (
+            " and offloads to host RAM" if c.offload != "none" else ""
+        )
     return "DeepSpeed ZeRO shards training state across ranks"
 
 
 def _sharding_reason(c: Candidate, topo: Topology) -> str:
     return {
         None: "no sharding: each rank holds the whole model",
-        "shard_grad_op": "gradients and optimizer states sharded, parameters kept between forward and backward: less communication than full_shard",
-        "hybrid_shard": f"sharded inside each node ({topo.processes_per_node} GPUs), replicated across the {topo.nodes} nodes: all-gathers stay on the fast intra-node links",
+        "shard_grad_op": "gradients and optimizer states sharded, parameters kept between forward and backward: less "
+        "communication than full_shard",
+        "hybrid_shard": f"sharded inside each node ({topo.processes_per_node} GPUs), "
+        f"replicated across the {topo.nodes} nodes: "
+        "all-gathers stay on the fast intra-node links",
         "full_shard": f"parameters, gradients and optimizer states sharded over all {topo.world} ranks",
-        "zero1": "optimizer states sharded", "zero2": "gradients and optimizer states sharded", "zero3": "parameters, gradients and optimizer states sharded",
+        "zero1": "optimizer states sharded",
+        "zero2": "gradients and optimizer states sharded",
+        "zero3": "parameters, gradients and optimizer states sharded",
     }[c.sharding]
 
 
@@ -383,8 +591,16 @@ def choose_lr(config: Config, adapter: str, out: list[Decision]) -> float:
         out.append(Decision("lr", config.train.lr, "as set in the config", "config"))
         return config.train.lr
     full = adapter == "full"
-    lr = {"sft": 2e-5 if full else 2e-4, "dpo": 5e-7 if full else 5e-6, "grpo": 1e-6 if full else 1e-5}[config.method.name]
-    out.append(Decision("lr", lr, f"common starting point for {config.method.name} with {'full fine-tuning' if full else 'an adapter'}"))
+    lr = {"sft": 2e-5 if full else 2e-4, "dpo": 5e-7 if full else 5e-6, "grpo": 1e-6 if full else 1e-5}[
+        config.method.name
+    ]
+    out.append(
+        Decision(
+            "lr",
+            lr,
+            f"common starting point for {config.method.name} with {'full fine-tuning' if full else 'an adapter'}",
+        )
+    )
     return lr
 
 
@@ -394,9 +610,22 @@ def choose_attention(config: Config, hw: Hardware, out: list[Decision]) -> str:
         out.append(Decision("attn_implementation", asked, "as set in the config", "config"))
         return asked
     if config.data.packing:
-        out.append(Decision("attn_implementation", "sdpa_varlen", "packed rows: ft's padding-free SDPA runs one causal attention per sample, so samples never see each other and no T×T mask is built"))
+        out.append(
+            Decision(
+                "attn_implementation",
+                "sdpa_varlen",
+                "packed rows: ft's padding-free SDPA runs one causal attention per sample, so samples never see "
+                "each other and no T×T mask is built",
+            )
+        )
         return "sdpa_varlen"
-    out.append(Decision("attn_implementation", "sdpa", "torch's scaled-dot-product attention: memory-efficient kernels with no extra install"))
+    out.append(
+        Decision(
+            "attn_implementation",
+            "sdpa",
+            "torch's scaled-dot-product attention: memory-efficient kernels with no extra install",
+        )
+    )
     return "sdpa"
 
 

@@ -40,28 +40,54 @@ class Case:
 
 # key path -> (kind, extra): ints and floats list values out of range after the fix
 INTS = {
-    ("train", "max_steps"): [0, -1, 10**12, 10**30], ("train", "warmup_steps"): [-1, 10**12, 10**30],
-    ("train", "global_batch_size"): [0, -32, 10**9, 2**40], ("adapter", "r"): [0, -1, 10**9],
-    ("data", "seq_len"): [8, 0, 10**12], ("data", "num_proc"): [0, 10**9], ("output", "save_steps"): [-1, 10**15],
-    ("output", "keep_checkpoints"): [0, 10**12], ("output", "log_steps"): [0, 10**13], ("output", "eval_steps"): [-5, 10**14],
-    ("train", "seed"): [-1, 2**64], ("data", "datasets", 0, "samples"): [0, -3, 10**15],
+    ("train", "max_steps"): [0, -1, 10**12, 10**30],
+    ("train", "warmup_steps"): [-1, 10**12, 10**30],
+    ("train", "global_batch_size"): [0, -32, 10**9, 2**40],
+    ("adapter", "r"): [0, -1, 10**9],
+    ("data", "seq_len"): [8, 0, 10**12],
+    ("data", "num_proc"): [0, 10**9],
+    ("output", "save_steps"): [-1, 10**15],
+    ("output", "keep_checkpoints"): [0, 10**12],
+    ("output", "log_steps"): [0, 10**13],
+    ("output", "eval_steps"): [-5, 10**14],
+    ("train", "seed"): [-1, 2**64],
+    ("data", "datasets", 0, "samples"): [0, -3, 10**15],
 }
 FLOATS = {
-    ("train", "lr"): [-1e-4, 0, 1e5, 1e30], ("train", "weight_decay"): [-0.1, 1e9], ("train", "max_grad_norm"): [-1.0, 1e30],
-    ("train", "warmup_ratio"): [1.5, -0.1], ("adapter", "alpha"): [0, -1, 1e30], ("adapter", "dropout"): [1.0, -0.5],
-    ("distributed", "timeout_minutes"): [0, -5, 1e30], ("data", "datasets", 0, "weight"): [0, -1, 1e30],
-    ("train", "epochs"): [0, -1, 1e30], ("data", "validation"): [1.0, -0.1, 5],
+    ("train", "lr"): [-1e-4, 0, 1e5, 1e30],
+    ("train", "weight_decay"): [-0.1, 1e9],
+    ("train", "max_grad_norm"): [-1.0, 1e30],
+    ("train", "warmup_ratio"): [1.5, -0.1],
+    ("adapter", "alpha"): [0, -1, 1e30],
+    ("adapter", "dropout"): [1.0, -0.5],
+    ("distributed", "timeout_minutes"): [0, -5, 1e30],
+    ("data", "datasets", 0, "weight"): [0, -1, 1e30],
+    ("train", "epochs"): [0, -1, 1e30],
+    ("data", "validation"): [1.0, -0.1, 5],
 }
 ENUMS = {
-    ("train", "scheduler"): "cosine", ("train", "optimizer"): "adamw_torch", ("train", "precision"): "bf16",
-    ("adapter", "type"): "lora", ("data", "train_on"): "assistant", ("data", "overlong"): "truncate",
-    ("distributed", "backend"): "fsdp", ("distributed", "sharding"): "zero3", ("distributed", "offload"): "optimizer",
-    ("model", "dtype"): "bf16", ("model", "attn_implementation"): "sdpa", ("data", "template"): "chatml",
-    ("quantization", "type"): "nf4", ("output", "resume"): "auto", ("data", "datasets", 0, "format"): "chat",
+    ("train", "scheduler"): "cosine",
+    ("train", "optimizer"): "adamw_torch",
+    ("train", "precision"): "bf16",
+    ("adapter", "type"): "lora",
+    ("data", "train_on"): "assistant",
+    ("data", "overlong"): "truncate",
+    ("distributed", "backend"): "fsdp",
+    ("distributed", "sharding"): "zero3",
+    ("distributed", "offload"): "optimizer",
+    ("model", "dtype"): "bf16",
+    ("model", "attn_implementation"): "sdpa",
+    ("data", "template"): "chatml",
+    ("quantization", "type"): "nf4",
+    ("output", "resume"): "auto",
+    ("data", "datasets", 0, "format"): "chat",
 }
 STRINGS = [("model", "name"), ("output", "dir"), ("data", "datasets", 0, "path"), ("model", "revision")]
 BOOLS = [("data", "packing"), ("model", "trust_remote_code"), ("adapter", "dora")]
-METHOD = {"dpo": {"beta": [0, -1, 1e30]}, "grpo": {"num_generations": [1, 0, 10**9], "temperature": [0, 1e30], "top_p": [0, 1.5]}}
+METHOD = {
+    "dpo": {"beta": [0, -1, 1e30]},
+    "grpo": {"num_generations": [1, 0, 10**9], "temperature": [0, 1e30], "top_p": [0, 1.5]},
+}
 WRONG = ["lots", [1, 2], {"a": 1}, "", None]
 
 
@@ -113,11 +139,21 @@ class Builder:
         self.data = yaml.safe_load(text)
         self.cases: list[Case] = []
 
-    def add(self, kind: str, body: bytes, *expect: str, args: tuple = (), env: dict | None = None, command: str | None = None) -> None:
+    def add(
+        self,
+        kind: str,
+        body: bytes,
+        *expect: str,
+        args: tuple = (),
+        env: dict | None = None,
+        command: str | None = None,
+    ) -> None:
         command = command or self.rng.choice(("validate", "plan"))
         if command == "plan":
             args = (*args, "--hardware", self.rng.choice(HARDWARE))
-        self.cases.append(Case(f"{self.seed}/{kind}/{len(self.cases)}", body, tuple(expect), command, tuple(args), dict(env or {})))
+        self.cases.append(
+            Case(f"{self.seed}/{kind}/{len(self.cases)}", body, tuple(expect), command, tuple(args), dict(env or {}))
+        )
 
     def value(self, path: tuple, value, kind: str) -> None:
         self.add(kind, dump(put(self.data, path, value)), key_re(path))
@@ -136,7 +172,9 @@ def numbers(b: Builder) -> None:
     for path, bad in FLOATS.items():
         b.value(path, True, "bool-for-float")
         b.value(path, r.choice(WRONG[:3]), "wrong-type-float")
-        b.raw_value(path, r.choice([".inf", ".nan", "-.inf"]) if r.random() < 0.3 else repr(r.choice(bad)), "float-out-of-range")
+        b.raw_value(
+            path, r.choice([".inf", ".nan", "-.inf"]) if r.random() < 0.3 else repr(r.choice(bad)), "float-out-of-range"
+        )
     method = b.data.get("method", {}).get("name")
     for key, bad in METHOD.get(method, {}).items():
         b.value(("method", key), r.choice(bad), "method-out-of-range")
@@ -169,8 +207,20 @@ def keys(b: Builder) -> None:
     b.value(("output", "seq_len"), 512, "wrong-section-key")
     junk = r.choice(["trainn", "x" * 2000, "__class__", "model\0"])
     b.add("unknown-section", dump(put(b.data, (junk,), {"a": 1})), re.escape(junk[:12]))
-    for path in r.sample([("model", "name"), ("model",), ("data",), ("data", "datasets"), ("output",), ("output", "dir"),
-                          ("data", "datasets", 0, "format"), ("data", "datasets", 0, "path"), ("method", "name")], 3):
+    for path in r.sample(
+        [
+            ("model", "name"),
+            ("model",),
+            ("data",),
+            ("data", "datasets"),
+            ("output",),
+            ("output", "dir"),
+            ("data", "datasets", 0, "format"),
+            ("data", "datasets", 0, "path"),
+            ("method", "name"),
+        ],
+        3,
+    ):
         try:
             body = dump(drop(b.data, path))
         except (KeyError, IndexError, TypeError):
@@ -185,7 +235,18 @@ def generate(seed: int = 0) -> list[Case]:
     for name in SEEDS:
         text = (REPO / "examples" / "yaml" / f"{name}.yaml").read_text(encoding="utf-8")
         b = Builder(rng, name, text)
-        for family in (numbers, choices, keys, raw.huge_numbers, raw.broken, raw.bytes_, raw.bombs, raw.tags, raw.env, raw.overrides):
+        for family in (
+            numbers,
+            choices,
+            keys,
+            raw.huge_numbers,
+            raw.broken,
+            raw.bytes_,
+            raw.bombs,
+            raw.tags,
+            raw.env,
+            raw.overrides,
+        ):
             family(b)
         cases += b.cases
     return cases

@@ -88,7 +88,13 @@ def record_cases() -> list[Case]:
     c = line_case
     return [
         c("chat_content_number", "chat", 31, chat(U, {"role": "assistant", "content": 5}), "must be a string"),
-        c("chat_content_parts", "chat", 12, chat(U, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}), "string"),
+        c(
+            "chat_content_parts",
+            "chat",
+            12,
+            chat(U, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}),
+            "string",
+        ),
         c("chat_role_unknown", "chat", 7, chat({"role": "robot", "content": "x"}, A), "unknown role"),
         c("chat_role_number", "chat", 8, chat({"role": 3, "content": "x"}, A), "role"),
         c("chat_messages_empty", "chat", 9, chat(), "empty"),
@@ -99,13 +105,25 @@ def record_cases() -> list[Case]:
         c("chat_message_no_content", "chat", 15, chat({"role": "user"}, A), "content"),
         c("chat_no_assistant", "chat", 16, chat(U, U), "assistant"),
         c("chat_assistant_first", "chat", 17, chat(A, U, A), "assistant"),
-        c("chat_sharegpt_bad_from", "chat", 18, {"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]}, "role"),
+        c(
+            "chat_sharegpt_bad_from",
+            "chat",
+            18,
+            {"conversations": [{"from": "alien", "value": "x"}, {"from": "gpt", "value": "y"}]},
+            "role",
+        ),
         c("chat_record_list", "chat", 5, [1, 2, 3], "object"),
         c("chat_record_number", "chat", 6, 42, "object"),
         c("chat_record_string", "chat", 19, "just text", "object"),
         c("chat_record_null", "chat", 20, None, "object"),
         c("chat_origin_reserved", "chat", 21, {**good("chat", 0), "_origin": "x"}, "reserved"),
-        c("chat_lone_surrogate", "chat", 22, b'{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "c"}]}', "surrogate|UTF"),
+        c(
+            "chat_lone_surrogate",
+            "chat",
+            22,
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}, {"role": "assistant", "content": "c"}]}',
+            "surrogate|UTF",
+        ),
         c("instruction_output_missing", "instruction", 12, without("instruction", "output"), "output"),
         c("instruction_output_number", "instruction", 23, with_value("instruction", "output", 12), "text"),
         c("instruction_instruction_empty", "instruction", 24, with_value("instruction", "instruction", "  "), "empty"),
@@ -114,16 +132,47 @@ def record_cases() -> list[Case]:
         c("completion_text_empty", "completion", 27, {"text": ""}, "empty"),
         c("completion_text_missing", "completion", 28, {"body": "x"}, "text"),
         c("completion_text_nan", "completion", 29, b'{"text": NaN}', "NaN"),
-        c("prompt_completion_number", "prompt_completion", 31, with_value("prompt_completion", "completion", 5), "text"),
-        c("prompt_completion_null", "prompt_completion", 32, with_value("prompt_completion", "completion", None), "null"),
-        c("prompt_completion_dict", "prompt_completion", 33, with_value("prompt_completion", "prompt", {"a": 1}), "text"),
+        c(
+            "prompt_completion_number",
+            "prompt_completion",
+            31,
+            with_value("prompt_completion", "completion", 5),
+            "text",
+        ),
+        c(
+            "prompt_completion_null",
+            "prompt_completion",
+            32,
+            with_value("prompt_completion", "completion", None),
+            "null",
+        ),
+        c(
+            "prompt_completion_dict",
+            "prompt_completion",
+            33,
+            with_value("prompt_completion", "prompt", {"a": 1}),
+            "text",
+        ),
         c("preference_no_rejected", "preference", 8, without("preference", "rejected"), "rejected"),
         c("preference_rejected_number", "preference", 34, with_value("preference", "rejected", 1), "rejected"),
         c("preference_chosen_user_only", "preference", 35, with_value("preference", "chosen", [U]), "assistant"),
         c("preference_prompt_empty", "preference", 36, with_value("preference", "prompt", ""), "empty"),
-        c("prompt_only_prompt_number", "prompt_only", 37, with_value("prompt_only", "prompt", 7), "list of messages|number"),
+        c(
+            "prompt_only_prompt_number",
+            "prompt_only",
+            37,
+            with_value("prompt_only", "prompt", 7),
+            "list of messages|number",
+        ),
         c("prompt_only_prompt_empty_list", "prompt_only", 38, with_value("prompt_only", "prompt", []), "empty"),
-        c("chat_column_mapping_missing", "chat", 1, {"dialog": [U, A]}, "convo", source={"columns": {"messages": "convo"}}),
+        c(
+            "chat_column_mapping_missing",
+            "chat",
+            1,
+            {"dialog": [U, A]},
+            "convo",
+            source={"columns": {"messages": "convo"}},
+        ),
     ]
 
 
@@ -150,7 +199,9 @@ def syntax_cases() -> list[Case]:
         c("json_huge_line", "completion", 3, b'{"text": "' + b"x" * (50 << 20) + b'"}', "MiB|MB|limit"),
         c("json_unterminated_huge", "completion", 2, b'{"text": "' + b"y" * (2 << 20), "JSON"),
         Case("json_crlf_bad_line", "crlf.jsonl", jsonl("chat", {12: b"{broken"}, eol=b"\r\n"), "chat", 12, ("JSON",)),
-        Case("json_blank_lines_before_bad", "blank.jsonl", b"\n\n" + jsonl("chat", {8: b"[nope"}), "chat", 10, ("JSON",)),
+        Case(
+            "json_blank_lines_before_bad", "blank.jsonl", b"\n\n" + jsonl("chat", {8: b"[nope"}), "chat", 10, ("JSON",)
+        ),
     ]
 
 
@@ -183,22 +234,61 @@ def file_cases() -> list[Case]:
         Case("utf16_jsonl", "wide.jsonl", body.decode().encode("utf-16"), expect=("UTF-16",)),
         Case("utf16_no_bom_jsonl", "wide2.jsonl", body.decode().encode("utf-16-le"), expect=("UTF-16",)),
         Case("parquet_named_jsonl", "table.jsonl", _parquet([good("chat", 1)]), expect=("parquet",)),
-        Case("csv_ragged", "ragged.csv", _csv(rows[:5] + [["q", "a", "extra"]] + rows[5:]), "prompt_completion", 5, ("values",)),
+        Case(
+            "csv_ragged",
+            "ragged.csv",
+            _csv(rows[:5] + [["q", "a", "extra"]] + rows[5:]),
+            "prompt_completion",
+            5,
+            ("values",),
+        ),
         Case("csv_short_row", "short.csv", _csv(rows[:3] + [["only"]] + rows[3:]), "prompt_completion", 3, ("values",)),
-        Case("csv_duplicate_header", "dup.csv", _csv([["prompt", "prompt"]] + rows[1:]), "prompt_completion", None, ("repeats",)),
-        Case("csv_empty_header", "nohead.csv", _csv([["prompt", ""]] + rows[1:]), "prompt_completion", None, ("no name",)),
+        Case(
+            "csv_duplicate_header",
+            "dup.csv",
+            _csv([["prompt", "prompt"]] + rows[1:]),
+            "prompt_completion",
+            None,
+            ("repeats",),
+        ),
+        Case(
+            "csv_empty_header", "nohead.csv", _csv([["prompt", ""]] + rows[1:]), "prompt_completion", None, ("no name",)
+        ),
         Case("csv_header_only", "head.csv", _csv([header]), "prompt_completion", None, ("no records",)),
-        Case("csv_latin1", "latin.csv", "prompt,completion\nq,caf\xe9\n".encode("latin-1"), "prompt_completion", 2, ("UTF-8",)),
+        Case(
+            "csv_latin1",
+            "latin.csv",
+            "prompt,completion\nq,caf\xe9\n".encode("latin-1"),
+            "prompt_completion",
+            2,
+            ("UTF-8",),
+        ),
         Case("csv_nul", "nul.csv", b"prompt,completion\nq1,a1\nq\x002,a2\n", "prompt_completion", 2, ("NUL",)),
-        Case("csv_unclosed_quote", "quote.csv", b'prompt,completion\nq1,a1\nq2,"a2\nq3,a3\n', "prompt_completion", 3, ("quot",)),
+        Case(
+            "csv_unclosed_quote",
+            "quote.csv",
+            b'prompt,completion\nq1,a1\nq2,"a2\nq3,a3\n',
+            "prompt_completion",
+            3,
+            ("quot",),
+        ),
         Case("csv_bad_messages_json", "msgs.csv", b'messages\n"[{""role"": ""user"""\n', "chat", 1, ("JSON",)),
         Case("json_list_missing_comma", "list.json", b'[\n{"text": "a"}\n{"text": "b"}\n]', "completion", 3, ("JSON",)),
         Case("json_list_of_numbers", "nums.json", b"[1, 2, 3]", "completion", 1, ("object",)),
         Case("json_list_deep", "deep.json", b"[" + deep(100_000) + b"]", "completion", 1, ("deep|nest",)),
         Case("json_list_unclosed", "open.json", b'[{"text": "a"},\n{"text": "b"}', "completion", 2, ("JSON",)),
         Case("parquet_not_parquet", "fake.parquet", b"this is not parquet\n", "completion", None, ("parquet",)),
-        Case("parquet_truncated", "cut.parquet", _parquet([good("completion", i) for i in range(20)])[:300], "completion", None, ("parquet",)),
-        Case("parquet_wrong_type", "types.parquet", _parquet([{"text": i} for i in range(5)]), "completion", 1, ("text",)),
+        Case(
+            "parquet_truncated",
+            "cut.parquet",
+            _parquet([good("completion", i) for i in range(20)])[:300],
+            "completion",
+            None,
+            ("parquet",),
+        ),
+        Case(
+            "parquet_wrong_type", "types.parquet", _parquet([{"text": i} for i in range(5)]), "completion", 1, ("text",)
+        ),
         Case("txt_latin1", "notes.txt", "ok\ncaf\xe9\n".encode("latin-1"), "completion", 2, ("UTF-8",)),
         Case("txt_binary", "blob.txt", binary, "completion", None, ("binary|UTF-8",)),
     ]
@@ -221,29 +311,71 @@ def path_cases() -> list[Case]:
 def skip_cases() -> list[Case]:
     """data.skip_bad_records: bad records are counted and named; a source with nothing usable is an error."""
     skip = {"skip_bad_records": True}
-    mixed = jsonl("chat", {3: b"{broken", 31: json.dumps(chat(U, {"role": "assistant", "content": 5})).encode(), 33: json.dumps(chat(U, U)).encode()})
+    mixed = jsonl(
+        "chat",
+        {
+            3: b"{broken",
+            31: json.dumps(chat(U, {"role": "assistant", "content": 5})).encode(),
+            33: json.dumps(chat(U, U)).encode(),
+        },
+    )
     return [
         Case("skip_some_bad", "some.jsonl", mixed, "chat", 3, (r"skip",), data=skip, ok=True),
         Case("skip_all_unparsable", "all.jsonl", b"{x\n{y\n{z\n", "chat", 1, ("no usable|bad",), data=skip),
-        Case("skip_all_unnormalizable", "nouse.jsonl", b"\n".join(json.dumps(chat(U, U)).encode() for _ in range(5)) + b"\n", "chat", 1,
-             ("no usable|assistant",), data=skip),
-        Case("skip_all_wrong_type", "wrong.jsonl", b"\n".join(json.dumps({"text": i}).encode() for i in range(5)) + b"\n", "completion", 1,
-             ("no usable|text",), data=skip),
+        Case(
+            "skip_all_unnormalizable",
+            "nouse.jsonl",
+            b"\n".join(json.dumps(chat(U, U)).encode() for _ in range(5)) + b"\n",
+            "chat",
+            1,
+            ("no usable|assistant",),
+            data=skip,
+        ),
+        Case(
+            "skip_all_wrong_type",
+            "wrong.jsonl",
+            b"\n".join(json.dumps({"text": i}).encode() for i in range(5)) + b"\n",
+            "completion",
+            1,
+            ("no usable|text",),
+            data=skip,
+        ),
     ]
 
 
 def long_cases() -> list[Case]:
     """Valid but long records: prepared (truncated or dropped per data.overlong) in bounded time."""
-    turns = [m for i in range(2000) for m in ({"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"})]
+    turns = [
+        m
+        for i in range(2000)
+        for m in ({"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"})
+    ]
     long_conv = json.dumps({"messages": turns}).encode()
     big_text = json.dumps({"text": "word " * 400_000}).encode()  # 2 MB, under the line limit
     return [
         Case("bom_first_line", "bom.jsonl", b"\xef\xbb\xbf" + jsonl("chat", {}), ok=True),
         Case("long_conversation", "long.jsonl", jsonl("chat", {3: long_conv}), ok=True),
-        Case("long_conversation_drop", "longdrop.jsonl", jsonl("chat", {3: long_conv}), ok=True, data={"overlong": "drop"}),
-        Case("long_conversation_last", "longlast.jsonl", jsonl("chat", {3: long_conv}), ok=True, data={"train_on": "last_assistant"}),
+        Case(
+            "long_conversation_drop",
+            "longdrop.jsonl",
+            jsonl("chat", {3: long_conv}),
+            ok=True,
+            data={"overlong": "drop"},
+        ),
+        Case(
+            "long_conversation_last",
+            "longlast.jsonl",
+            jsonl("chat", {3: long_conv}),
+            ok=True,
+            data={"train_on": "last_assistant"},
+        ),
         Case("long_text", "longtext.jsonl", jsonl("completion", {2: big_text}), "completion", ok=True),
-        Case("long_assistant_message", "longmsg.jsonl", jsonl("chat", {2: json.dumps(chat(U, {"role": "assistant", "content": "w " * 1_000_000})).encode()}), ok=True),
+        Case(
+            "long_assistant_message",
+            "longmsg.jsonl",
+            jsonl("chat", {2: json.dumps(chat(U, {"role": "assistant", "content": "w " * 1_000_000})).encode()}),
+            ok=True,
+        ),
     ]
 
 

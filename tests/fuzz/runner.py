@@ -69,8 +69,13 @@ def run_case(case: Case, path: Path, timeout: float = 20.0) -> Outcome:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     seconds = time.monotonic() - start
-    return Outcome(case, _verdict(case, path, result, out.getvalue()), result if isinstance(result, int) else None, seconds,
-                   out.getvalue() if isinstance(result, int) else f"{result}\n{out.getvalue()}")
+    return Outcome(
+        case,
+        _verdict(case, path, result, out.getvalue()),
+        result if isinstance(result, int) else None,
+        seconds,
+        out.getvalue() if isinstance(result, int) else f"{result}\n{out.getvalue()}",
+    )
 
 
 def _verdict(case: Case, path: Path, result: int | str, output: str) -> str:
@@ -101,22 +106,31 @@ def summary(outcomes: list[Outcome]) -> dict:
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o.verdict] = counts.get(o.verdict, 0) + 1
-    return {"cases": len(outcomes), **counts, "slowest_s": round(max(o.seconds for o in outcomes), 2),
-            "total_s": round(sum(o.seconds for o in outcomes), 1)}
+    return {
+        "cases": len(outcomes),
+        **counts,
+        "slowest_s": round(max(o.seconds for o in outcomes), 2),
+        "total_s": round(sum(o.seconds for o in outcomes), 1),
+    }
 
 
 def main() -> None:
     import resource
     import tempfile
 
-    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))  # an alias bomb stops with MemoryError, not the machine
+    resource.setrlimit(
+        resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30)
+    )  # an alias bomb stops with MemoryError, not the machine
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     verbose = "-v" in sys.argv
 
     def show(o: Outcome) -> None:
         if verbose and o.verdict != "ok":
-            print(f"{o.verdict:12} {o.seconds:6.2f}s {o.case.name} {o.case.command} {o.case.args[:2]!s:.80} :: {o.output[-300:]!r}")
+            print(
+                f"{o.verdict:12} {o.seconds:6.2f}s {o.case.name} {o.case.command} {o.case.args[:2]!s:.80} :: "
+                f"{o.output[-300:]!r}"
+            )
 
     with tempfile.TemporaryDirectory() as tmp:
         outcomes = run_all(generate(), Path(tmp), progress=show)

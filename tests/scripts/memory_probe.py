@@ -2,41 +2,83 @@
 
 python tests/scripts/memory_probe.py full|lora  -> prints one JSON line: measured, estimated, breakdown
 """
-import json, os, resource, sys, tempfile
+
+import json
+import os
+import resource
+import sys
+import tempfile
 from pathlib import Path
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 from transformers import LlamaConfig, LlamaForCausalLM
-from finetune.tiny import build_tokenizer, write_jsonl
+
 from finetune.config import loads
+from finetune.data.preprocess import prepare
 from finetune.hardware import parse
 from finetune.plan import plan
-from finetune.workflow import model_facts
-from finetune.data.preprocess import prepare
+from finetune.tiny import build_tokenizer, write_jsonl
 from finetune.train import setup, train_step
+from finetune.workflow import model_facts
 
 tmp = Path(tempfile.mkdtemp())
 tok = build_tokenizer()
-cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
-                  max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-LlamaForCausalLM(cfg).save_pretrained(tmp / "model"); tok.save_pretrained(tmp / "model")
-long = [{"messages": [{"role": "user", "content": "word " * 20}, {"role": "assistant", "content": "the model learns " * 25}]} for _ in range(64)]
+cfg = LlamaConfig(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    pad_token_id=tok.pad_token_id,
+    eos_token_id=tok.eos_token_id,
+)
+LlamaForCausalLM(cfg).save_pretrained(tmp / "model")
+tok.save_pretrained(tmp / "model")
+long = [
+    {
+        "messages": [
+            {"role": "user", "content": "word " * 20},
+            {"role": "assistant", "content": "the model learns " * 25},
+        ]
+    }
+    for _ in range(64)
+]
 data = write_jsonl(long, tmp / "d.jsonl")
 adapter = sys.argv[1]  # full | lora
 text = f"""
-model: {{name: {tmp / 'model'}}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / 'cache'}, packing: true}}
+model: {{name: {tmp / "model"}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / "cache"}, packing: true}}
 adapter: {{type: {adapter}}}
 train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 3, gradient_checkpointing: false}}
-output: {{dir: {tmp / 'run'}}}
+output: {{dir: {tmp / "run"}}}
 """
 config = loads(text)
 p = plan(config, parse("cpu"), model_facts(config.model))
 prepared = prepare(config)
+
+
 def rss():
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS"): return int(line.split()[1]) * 1024
+        if line.startswith("VmRSS"):
+            return int(line.split()[1]) * 1024
+
+
 base = rss()
 job = setup(config, p, prepared)
-for _ in range(3): train_step(job)
+for _ in range(3):
+    train_step(job)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"measured": peak - base, "estimated": p.estimate.device_bytes, "breakdown": p.estimate.device, "base": base, "peak": peak}))
+print(
+    json.dumps(
+        {
+            "measured": peak - base,
+            "estimated": p.estimate.device_bytes,
+            "breakdown": p.estimate.device,
+            "base": base,
+            "peak": peak,
+        }
+    )
+)

@@ -12,7 +12,8 @@ wrapper, accumulating two micro-batches where each of the 2 sharded ranks takes 
 jobs run one after another in the same processes, single ones first (one start-up for all).
 
 PRECISION is train.precision (and so the 4-bit compute dtype and, sharded, the storage container); `+train-first`
-skips the eval-mode forwards before the step (finetune.compat: they must not change training). `--build` first saves the tiny Llama
+skips the eval-mode forwards before the step (finetune.compat: they must not change training). `--build` first saves the
+tiny Llama
 (hidden 128, intermediate 256: bitsandbytes' 4-bit CPU kernels need multiples of 64). Also runs as one process
 (single jobs only).
 """
@@ -41,9 +42,20 @@ def build(model_dir: Path) -> None:
     from finetune.tiny import build_tokenizer
 
     tok = build_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(str(model_dir))
     tok.save_pretrained(str(model_dir))
@@ -56,7 +68,8 @@ model: {{name: {model_dir}}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {work}/cache}}
 adapter: {{type: qlora, r: 8, alpha: 16, dropout: 0.0}}
 quantization: {{type: nf4}}
-train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: 1, lr: 2.0e-2, scheduler: constant, precision: {precision}}}
+train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: 1, lr: 2.0e-2, scheduler: constant,
+  precision: {precision}}}
 distributed: {{backend: {backend}, sharding: {sharding}}}
 output: {{dir: {work}/out-{backend}, log_steps: 1, save_steps: 0}}
 """
@@ -91,7 +104,10 @@ def base_weights(job) -> tuple[dict, dict]:
         gathered = contextlib.nullcontext()
     held = {n.removeprefix("module."): _held_fraction(m.weight) for n, m in modules.items()}
     with gathered:
-        whole = {n.removeprefix("module."): m.weight.detach().reshape(-1).view(torch.uint8).cpu().clone() for n, m in modules.items()}
+        whole = {
+            n.removeprefix("module."): m.weight.detach().reshape(-1).view(torch.uint8).cpu().clone()
+            for n, m in modules.items()
+        }
     return whole, held
 
 
@@ -135,16 +151,29 @@ def run_job(args, backend: str, name: str) -> dict:
     job = setup(config, job_plan, prepared)
     ids = torch.randint(0, len(prepared.tokenizer), (ROWS, SEQ), generator=torch.Generator().manual_seed(0))
     weights, held = base_weights(job)
-    if option == "train-first":  # no eval-mode forward before the step: what an eval forward may change shows as a difference
+    if (
+        option == "train-first"
+    ):  # no eval-mode forward before the step: what an eval forward may change shows as a difference
         before = again = None
     else:
         before = logits(job, ids)
         again = logits(job, ids)  # what a forward pass changed in place (layouts, quant state) shows here
     metrics = train_step(job)
     after = logits(job, ids)
-    out = {"before": before, "again": again, "after": after, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
-           "weights": weights, "held": held, "backend": job_plan.backend, "sharding": job_plan.sharding, "world_size": job_plan.world_size,
-           "quant_storage": job_plan.quant_storage, "accumulation": job_plan.gradient_accumulation_steps}
+    out = {
+        "before": before,
+        "again": again,
+        "after": after,
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "weights": weights,
+        "held": held,
+        "backend": job_plan.backend,
+        "sharding": job_plan.sharding,
+        "world_size": job_plan.world_size,
+        "quant_storage": job_plan.quant_storage,
+        "accumulation": job_plan.gradient_accumulation_steps,
+    }
     rank = job.runtime.rank
     del job
     gc.collect()
@@ -155,19 +184,27 @@ def main() -> None:
     p = argparse.ArgumentParser()
     for name in ("model", "data", "work", "out"):
         p.add_argument(name)
-    p.add_argument("--jobs", default="single/bf16,single/fp32", help="comma-separated BACKEND/PRECISION[+train-first], run in this order")
+    p.add_argument(
+        "--jobs",
+        default="single/bf16,single/fp32",
+        help="comma-separated BACKEND/PRECISION[+train-first], run in this order",
+    )
     p.add_argument("--build", action="store_true", help="first save the tiny model to MODEL")
     args = p.parse_args()
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: the group ft's setup joins, for the build's barrier already
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+    ):  # under torchrun: the group ft's setup joins, for the build's barrier already
         torch.distributed.init_process_group("gloo")
     rank = int(os.environ.get("RANK", "0"))
     if args.build and rank == 0:
         build(Path(args.model))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    jobs = [j for j in args.jobs.split(",") if rank == 0 or not j.startswith("single/")]  # a world-1 job runs on rank 0 only
+    jobs = [
+        j for j in args.jobs.split(",") if rank == 0 or not j.startswith("single/")
+    ]  # a world-1 job runs on rank 0 only
     results = {job: run_job(args, *job.split("/")) for job in jobs}
     if rank == 0:
         torch.save(results, args.out)

@@ -3,6 +3,7 @@ model resolver made to fail if called; then reports which parts of ft it importe
 
 torchrun ... tests/scripts/rank_imports.py RUN_DIR OUT_PREFIX  -> OUT_PREFIX-RANK.json: {"modules": [...]}
 """
+
 import json
 import os
 import sys

@@ -4,9 +4,11 @@ python tests/scripts/sharded_load_probe.py HARDWARE OUT CONFIG [CONFIG ...] [--w
 (under torchrun for several ranks). Each job runs in turn in the same process; each rank prints one line
 `PROBE {json}` per job: its peak resident memory (VmHWM) before and after building the job (meaningful for
 the first job only: the peak never goes down), the loss of one training step, and what its reference
-model's parameters are; the same report goes to OUT/probe-<job>-rank<rank>.json. With --weights, rank 0 writes OUT/weights-<i>.pt for job i: every parameter
+model's parameters are; the same report goes to OUT/probe-<job>-rank<rank>.json. With --weights, rank 0 writes
+OUT/weights-<i>.pt for job i: every parameter
 gathered whole, and the logits of a fixed input, to compare with a one-process run of the same job.
 """
+
 import dataclasses
 import gc
 import json
@@ -25,6 +27,7 @@ from finetune.hardware import parse  # noqa: E402
 from finetune.plan import plan  # noqa: E402
 from finetune.train import autocast, setup, train_step  # noqa: E402
 from finetune.workflow import model_facts  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test imports this file as a module
 from probe_common import peak_rss  # noqa: E402
 
@@ -33,7 +36,15 @@ def whole(p: torch.Tensor) -> torch.Tensor:
     return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
 
 
-def run_job(config_path, hardware: str, out: Path, index: int = 0, weights: bool = False, step: bool = True, generation: str | None = None) -> dict:
+def run_job(
+    config_path,
+    hardware: str,
+    out: Path,
+    index: int = 0,
+    weights: bool = False,
+    step: bool = True,
+    generation: str | None = None,
+) -> dict:
     """Build one job as a rank of `hardware` would, optionally gather its weights, take one step; returns the report."""
     config = load(config_path)
     prepared = prepare(config)
@@ -56,8 +67,16 @@ def run_job(config_path, hardware: str, out: Path, index: int = 0, weights: bool
     ref = next(reference.parameters()) if reference is not None else None
     metrics = train_step(job) if step else {}
     job.runtime.barrier()
-    report = {"rank": job.runtime.rank, "job": index, "before": before, "loaded": loaded, "stepped": peak_rss(), "loss": metrics.get("loss"),
-              "loading": job_plan.loading, "reference": None if ref is None else f"{type(ref).__name__} {str(ref.dtype).removeprefix('torch.')}"}
+    report = {
+        "rank": job.runtime.rank,
+        "job": index,
+        "before": before,
+        "loaded": loaded,
+        "stepped": peak_rss(),
+        "loss": metrics.get("loss"),
+        "loading": job_plan.loading,
+        "reference": None if ref is None else f"{type(ref).__name__} {str(ref.dtype).removeprefix('torch.')}",
+    }
     del job, reference, ref
     gc.collect()
     return report
@@ -70,7 +89,9 @@ def main() -> None:
     configs = [a for a in sys.argv[3:] if not a.startswith("--")]
     generation = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--generation=")), None)
     for i, config_path in enumerate(configs):
-        report = run_job(config_path, hardware, out, i, "--weights" in sys.argv, "--no-step" not in sys.argv, generation)
+        report = run_job(
+            config_path, hardware, out, i, "--weights" in sys.argv, "--no-step" not in sys.argv, generation
+        )
         (out / f"probe-{i}-rank{report['rank']}.json").write_text(json.dumps(report))
         print("PROBE " + json.dumps(report), flush=True)
     if launched() and torch.distributed.is_initialized():

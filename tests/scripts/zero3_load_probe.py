@@ -9,6 +9,7 @@ partitioned, the elements this rank holds, the reference model's kind, and with 
 deepspeed.initialize partitions it). @weights: rank 0 writes OUT/weights-JOB.pt with every parameter whole, and the
 names that the final save (`full_state_dict(trainable_only=True)`) gathered; @step: one training step.
 """
+
 import dataclasses
 import gc
 import json
@@ -27,6 +28,7 @@ from finetune.hardware import parse  # noqa: E402
 from finetune.plan import plan  # noqa: E402
 from finetune.train import setup, train_step  # noqa: E402
 from finetune.workflow import model_facts  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when a test imports this file as a module
 from probe_common import peak_rss  # noqa: E402
 
@@ -80,17 +82,26 @@ def run_job(config_path: str, hardware: str, out: Path, index: int, replica=Fals
     before = peak_rss()
     job = setup(config, job_plan, prepared)
     params = list(job.inner.parameters())
-    report = {"job": index, "rank": job.runtime.rank, "before": before, "loaded": peak_rss(), "loading": job_plan.loading,
-              "partitioned": all(hasattr(p, "ds_id") for p in params), "reference": reference_kind(job.method),
-              "held": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
-              "total": sum(getattr(p, "ds_numel", p.numel()) for p in params)}
+    report = {
+        "job": index,
+        "rank": job.runtime.rank,
+        "before": before,
+        "loaded": peak_rss(),
+        "loading": job_plan.loading,
+        "partitioned": all(hasattr(p, "ds_id") for p in params),
+        "reference": reference_kind(job.method),
+        "held": sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params),
+        "total": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+    }
     if weights:
         whole = whole_weights(job.inner)
         saved = gathers_of_final_save(job.engine) if job_plan.backend == "deepspeed" else None
         if job.runtime.is_main:
             trainable = [n for n, p in job.inner.named_parameters() if p.requires_grad]
-            torch.save({"weights": whole, "final_save_gathers": saved, "trainable": trainable, "loading": job_plan.loading},
-                       out / f"weights-{index}.pt")
+            torch.save(
+                {"weights": whole, "final_save_gathers": saved, "trainable": trainable, "loading": job_plan.loading},
+                out / f"weights-{index}.pt",
+            )
     if step:
         report["loss"] = train_step(job)["loss"]
     (out / f"probe-{index}-rank{job.runtime.rank}.json").write_text(json.dumps(report))
@@ -106,7 +117,15 @@ def main() -> None:
     hardware, out = sys.argv[1], Path(sys.argv[2])
     jobs = [a.split("@") for a in sys.argv[3:] if not a.startswith("--")]
     for i, (config_path, *options) in enumerate(jobs):
-        run_job(config_path, hardware, out, i, replica="--replica" in sys.argv, weights="weights" in options, step="step" in options)
+        run_job(
+            config_path,
+            hardware,
+            out,
+            i,
+            replica="--replica" in sys.argv,
+            weights="weights" in options,
+            step="step" in options,
+        )
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
