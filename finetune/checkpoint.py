@@ -1,13 +1,14 @@
-"""Checkpoints: written atomically, newest K kept, everything needed to resume exactly.
+"""Checkpoints: written atomically by every rank, newest K kept, everything needed to resume exactly.
 
 RUN/checkpoints/step-00000100/
-    trainable.safetensors   the parameters being trained (adapter weights, or the whole model)
-    optimizer.pt, scheduler.pt, rng.pt
-    state.json              step, data position, tokens seen, ... (written last: its presence marks a complete
-    checkpoint)
-A checkpoint is written into a hidden temporary folder and renamed into place, so a crash or a full
-disk mid-save never leaves a folder that looks complete, and older checkpoints are deleted only
-after the new one is in place.
+    ...                     what the engine writes: its checkpoint format (distributed/engine.py `Engine.save`)
+    scheduler.pt            the learning-rate schedule
+    rng-<RANK>.pt           each rank's RNG state
+    state.json              step, data position, tokens seen, the engine's `format`, ... (written last)
+A checkpoint is written into a hidden temporary folder and renamed into place once every rank has written
+its part, so a crash or a full disk mid-save never leaves a folder that looks complete, and older
+checkpoints are deleted only after the new one is in place. This module knows nothing of what an engine
+writes; the engine knows nothing of the folder's naming, completion or rotation.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def latest(run_dir: Path) -> Path | None:
     found = checkpoints(run_dir)
     return found[-1] if found else None
-
-
-def trainable_state(model) -> dict:
-    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def rng_state() -> dict:
@@ -94,36 +91,68 @@ def load_tensors(path: Path):
         ) from None
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, state: dict, keep: int) -> Path:
-    """Write checkpoint `step`; on any failure remove the partial folder and keep the earlier ones."""
-    import torch
-    from safetensors.torch import save_file
-
+def save(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> Path:
+    """Write checkpoint `step`, called on every rank: rank 0 prepares a hidden folder, every rank writes its part
+    (the engine's, and its RNG state), rank 0 adds the schedule and state.json and renames the folder into place,
+    then deletes all but the newest `keep`. After each stage the ranks agree whether all succeeded: on any failure
+    the partial folder is removed, the earlier checkpoints are kept, and every rank raises."""
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    try:
-        tmp.mkdir()
-        save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
-        shutil.rmtree(tmp, ignore_errors=True)
-        kept = ", ".join(p.name for p in checkpoints(run_dir)) or "none"
-        raise FtError(
-            f"saving checkpoint step {step} to {root} failed: {write_failure(e, root)}. The partial checkpoint was "
-            "removed; earlier checkpoints "
-            f"are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume with --resume"
-        ) from None
-    for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    main = runtime.is_main
+    _stage(runtime, step, tmp, (lambda: _fresh(tmp)) if main else None)
+    _stage(runtime, step, tmp, lambda: _write_rank_part(tmp, engine, runtime))
+    _stage(runtime, step, tmp, (lambda: _complete(tmp, final, engine, state, step)) if main else None)
+    if main:
+        for old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fresh(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier attempt at this step
+    tmp.mkdir(parents=True)
+
+
+def _write_rank_part(tmp: Path, engine, runtime) -> None:
+    import torch
+
+    engine.save(tmp, runtime)
+    torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
+
+
+def _complete(tmp: Path, final: Path, engine, state: dict, step: int) -> None:
+    import torch
+
+    torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "format": engine.format}, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _stage(runtime, step: int, tmp: Path, work) -> None:
+    """Run `work` on this rank (None: nothing to do here), then agree over all ranks whether every rank succeeded
+    (each rank reaches the agreement whatever failed, so none waits for a peer that gave up)."""
+    error = None
+    if work is not None:
+        try:
+            work()
+        except Exception as e:
+            error = e
+    if not runtime.any(error is not None):
+        return
+    if runtime.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None and not isinstance(error, (OSError, RuntimeError)):
+        raise error  # not a failed write (torch.save reports one, a full disk, as a RuntimeError): a bug to show whole
+    root = tmp.parent
+    why = write_failure(error, root) if error is not None else "another rank failed to write its part (see its error)"
+    kept = ", ".join(p.name for p in checkpoints(root.parent)) or "none"
+    raise FtError(
+        f"saving checkpoint step {step} to {root} failed on rank {runtime.rank}: {why}. The partial checkpoint was "
+        f"removed; earlier checkpoints are intact ({kept}). Free space (or lower output.keep_checkpoints) and resume "
+        "with --resume"
+    ) from None
 
 
 def write_failure(error: BaseException, where: Path) -> str:
@@ -167,77 +196,49 @@ def atomic_folder(path: Path, what: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_sharded(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> Path:
-    """A sharded (FSDP, DeepSpeed) checkpoint: every rank writes its shards and RNG state into one temporary
-    folder, rank 0 adds the rest and renames it into place once all ranks are done."""
-    import torch
-
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
-    if runtime.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    runtime.barrier()
+def read_state(path: Path) -> dict:
+    """A complete checkpoint's state.json."""
     try:
-        engine.save_shards(tmp)
-        torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
-    except (OSError, RuntimeError) as e:
+        state = json.loads((Path(path) / "state.json").read_text())
+    except (OSError, ValueError) as e:
         raise FtError(
-            f"saving sharded checkpoint step {step} failed on rank {runtime.rank}: {write_failure(e, root)}; "
-            "earlier checkpoints are intact. "
-            "Free space and resume with --resume"
+            f"checkpoint {path}: cannot read state.json ({type(e).__name__}: {e}); it is not a complete ft "
+            "checkpoint: resume from another one (delete this one) or start a new output.dir"
         ) from None
-    runtime.barrier()
-    if runtime.is_main:
-        torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "sharded": True}, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    runtime.barrier()
-    return final
+    if not isinstance(state, dict):
+        raise FtError(f"checkpoint {path}: state.json is not a mapping; resume from another checkpoint")
+    return state
 
 
-def is_sharded(path: Path) -> bool:
-    return (path / "dcp").is_dir() or (path / "deepspeed").is_dir()
-
-
-def load(path: Path, engine, rank: int = 0) -> dict:
-    """Restore a checkpoint into the engine's model, optimizer and scheduler; return its state."""
-    import torch
-    from safetensors.torch import load_file
-
-    if is_sharded(path) != engine.sharded:
+def written_format(path: Path) -> str:
+    """The format of the engine that wrote checkpoint `path`, as recorded in its state.json."""
+    fmt = read_state(path).get("format")
+    if not isinstance(fmt, str):
         raise FtError(
-            f"checkpoint {path} was written by a {'sharded' if is_sharded(path) else 'single-copy'} backend and "
-            "this job's backend is "
-            f"{'sharded' if engine.sharded else 'not'}; resume with the distributed settings it was written with, "
-            "or consolidate it first (ft consolidate)"
+            f"checkpoint {path}: state.json records no format (an earlier version of ft wrote it); resume or "
+            "consolidate it with that version, or start a new output.dir"
         )
-    model, optimizer, scheduler = engine.inner, engine.optimizer, engine.scheduler
-    if is_sharded(path):
-        engine.load_shards(path)
-        scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
-        set_rng_state(load_tensors(path / f"rng-{rank}.pt"))
-        return json.loads((path / "state.json").read_text())
+    return fmt
 
-    weights = load_file(str(path / "trainable.safetensors"))
-    expected = set(trainable_state(model))
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+
+def load(path: Path, engine, runtime) -> dict:
+    """Restore checkpoint `path` on every rank: the engine's part into its model and optimizer, then the schedule and
+    this rank's RNG state; return the saved state. A checkpoint of another format (backend) is refused."""
+    path = Path(path)
+    state, written = read_state(path), written_format(path)
+    if written != engine.format:
         raise FtError(
-            f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the "
-            "config changed since it was written? Resume with the same config, or start a new output.dir"
+            f"checkpoint {path} was written in the {written!r} format and this job's backend reads {engine.format!r}; "
+            "resume with the distributed settings it was written with (distributed.backend and sharding, as in the "
+            "run's plan.json), or consolidate it first (ft consolidate) and start a new run from those weights"
         )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
-    optimizer.load_state_dict(
-        load_tensors(path / "optimizer.pt")
-    )  # the optimizer casts its state to each parameter's device
-    scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
-    set_rng_state(load_tensors(path / "rng.pt"))
-    return json.loads((path / "state.json").read_text())
+    engine.load(path, runtime)
+    engine.scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
+    set_rng_state(load_tensors(_rng_file(path, runtime.rank)))
+    return state
+
+
+def _rng_file(path: Path, rank: int) -> Path:
+    """This rank's RNG state; a rank the checkpoint's job did not have (more ranks now) starts from rank 0's."""
+    own = path / f"rng-{rank}.pt"
+    return own if own.is_file() else path / "rng-0.pt"

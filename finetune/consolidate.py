@@ -2,9 +2,9 @@
 
 The model is built as the run built it (from RUN/config.yaml and RUN/plan.json; a quantized base is
 loaded unquantized, which leaves the adapter's shapes unchanged), the checkpoint's trained tensors are
-loaded into it — a single-copy checkpoint, FSDP's DCP shards or DeepSpeed ZeRO partitions, written by
-any number of ranks — and the adapter (peft format) or the whole model (safetensors) is saved with the
-tokenizer.
+loaded into it by the engine code that owns the checkpoint's format (recorded in its state.json: a single
+copy, FSDP shards or DeepSpeed ZeRO partitions, written by any number of ranks), and the adapter (peft
+format) or the whole model (safetensors) is saved with the tokenizer.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def consolidate(
         raise FtError(f"--out {out} is not empty; choose another folder or pass --overwrite")
     config, plan = _run(run_dir)
     model, tokenizer = _model(config, plan)
-    trained = trained_tensors(ckpt, model)
+    fmt = checkpoint.written_format(ckpt)
+    trained = trained_tensors(ckpt, fmt, model)
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
     covered = {id(params[n]) for n in trained if n in params}
     missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered)[:3]
@@ -50,7 +51,7 @@ def consolidate(
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     (tmp / "consolidated.json").write_text(
-        json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": _format(ckpt)}, indent=2)
+        json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": fmt}, indent=2)
     )
     if out.exists():
         shutil.rmtree(out)
@@ -81,12 +82,12 @@ def _run(run_dir: Path):
     every other decision as planned; no quantization, sharding or process group)."""
     from dataclasses import replace
 
+    from finetune.artifacts import RunFolder
     from finetune.config import load
-    from finetune.workflow import read_plan
 
     config = load(run_dir / "config.yaml")
     plan = replace(
-        read_plan(run_dir),
+        RunFolder(run_dir).plan(),
         quantization="none",
         quant_storage=None,
         precision="fp32",
@@ -115,24 +116,9 @@ def _model(config, plan):
     return model, tokenizer
 
 
-def _format(ckpt: Path) -> str:
-    return "dcp" if (ckpt / "dcp").is_dir() else "deepspeed" if (ckpt / "deepspeed").is_dir() else "single"
+def trained_tensors(ckpt: Path, fmt: str, model) -> dict:
+    """The checkpoint's trained parameters as full CPU tensors, by the names of `model`'s parameters, read by the
+    engine code that owns format `fmt` (distributed/engine.py)."""
+    from finetune.distributed.engine import read_trained
 
-
-def trained_tensors(ckpt: Path, model) -> dict:
-    """The checkpoint's trained parameters as full CPU tensors, by the names of `model`'s parameters."""
-    from safetensors.torch import load_file
-
-    kind = _format(ckpt)
-    if kind == "single":
-        return load_file(str(ckpt / "trainable.safetensors"))
-    if kind == "deepspeed":
-        from finetune.distributed.deepspeed import consolidated_trainable
-
-        return consolidated_trainable(ckpt)
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
-    dcp.load(state, checkpoint_id=str(ckpt / "dcp"))  # one process reads every rank's shards into whole tensors
-    return state["model"]
+    return read_trained(ckpt, fmt, model)

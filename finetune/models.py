@@ -115,7 +115,7 @@ def load_model(
         # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ...
         # device_map")
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    _register_attention(attn)
+    register_attention(attn)
     path = model_path(model)
     try:
         net = AutoModelForCausalLM.from_pretrained(path, revision=model.revision, **kwargs)
@@ -123,7 +123,7 @@ def load_model(
         raise FtError(f"model.name: cannot load {model.name!r}: {str(e).splitlines()[0]}") from None
     if tokenizer is not None:
         resize_embeddings(net, len(tokenizer))
-    return _finish(net, plan)
+    return finish_model(net, plan)
 
 
 def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
@@ -134,7 +134,7 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
 
     folder = weights_folder(model)
     config = AutoConfig.from_pretrained(str(folder), trust_remote_code=model.trust_remote_code)
-    _register_attention(attn)
+    register_attention(attn)
     with torch.device("meta"):
         net = AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code
@@ -143,17 +143,20 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
         net.resize_token_embeddings(
             len(tokenizer), mean_resizing=False
         )  # on meta: shapes only; rows are filled by fill_rows
-    return _finish(net, plan)
+    return finish_model(net, plan)
 
 
-def _register_attention(attn: str) -> None:
+def register_attention(attn: str) -> None:
+    """Make ft's `sdpa_varlen` attention known to transformers before a model is built with it."""
     if attn == "sdpa_varlen":
         from finetune.attention import register
 
         register()
 
 
-def _finish(net, plan):
+def finish_model(net, plan):
+    """A loaded or built model made ready to train as the plan says: no generation cache, 4-bit layers trainable on
+    the CPU, activation checkpointing where planned (every backend's loader ends here)."""
     net.config.use_cache = False
     if plan.quantization == "nf4":
         from finetune.compat import keep_4bit_layers_trainable_on_cpu

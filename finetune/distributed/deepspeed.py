@@ -21,6 +21,8 @@ from finetune.errors import FtError
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 FILE = "deepspeed.json"
+FORMAT = "deepspeed"  # the checkpoint format: DeepSpeed's own layout, every rank's partitions
+_FOLDER, _TAG = "deepspeed", "zero"  # inside a checkpoint folder: DeepSpeed's save_dir and tag
 _AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")
 
 
@@ -166,9 +168,9 @@ def wrap(model, plan, train, distributed, total_steps: int) -> ZeroEngine:
 
 
 class ZeroEngine:
-    """The training loop's view of a DeepSpeed engine (see finetune/distributed/engine.py)."""
+    """The training loop's view of a DeepSpeed engine (finetune/distributed/engine.py's `Engine`)."""
 
-    sharded = True
+    format = FORMAT
 
     def __init__(self, engine, scheduler, stage: int, generation: str = "gather"):
         self.model, self.scheduler, self.stage = engine, scheduler, stage
@@ -211,24 +213,25 @@ class ZeroEngine:
 
         return deepspeed.zero.GatheredParameters(list(self.inner.parameters()), modifier_rank=None)
 
-    def save_shards(self, path: Path) -> None:
-        """Every rank writes its partition of the trained parameters and optimizer states (frozen weights are not
-        saved)."""
+    def save(self, path: Path, runtime) -> None:
+        """Every rank writes its partition of the trained parameters and optimizer states into checkpoint folder
+        `path` (frozen weights are not saved)."""
         self.model.save_checkpoint(
-            str(path / "deepspeed"), tag="zero", client_state={}, save_latest=False, exclude_frozen_parameters=True
+            str(path / _FOLDER), tag=_TAG, client_state={}, save_latest=False, exclude_frozen_parameters=True
         )
 
-    def load_shards(self, path: Path) -> None:
+    def load(self, path: Path, runtime) -> None:
+        """Every rank reads its partitions back (ft restores the schedule itself)."""
         loaded, _ = self.model.load_checkpoint(
-            str(path / "deepspeed"),
-            tag="zero",
+            str(path / _FOLDER),
+            tag=_TAG,
             load_module_strict=False,
             load_optimizer_states=True,
             load_lr_scheduler_states=False,
         )
         if loaded is None:
             raise FtError(
-                f"checkpoint {path}: DeepSpeed found no state to load in {path / 'deepspeed'}; resume with the "
+                f"checkpoint {path}: DeepSpeed found no state to load in {path / _FOLDER}; resume with the "
                 "same config and world size, or start a new output.dir"
             )
 
@@ -254,10 +257,9 @@ class ZeroEngine:
         return out if rank0 else {}
 
 
-def consolidated_trainable(checkpoint: Path) -> dict:
-    """The trained parameters of a ZeRO checkpoint as one fp32 state dict (one process, no GPU needed)."""
+def read_trained(checkpoint: Path, model=None) -> dict:
+    """The trained parameters of a ZeRO checkpoint folder as one fp32 state dict (one process, no GPU needed; `model`
+    is not needed: DeepSpeed's files name every parameter)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    return get_fp32_state_dict_from_zero_checkpoint(
-        str(checkpoint / "deepspeed"), tag="zero", exclude_frozen_parameters=True
-    )
+    return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / _FOLDER), tag=_TAG, exclude_frozen_parameters=True)

@@ -72,7 +72,7 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
         text.vocab_size = len(
             tokenizer
         )  # constructed at the new size: no whole-table copy as resize_token_embeddings makes
-    models._register_attention(attn)
+    models.register_attention(attn)
     kwargs = {
         "dtype": zero_dtype(config),
         "attn_implementation": attn,
@@ -97,7 +97,7 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
         )  # rank 0 reads the whole checkpoint (see module doc)
     else:
         fill(net, ckpt, keys)
-    return models._finish(net, plan)
+    return models.finish_model(net, plan)
 
 
 def construct(hf_config, kwargs: dict, config: dict):

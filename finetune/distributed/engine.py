@@ -3,21 +3,67 @@
 `create_model` (and `create_reference` for a frozen DPO/GRPO reference) builds the model as `plan.loading`
 says: whole on every rank (replica), on the meta device then sharded and filled (meta, FSDP2), or
 partitioned while constructed (ZeRO-3). `build` wraps it and gives it its optimizer and schedule.
-An engine holds the wrapped model, its optimizer and schedule, and answers: `accumulating(last)` around
+An `Engine` holds the wrapped model, its optimizer and schedule, and answers: `accumulating(last)` around
 each micro-batch, `backward(loss)`, `step()` once per optimizer step (clip, update, schedule, zero the
 gradients; returns the gradient norm), `generation()` around sampling (with `synced_generation`: whether
-generate() needs synced_gpus=True), `save_shards`/`load_shards` for sharded checkpoints, and
-`full_state_dict()` (a collective) for the final weights.
+generate() needs synced_gpus=True), and `full_state_dict()` (a collective) for the final weights.
+An engine owns its checkpoint format (`format`): `save`/`load` write and read what is inside a checkpoint
+folder, and `read_trained` reads a checkpoint's trained tensors in one process (ft consolidate);
+checkpoint.py only names, completes and rotates the folders.
 `TorchEngine` serves single-process, DDP and FSDP2 jobs; `deepspeed.ZeroEngine` DeepSpeed ZeRO.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from finetune.distributed import ddp, fsdp
+from finetune.errors import FtError
+
+REPLICA = "single"  # the checkpoint format of a model whole on every rank: rank 0 writes the one copy
+_WEIGHTS, _OPTIMIZER = "trainable.safetensors", "optimizer.pt"  # inside a single-copy checkpoint folder
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the training loop, generation and checkpoints call on a wrapped model, whatever the backend."""
+
+    model: Any  # the model as the backend wrapped it: what forward passes run on
+    optimizer: Any
+    scheduler: Any
+    format: str  # the checkpoint format `save` writes and `load` reads (recorded in each checkpoint's state.json)
+    gathers_parameters: bool  # a forward pass needs every rank
+
+    @property
+    def inner(self) -> Any:
+        """The model without its data-parallel wrapper."""
+
+    @property
+    def synced_generation(self) -> bool:
+        """generate() must run with synced_gpus=True."""
+
+    def accumulating(self, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> float: ...
+
+    def lr(self) -> float: ...
+
+    def generation(self) -> contextlib.AbstractContextManager: ...
+
+    def full_state_dict(self, trainable_only: bool) -> dict | None: ...
+
+    def save(self, path: Path, runtime) -> None:
+        """Called on every rank: write the model's trained parameters and the optimizer state into checkpoint folder
+        `path` (the folder exists; the checkpoint protocol adds the schedule, RNG and state.json)."""
+
+    def load(self, path: Path, runtime) -> None:
+        """Called on every rank: restore what `save` wrote into the model and optimizer."""
 
 
 class TorchEngine:
@@ -27,7 +73,7 @@ class TorchEngine:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
-        self.sharded = fsdp.is_sharded(model)  # checkpoints: every rank writes its shards
+        self.sharded = fsdp.is_sharded(model)  # FSDP2: every rank holds shards (and checkpoints them)
         self.gathers_parameters = self.sharded  # a forward pass needs every rank
         self.reshard_after_forward = True  # FSDP: false for shard_grad_op (set by `build`)
         self.generation_mode = "gather" if self.sharded else "local"  # plan.generation (set by `build`)
@@ -81,11 +127,22 @@ class TorchEngine:
             return fsdp.unsharded(self.model, self.reshard_after_forward)
         return contextlib.nullcontext()
 
-    def save_shards(self, path) -> None:
-        fsdp.save_sharded(path / "dcp", self.model, self.optimizer)
+    @property
+    def format(self) -> str:
+        return fsdp.FORMAT if self.sharded else REPLICA
 
-    def load_shards(self, path) -> None:
-        fsdp.load_sharded(path / "dcp", self.model, self.optimizer)
+    def save(self, path: Path, runtime) -> None:
+        """FSDP2: every rank writes its shards; otherwise rank 0 writes the one copy (replicas are identical)."""
+        if self.sharded:
+            fsdp.save_checkpoint(path, self.model, self.optimizer)
+        elif runtime.is_main:
+            save_replica(path, self.inner, self.optimizer)
+
+    def load(self, path: Path, runtime) -> None:
+        if self.sharded:
+            fsdp.load_checkpoint(path, self.model, self.optimizer)
+        else:
+            load_replica(path, self.inner, self.optimizer)
 
     def full_state_dict(self, trainable_only: bool) -> dict | None:
         """Gathered weights on rank 0 for a sharded model; None when the model is whole on every rank."""
@@ -141,6 +198,61 @@ def clip_gradients(params, max_norm: float) -> float:
             for g in grads:
                 (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
     return norm
+
+
+# ---------------------------------------------------------------- checkpoint formats
+def save_replica(path: Path, model, optimizer) -> None:
+    """The single-copy format: the trained parameters (safetensors) and the optimizer state."""
+    from safetensors.torch import save_file
+
+    save_file(trainable_state(model), str(path / _WEIGHTS))
+    torch.save(optimizer.state_dict(), path / _OPTIMIZER)
+
+
+def load_replica(path: Path, model, optimizer) -> None:
+    """Restore a single-copy checkpoint; refused when it does not hold exactly the model's trained parameters."""
+    from finetune.checkpoint import load_tensors
+
+    weights = read_replica(path)
+    expected = set(trainable_state(model))
+    if set(weights) != expected:
+        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+        raise FtError(
+            f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the "
+            "config changed since it was written? Resume with the same config, or start a new output.dir"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)
+    optimizer.load_state_dict(
+        load_tensors(path / _OPTIMIZER)
+    )  # the optimizer casts its state to each parameter's device
+
+
+def read_replica(path: Path, model=None) -> dict:
+    """The trained parameters of a single-copy checkpoint, on the CPU (`model` is not needed: the file names them)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path / _WEIGHTS))
+
+
+def trainable_state(model) -> dict:
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def read_trained(path: Path, fmt: str, model) -> dict:
+    """The trained parameters of checkpoint folder `path`, written in format `fmt` by any number of ranks, as whole CPU
+    tensors by the names of `model`'s parameters (`model`: built whole in this one process, no process group)."""
+    from finetune.distributed import deepspeed
+
+    readers = {REPLICA: read_replica, fsdp.FORMAT: fsdp.read_trained, deepspeed.FORMAT: deepspeed.read_trained}
+    if fmt not in readers:
+        raise FtError(
+            f"checkpoint {path} records the format {fmt!r}, which this version of ft cannot read (it reads "
+            f"{', '.join(sorted(readers))}); use the ft version that wrote it"
+        )
+    return readers[fmt](path, model)
 
 
 def create_model(
