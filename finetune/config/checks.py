@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from finetune.config.schema import Config, DPOMethod, GRPOMethod
+from finetune.config.schema import Config
 from finetune.errors import Problem
 
 Rule = Callable[[Config], list[Problem]]
@@ -215,16 +215,9 @@ def deepspeed_config_needs_deepspeed(c: Config) -> list[Problem]:
     return []
 
 
-_FORMATS = {
-    "sft": {"chat", "instruction", "completion", "prompt_completion"},
-    "dpo": {"preference"},
-    "grpo": {"prompt_only"},
-}
-
-
 @rule("data", "method")
 def data_fits_method(c: Config) -> list[Problem]:
-    allowed = _FORMATS[c.method.name]
+    allowed = c.method.formats
     out = [
         Problem(
             (("data", "datasets", i, "format"), ("method", "name")),
@@ -234,11 +227,11 @@ def data_fits_method(c: Config) -> list[Problem]:
         for i, ds in enumerate(c.data.datasets)
         if ds.format not in allowed
     ]
-    if c.data.packing and c.method.name != "sft":
+    if c.data.packing and not c.method.packing:
         out.append(
             Problem(
                 (("data", "packing"), ("method", "name")),
-                f"packing applies to SFT only, not {c.method.name}",
+                f"{c.method.name} trains on one sample per sequence: it does not pack samples",
                 "set data.packing: false",
             )
         )
@@ -281,45 +274,19 @@ def dataset_options(c: Config) -> list[Problem]:
     return out
 
 
+@rule("method")
+def method_options(c: Config) -> list[Problem]:
+    return c.method.problems()
+
+
 @rule("train", "method")
-def grpo_groups(c: Config) -> list[Problem]:
-    m = c.method
-    if not isinstance(m, GRPOMethod) or c.train.global_batch_tokens is not None:
-        return []
-    if c.train.global_batch_size % m.num_generations:
-        return [
-            Problem(
-                (("train", "global_batch_size"), ("method", "num_generations")),
-                f"a GRPO batch holds whole groups: {c.train.global_batch_size} completions is not a multiple of "
-                f"{m.num_generations} generations per prompt",
-                f"set train.global_batch_size to a multiple of {m.num_generations}, e.g. "
-                f"{m.num_generations * max(1, c.train.global_batch_size // m.num_generations)}",
-            )
-        ]
-    return []
+def method_vs_train(c: Config) -> list[Problem]:
+    return c.method.train_problems(c.train)
 
 
 @rule("method", "adapter")
-def dpo_options(c: Config) -> list[Problem]:
-    m = c.method
-    out = []
-    if isinstance(m, DPOMethod) and m.label_smoothing and m.loss != "sigmoid":
-        out.append(
-            Problem(
-                (("method", "label_smoothing"), ("method", "loss")),
-                f"label smoothing applies to the sigmoid loss, not {m.loss}",
-                "remove label_smoothing or set loss: sigmoid",
-            )
-        )
-    if isinstance(m, DPOMethod) and m.reference == "adapter_disabled" and c.adapter.type == "full":
-        out.append(
-            Problem(
-                (("method", "reference"), ("adapter", "type")),
-                "full fine-tuning has no adapter to disable for the reference model",
-                "set method.reference: copy (or auto), or adapter.type: lora",
-            )
-        )
-    return out
+def method_vs_adapter(c: Config) -> list[Problem]:
+    return c.method.adapter_problems(c.adapter)
 
 
 @rule("train", "quantization")

@@ -7,31 +7,13 @@ that contradict each other) live in `finetune.config.checks`, so that every prob
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import Field, PrivateAttr
 
-from finetune.config.types import Bounded, checked_path, checked_pattern, checked_template, checked_text
-
-AUTO = "auto"
-Auto = Literal["auto"]
-BILLION = 10**9
-Steps = Bounded(int, ge=1, le=BILLION)  # a count of steps, samples or tokens
-NonNegSteps = Bounded(int, ge=0, le=BILLION)
-Seed = Bounded(int, ge=0, le=2**32 - 1)
-Tokens = Bounded(int, ge=1, le=2**20)  # tokens generated at once
-FilePath = Annotated[str, checked_path]  # a file, folder, hub id or module: no control characters, sane lengths
-Text = Annotated[str, checked_text]  # a name or revision: no control characters, at most 255 characters
-
-
-class Section(BaseModel):
-    """Base of every section: immutable, unknown keys rejected, field docstrings become descriptions."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
-
-    def explicit(self, field: str) -> bool:
-        """True when the user wrote this key (as opposed to it taking its default)."""
-        return field in self.model_fields_set
+from finetune.config.methods import Method, SFTMethod
+from finetune.config.section import AUTO, Auto, FilePath, NonNegSteps, Section, Seed, Steps, Text, Tokens
+from finetune.config.types import Bounded, checked_pattern, checked_template
 
 
 # ---------------------------------------------------------------- model
@@ -112,72 +94,6 @@ class DataSection(Section):
     """Skip (and count) records that cannot be parsed or rendered instead of stopping at the first."""
     cache_dir: FilePath = "~/.cache/ft/data"
     """Where tokenized data is cached, under a fingerprint of everything that changes it."""
-
-
-# ---------------------------------------------------------------- method
-class SFTMethod(Section):
-    """Supervised fine-tuning: next-token loss on the trained tokens."""
-
-    name: Literal["sft"]
-    """Method name."""
-
-
-class DPOMethod(Section):
-    """Direct preference optimisation on prompt/chosen/rejected pairs."""
-
-    name: Literal["dpo"]
-    """Method name."""
-    beta: Bounded(float, gt=0, le=100) = 0.1
-    """Strength of the implicit KL constraint to the reference model."""
-    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """DPO loss variant."""
-    label_smoothing: Bounded(float, ge=0, lt=0.5) = 0.0
-    """Assumed label noise (conservative DPO); sigmoid loss only."""
-    reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
-    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
-    fine-tuning; `precomputed` computes reference log-probs once before training."""
-
-
-class RewardSpec(Section):
-    """One reward function for GRPO."""
-
-    function: FilePath
-    """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or
-    `path/to/file.py:function`."""
-    weight: Bounded(float, ge=-1e6, le=1e6) = 1.0
-    """Weight of this reward in the sum."""
-    args: dict[str, Any] = {}
-    """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
-
-
-class GRPOMethod(Section):
-    """Group relative policy optimisation: sample several completions per prompt, score them, push up the better
-    ones."""
-
-    name: Literal["grpo"]
-    """Method name."""
-    rewards: Annotated[list[RewardSpec], Field(min_length=1)]
-    """Reward functions, summed with their weights."""
-    num_generations: Bounded(int, ge=2, le=1024) = 8
-    """Completions sampled per prompt (the group)."""
-    max_new_tokens: Tokens = 256
-    """Longest completion generated."""
-    temperature: Bounded(float, gt=0, le=100) = 1.0
-    """Sampling temperature."""
-    top_p: Bounded(float, gt=0, le=1) = 1.0
-    """Nucleus sampling threshold."""
-    kl_coef: Bounded(float, ge=0, le=1000) = 0.0
-    """Weight of the KL penalty to the reference model (0: no reference model is needed)."""
-    clip_eps: Bounded(float, gt=0, le=100) = 0.2
-    """PPO-style ratio clipping."""
-    loss_normalization: Literal["sequence", "token", "dr_grpo"] = "sequence"
-    """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO);
-    `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
-    engine: Literal["auto", "transformers", "vllm"] = "auto"
-    """Generation engine: `auto` uses vLLM on GPUs where installed, transformers otherwise."""
-
-
-Method = Annotated[SFTMethod | DPOMethod | GRPOMethod, Field(discriminator="name")]
 
 
 # ---------------------------------------------------------------- adapter, quantization

@@ -1,65 +1,109 @@
 """Training methods: each supplies the micro-batches of a step and the loss of a micro-batch.
 
-`build` makes the configured method once the backend has wrapped the model (GRPO samples from it; a
-DPO/GRPO reference is the same model with its adapter disabled, a frozen copy, or precomputed log-probs).
+A method is a module of this package whose class is decorated with `@register("name")`, plus its section in
+`finetune.config.methods` (its keys, and what the checks and the planner need to know about it). `build` finds
+the class by `method.name` (importing the package's modules on first use, so a new module needs no edit
+elsewhere) and lets it build itself, once the backend has wrapped the model, from its own section and a `Context`.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from finetune.data.tokenize import pad_id
 from finetune.errors import FtError
 
+if TYPE_CHECKING:
+    import torch
 
-def rows_per_step(method, global_batch: int) -> int:
-    """Dataset rows one optimizer step consumes: sequences (SFT), pairs (DPO), prompts (GRPO: completions / group
-    size)."""
-    return global_batch // method.num_generations if method.name == "grpo" else global_batch
+    from finetune.plan.plan import Plan
 
 
-def build(config, plan, prepared, attn: str, engine, device, runtime, autocast):
-    from finetune.methods.sft import SFT
+class Method(Protocol):
+    """What the training loop asks of a method; it never asks which method runs."""
 
-    m, tokenizer = config.method, prepared.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if m.name == "sft":
-        return SFT(pad, attn, plan.micro_batch_size)
-    reference = _reference(config, plan, engine, prepared, attn, device)
-    if m.name == "dpo":
-        from finetune.methods.dpo import DPO, precompute
+    name: str
+    validates: bool  # it has a validation loss: data.validation is evaluated with `loss`
 
-        method = DPO(m, pad, plan.micro_batch_size, reference)
-        if m.reference == "precomputed":
-            method.reference = precompute(engine.model, method, prepared.train, runtime, device, autocast)
-        return method
-    from finetune.methods.grpo import GRPO, Generator
-    from finetune.methods.rewards import load_rewards
+    @classmethod
+    def create(cls, section, context: Context) -> Method:
+        """The method for its config section, built from what the context offers."""
+        ...
 
-    if m.engine == "vllm":
+    def micro_batches(self, dataset, rows: list[int]) -> list[dict]:
+        """The micro-batches of one step's rows (dataset indices) on this rank."""
+        ...
+
+    def tokens(self, batch: dict) -> int:
+        """What the step's loss is normalised by, counted in one micro-batch (summed over the step and ranks)."""
+        ...
+
+    def loss(self, model, batch: dict, normaliser: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss divided by `normaliser`, and metrics to log."""
+        ...
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a method may build itself from, besides its own section."""
+
+    plan: Plan
+    tokenizer: Any
+    pad_id: int
+    attn: str  # the attention implementation the model runs with
+    engine: Any  # the wrapped model (distributed/engine.py)
+    device: Any
+    runtime: Any  # rank and world size (distributed/runtime.py)
+    autocast: Callable[[], Any]  # a context manager for forward passes in the plan's precision
+    dataset: Any  # the prepared training rows
+    frozen_copy: Callable[[], Any]  # loads a frozen copy of the starting model (for plan.reference == "copy")
+
+
+_REGISTRY: dict[str, type] = {}
+_discovered = False
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make the class the method `name` (the value of `method.name` in a job file)."""
+
+    def add(cls: type) -> type:
+        known = _REGISTRY.get(name)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise ValueError(f"two methods are registered as {name!r}: {known.__qualname__} and {cls.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def method_class(name: str) -> type[Method]:
+    """The class registered as `name`, importing this package's modules the first time a name is not known."""
+    global _discovered
+    if name not in _REGISTRY and not _discovered:
+        for module in pkgutil.iter_modules(__path__, __name__ + "."):
+            importlib.import_module(module.name)  # method modules register themselves as they are imported
+        _discovered = True
+    if name not in _REGISTRY:
         raise FtError(
-            "method.engine: vllm generation for GRPO is not available in this version of ft; set engine: "
-            "transformers (or auto)"
+            f"method.name: no method {name!r} is registered (known: {', '.join(sorted(_REGISTRY))}); set "
+            f"method.name to one of them, or add a module to finetune/methods/ with a class decorated "
+            f'@register("{name}")'
         )
-    return GRPO(
-        m,
-        tokenizer,
-        plan.micro_batch_size,
-        Generator(engine, tokenizer, m, device, autocast),
-        reference,
-        load_rewards(m.rewards),
-    )
+    return _REGISTRY[name]
 
 
-def _reference(config, plan, engine, prepared, attn, device):
-    """The reference model DPO (always) and GRPO (with kl_coef > 0) compare the policy with, as the plan chose it."""
-    from finetune.methods import dpo
+def build(config, plan, prepared, attn: str, engine, device, runtime, autocast) -> Method:
+    """The configured method, built by its own class from its section and what the job has made so far."""
 
-    if plan.reference in ("none", "precomputed"):
-        return None
-    if plan.reference == "adapter":
-        return dpo.AdapterDisabled(engine.inner)
-    from finetune.distributed.engine import create_reference
+    def frozen_copy():
+        from finetune.distributed.engine import create_reference
 
-    return dpo.FrozenCopy(
-        create_reference(
+        return create_reference(
             config.model,
             config.adapter,
             plan,
@@ -70,4 +114,17 @@ def _reference(config, plan, engine, prepared, attn, device):
             config.train,
             config.distributed,
         )
+
+    context = Context(
+        plan=plan,
+        tokenizer=prepared.tokenizer,
+        pad_id=pad_id(prepared.tokenizer),
+        attn=attn,
+        engine=engine,
+        device=device,
+        runtime=runtime,
+        autocast=autocast,
+        dataset=prepared.train,
+        frozen_copy=frozen_copy,
     )
+    return method_class(config.method.name).create(config.method, context)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.collate import collate
+from finetune.methods import Context, register
 from finetune.methods.loss import IGNORE, MODEL_INPUTS
 
 
@@ -45,18 +46,23 @@ def pair_losses(
     raise ValueError(f"unknown DPO loss {kind!r}")
 
 
+@register("dpo")
 class DPO:
     """Batches and loss for DPO; `reference` gives the reference log-probs of a micro-batch."""
-
-    name = "dpo"
-    validates = True
 
     def __init__(self, section, pad_id: int, micro_batch_size: int, reference):
         self.beta, self.kind, self.smoothing = section.beta, section.loss, section.label_smoothing
         self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, reference
+        self.validates = section.validates
 
-    def rows_per_step(self, global_batch: int) -> int:
-        return global_batch
+    @classmethod
+    def create(cls, section, context: Context) -> DPO:
+        """With the reference the plan chose; `precomputed` scores every row once, now, with the starting model."""
+        method = cls(section, context.pad_id, context.plan.micro_batch_size, reference_model(context))
+        if context.plan.reference == "precomputed":
+            c = context
+            method.reference = precompute(c.engine.model, method, c.dataset, c.runtime, c.device, c.autocast)
+        return method
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         rows = dataset.select(indices)[:]
@@ -110,6 +116,16 @@ class DPO:
             "logps/rejected": rejected.detach().mean().item(),
         }
         return losses.sum() / normaliser, metrics
+
+
+def reference_model(context: Context):
+    """The model DPO (always) and GRPO (with kl_coef > 0) compare the policy with, as the plan chose it: the base
+    with the adapter disabled, or a frozen copy; None for `none` and `precomputed` (DPO computes those itself)."""
+    if context.plan.reference == "adapter":
+        return AdapterDisabled(context.engine.inner)
+    if context.plan.reference == "copy":
+        return FrozenCopy(context.frozen_copy())
+    return None
 
 
 class AdapterDisabled:

@@ -20,23 +20,35 @@ import time
 import torch
 
 from finetune.data.collate import collate
-from finetune.methods.dpo import token_logps
+from finetune.data.tokenize import pad_id
+from finetune.errors import FtError
+from finetune.methods import Context, register
+from finetune.methods.dpo import reference_model, token_logps
 from finetune.methods.loss import IGNORE
+from finetune.methods.rewards import load_rewards
 
 
+@register("grpo")
 class GRPO:
     """Rollout batches and loss for GRPO."""
-
-    name = "grpo"
-    validates = False  # no validation loss: the reward on held-out prompts is the measure (ft eval)
 
     def __init__(self, section, tokenizer, micro_batch_size: int, generate, reference, rewards):
         self.s, self.tokenizer, self.micro = section, tokenizer, micro_batch_size
         self.generate, self.reference, self.rewards = generate, reference, rewards
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
+        self.validates = section.validates
 
-    def rows_per_step(self, global_batch: int) -> int:
-        return global_batch // self.s.num_generations
+    @classmethod
+    def create(cls, section, context: Context) -> GRPO:
+        """Sampling from the wrapped policy, the reference the plan chose (with kl_coef > 0), the configured rewards."""
+        if section.engine == "vllm":
+            raise FtError(
+                "method.engine: vllm generation for GRPO is not available in this version of ft; set engine: "
+                "transformers (or auto)"
+            )
+        c, rewards = context, load_rewards(section.rewards)  # a bad reward stops the job before a reference loads
+        generate = Generator(c.engine, c.tokenizer, section, c.device, c.autocast)
+        return cls(section, c.tokenizer, c.plan.micro_batch_size, generate, reference_model(c), rewards)
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         """The rollout: generate, score, compute advantages; then the completions in micro-batches."""
@@ -133,7 +145,7 @@ class Generator:
 
         self.engine, self.tokenizer, self.s, self.device, self.autocast = engine, tokenizer, section, device, autocast
         self.stop = stop_ids(tokenizer)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad = pad_id(tokenizer)
 
     @torch.no_grad()
     def __call__(self, prompts: list[list[int]]) -> list[list[int]]:

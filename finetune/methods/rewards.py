@@ -54,13 +54,16 @@ BUILT_IN = {"exact_match": exact_match, "regex": regex, "length_penalty": length
 
 
 class Reward:
-    """One configured reward: its name, function, weight and YAML args."""
+    """One configured reward: its function (as written, and loaded), weight and YAML args, and its name: the
+    function's own name (`digits_right` for `rewards/arithmetic.py:digits_right`), which its metric is logged under
+    (`rewards/digits_right`)."""
 
-    def __init__(self, spec, index: int):
+    def __init__(self, spec, index: int, name: str | None = None):
         from finetune.userfn import load_function
 
         self.key = f"method.rewards[{index}].function"
-        self.name = spec.function
+        self.function = spec.function
+        self.name = name or function_name(spec.function)
         self.fn = BUILT_IN.get(spec.function) or load_function(spec.function, self.key)
         self.weight, self.args = spec.weight, dict(spec.args)
 
@@ -71,7 +74,7 @@ class Reward:
             values = self.fn(completions, prompts=prompts, **columns, **self.args)
         except Exception as e:
             raise FtError(
-                f"{self.key}: reward {self.name!r} raised {type(e).__name__}: {e} — on a rollout of "
+                f"{self.key}: reward {self.function!r} raised {type(e).__name__}: {e} — on a rollout of "
                 f"{len(completions)} completions "
                 f"whose first prompt is {origins[0]}; first completion: {completions[0][:80]!r}"
             ) from None
@@ -80,13 +83,13 @@ class Reward:
     def _checked(self, values, completions, origins) -> list[float]:
         if not hasattr(values, "__len__") or isinstance(values, (str, bytes, dict)):
             raise FtError(
-                f"{self.key}: reward {self.name!r} returned {type(values).__name__}; it must return a list of "
+                f"{self.key}: reward {self.function!r} returned {type(values).__name__}; it must return a list of "
                 f"numbers, one per completion ({len(completions)})"
             )
         values = list(values)
         if len(values) != len(completions):
             raise FtError(
-                f"{self.key}: reward {self.name!r} returned {len(values)} values for {len(completions)} "
+                f"{self.key}: reward {self.function!r} returned {len(values)} values for {len(completions)} "
                 "completions; return one number per completion, in order"
             )
         out = []
@@ -97,7 +100,7 @@ class Reward:
                 f = math.nan
             if math.isnan(f) or math.isinf(f):
                 raise FtError(
-                    f"{self.key}: reward {self.name!r} gave {v!r} for completion {i} (prompt {origins[i]}, "
+                    f"{self.key}: reward {self.function!r} gave {v!r} for completion {i} (prompt {origins[i]}, "
                     f"completion {completions[i][:80]!r}); "
                     "every reward must be a finite number"
                 )
@@ -105,6 +108,29 @@ class Reward:
         return out
 
 
+def function_name(function: str) -> str:
+    """The name of the function a reward spec names: `exact_match`, or the part after the colon."""
+    return function.rpartition(":")[2].strip() or function
+
+
+def unique_names(names: list[str]) -> list[str]:
+    """The names, each kept where it is unique and suffixed where several share it: [f, f, g] -> [f_1, f_2, g]."""
+    out, seen = [], {}
+    for name in names:
+        if names.count(name) == 1:
+            out.append(name)
+            continue
+        seen[name] = seen.get(name, 0) + 1
+        candidate = f"{name}_{seen[name]}"
+        while candidate in names:  # never collide with a function that is itself called `f_1`
+            seen[name] += 1
+            candidate = f"{name}_{seen[name]}"
+        out.append(candidate)
+    return out
+
+
 def load_rewards(specs) -> list[Reward]:
-    """Every configured reward, loaded now so that a bad name stops the job before any GPU time is spent."""
-    return [Reward(s, i) for i, s in enumerate(specs)]
+    """Every configured reward, loaded now so that a bad name stops the job before any GPU time is spent; each named
+    after its function, suffixed where two rewards of the job share a function name."""
+    names = unique_names([function_name(s.function) for s in specs])
+    return [Reward(s, i, name) for i, (s, name) in enumerate(zip(specs, names))]

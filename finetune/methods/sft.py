@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from finetune.data.collate import collate
+from finetune.methods import Context, register
 from finetune.methods.loss import causal_lm_loss, trained_tokens
 
 
+@register("sft")
 class SFT:
     """Batches and loss for SFT; the training loop does the rest."""
 
-    name = "sft"
-
-    def __init__(self, pad_id: int, attn_implementation: str, micro_batch_size: int):
+    def __init__(self, pad_id: int, attn_implementation: str, micro_batch_size: int, validates: bool = True):
         self.pad_id = pad_id
         self.attn = attn_implementation
         self.micro = micro_batch_size
+        self.validates = validates
+
+    @classmethod
+    def create(cls, section, context: Context) -> SFT:
+        return cls(context.pad_id, context.attn, context.plan.micro_batch_size, section.validates)
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         """Collated micro-batches for one step's rows on this rank."""

@@ -12,8 +12,8 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
-from finetune.plan import planner
-from finetune.plan.memory import Estimate, GiB
+from finetune.plan import search
+from finetune.plan.memory import Estimate, GiB, estimate
 
 Relaxation = tuple[str, Callable[[Config], Config]]
 
@@ -55,21 +55,21 @@ def _scaled(hw: Hardware) -> list[tuple[str, Hardware]]:
     out = []
     for n in (2, 4, 8):
         if hw.devices_per_node < n:
-            out.append((f"{n} × {hw.accelerator.name} per node", planner.with_hardware(hw, devices_per_node=n)))
+            out.append((f"{n} × {hw.accelerator.name} per node", search.with_hardware(hw, devices_per_node=n)))
     for n in (2, 4, 8):
         if hw.nodes < n and hw.devices_per_node * n >= 2:
-            out.append((f"{n} nodes", planner.with_hardware(hw, nodes=n)))
+            out.append((f"{n} nodes", search.with_hardware(hw, nodes=n)))
     return out
 
 
 def _try(config: Config, hw: Hardware, m: ModelFacts) -> Estimate | None:
     try:
-        topo = planner.choose_topology(config, hw, [])
-        precision = planner.choose_precision(config, hw, [])
-        batch = planner.choose_global_batch(config, topo, [])
+        topo = search.choose_topology(config, hw, [])
+        precision = search.choose_precision(config, hw, [])
+        batch = search.choose_global_batch(config, topo, [])
     except PlanError:
         return None
-    fit = planner.search(config, hw, m, topo, precision, batch)
+    fit = search.search(config, hw, m, topo, precision, batch)
     return fit.estimate if fit else None
 
 
@@ -108,10 +108,8 @@ def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precisi
     t = config.train
     mb = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     ckpt = True if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
-    for cand in planner.candidates(config, hw, topo):
-        est = planner.estimate(
-            m, planner.setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node
-        )
+    for cand in search.candidates(config, hw, topo):
+        est = estimate(m, search.setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
         if best is None or est.device_bytes < best.device_bytes:
             best = est
     assert best is not None
@@ -121,7 +119,7 @@ def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precisi
 def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: str, batch: int) -> PlanError:
     est = smallest_estimate(config, hw, m, topo, precision, batch)
     unit = "process" if hw.is_cpu else "GPU"
-    need, have = est.device_bytes / GiB, planner.device_capacity(hw) / GiB
+    need, have = est.device_bytes / GiB, search.device_capacity(hw) / GiB
     top = sorted(est.device.items(), key=lambda kv: -kv[1])[:4]
     parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in top)
     msg = (
@@ -131,7 +129,7 @@ def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: s
     if need <= have and not hw.is_cpu:
         msg = (
             f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node for offloading, "
-            f"{planner.host_capacity(hw) / GiB:.1f} GiB usable"
+            f"{search.host_capacity(hw) / GiB:.1f} GiB usable"
         )
     opts = options(config, hw, m)
     msg += (

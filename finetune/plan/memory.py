@@ -2,7 +2,7 @@
 
 All figures are bytes. Notation: N total parameters, T trainable parameters, h hidden size, I MLP size,
 q = heads*head_dim, kv = kv_heads*head_dim, L layers, V vocab, t tokens per micro-batch
-(micro_batch * seq_len, twice that for DPO's chosen+rejected), a = bytes of the compute dtype (2 for
+(micro_batch * seq_len * sequences per row: 2 for DPO's chosen+rejected), a = bytes of the compute dtype (2 for
 bf16/fp16, 4 for fp32), S = ranks one shard group spans.
 
 weights        frozen base: N*a; nf4: 0.5 B per quantizable (linear/expert) parameter + constants
@@ -89,10 +89,10 @@ class Setup:
     modules_to_save: tuple[str, ...] = ()
     double_quant: bool = True
     attention: str = "sdpa"
-    method: str = "sft"  # sft | dpo | grpo
+    sequences_per_row: int = 1  # sequences one row puts through the model (DPO: chosen + rejected, 2)
     reference_copy: bool = False  # a frozen full copy of the model as reference
-    generation_tokens: int = 0  # GRPO: prompt + completion tokens per generated sequence
-    generation_batch: int = 0  # GRPO: sequences generated at once per rank
+    generation_tokens: int = 0  # methods that sample (GRPO): prompt + completion tokens per generated sequence
+    generation_batch: int = 0  # sequences generated at once per rank
     accelerator: bool = True  # False on CPU: no CUDA context
     loading: str = "replica"  # replica | meta | partitioned: how a rank creates its model (plan.loading)
     accumulation: int = 1  # micro-batches per optimizer step on each rank
@@ -224,7 +224,7 @@ def weight_bytes(m: ModelFacts, s: Setup, a: int, frozen: bool = False) -> float
 
 
 def tokens_per_micro_batch(s: Setup) -> int:
-    return s.micro_batch_size * s.seq_len * (2 if s.method == "dpo" else 1)
+    return s.micro_batch_size * s.seq_len * s.sequences_per_row
 
 
 def layer_activation_elements(m: ModelFacts, s: Setup) -> float:

@@ -1,0 +1,184 @@
+"""The `method:` sections. Each answers, besides its keys, what the checks and the planner need to know about its
+method (class attributes and methods, never keys): a new method is its section here, added to `Method`, and its
+module in finetune/methods/."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from finetune.config.section import FilePath, Section, Tokens
+from finetune.config.types import Bounded
+from finetune.errors import Problem
+
+
+# ---------------------------------------------------------------- method
+class MethodSection(Section):
+    """Base of the method sections. Besides its keys, a method's section answers what the checks and the planner need
+    to know about the method (class attributes and methods, never keys), so that a new method is its section here
+    and its module in finetune/methods/, and nothing else."""
+
+    formats: ClassVar[frozenset[str]] = frozenset()  # the data formats it trains on
+    packing: ClassVar[bool] = False  # whether data.packing applies to it
+    validates: ClassVar[bool] = True  # it has a validation loss (data.validation is evaluated)
+    sequences_per_row: ClassVar[int] = 1  # sequences a dataset row puts through the model (DPO: chosen + rejected)
+    learning_rates: ClassVar[tuple[float, float]] = (2e-5, 2e-4)  # lr: auto for (full fine-tuning, an adapter)
+
+    def default_lr(self, full: bool) -> tuple[float, str]:
+        """The peak learning rate `train.lr: auto` gives, and why."""
+        lr = self.learning_rates[0] if full else self.learning_rates[1]
+        return lr, f"common starting point for {self.name} with {'full fine-tuning' if full else 'an adapter'}"
+
+    def reference_kind(self, adapter: str) -> str:
+        """What the policy is compared with for this adapter type: none, adapter (the base with the adapter off),
+        copy (a frozen copy) or precomputed (log-probs computed once before training)."""
+        return "none"
+
+    def generation_tokens(self, seq_len: int) -> int:
+        """Tokens of each sequence the method samples during training (0: it samples none)."""
+        return 0
+
+    def rows_per_step(self, global_batch: int) -> int:
+        """Dataset rows one optimizer step consumes, for a global batch of `global_batch` sequences."""
+        return global_batch
+
+    def problems(self) -> list[Problem]:
+        """Conflicts between this method's own keys."""
+        return []
+
+    def train_problems(self, train: Section) -> list[Problem]:
+        """Conflicts between this method's keys and the train section."""
+        return []
+
+    def adapter_problems(self, adapter: Section) -> list[Problem]:
+        """Conflicts between this method's keys and the adapter section."""
+        return []
+
+
+def _adapter_or_copy(adapter: str) -> str:
+    return "copy" if adapter == "full" else "adapter"
+
+
+class SFTMethod(MethodSection):
+    """Supervised fine-tuning: next-token loss on the trained tokens."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"chat", "instruction", "completion", "prompt_completion"})
+    packing: ClassVar[bool] = True
+
+    name: Literal["sft"]
+    """Method name."""
+
+
+class DPOMethod(MethodSection):
+    """Direct preference optimisation on prompt/chosen/rejected pairs."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"preference"})
+    sequences_per_row: ClassVar[int] = 2
+    learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+
+    name: Literal["dpo"]
+    """Method name."""
+    beta: Bounded(float, gt=0, le=100) = 0.1
+    """Strength of the implicit KL constraint to the reference model."""
+    loss: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """DPO loss variant."""
+    label_smoothing: Bounded(float, ge=0, lt=0.5) = 0.0
+    """Assumed label noise (conservative DPO); sigmoid loss only."""
+    reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
+    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
+    fine-tuning; `precomputed` computes reference log-probs once before training."""
+
+    def reference_kind(self, adapter: str) -> str:
+        if self.reference == "auto":
+            return _adapter_or_copy(adapter)
+        return "adapter" if self.reference == "adapter_disabled" else self.reference
+
+    def problems(self) -> list[Problem]:
+        if not self.label_smoothing or self.loss == "sigmoid":
+            return []
+        return [
+            Problem(
+                (("method", "label_smoothing"), ("method", "loss")),
+                f"label smoothing applies to the sigmoid loss, not {self.loss}",
+                "remove label_smoothing or set loss: sigmoid",
+            )
+        ]
+
+    def adapter_problems(self, adapter: Section) -> list[Problem]:
+        if self.reference != "adapter_disabled" or adapter.type != "full":
+            return []
+        return [
+            Problem(
+                (("method", "reference"), ("adapter", "type")),
+                "full fine-tuning has no adapter to disable for the reference model",
+                "set method.reference: copy (or auto), or adapter.type: lora",
+            )
+        ]
+
+
+class RewardSpec(Section):
+    """One reward function for GRPO."""
+
+    function: FilePath
+    """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or
+    `path/to/file.py:function`."""
+    weight: Bounded(float, ge=-1e6, le=1e6) = 1.0
+    """Weight of this reward in the sum."""
+    args: dict[str, Any] = {}
+    """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
+
+
+class GRPOMethod(MethodSection):
+    """Group relative policy optimisation: sample several completions per prompt, score them, push up the better
+    ones."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"prompt_only"})
+    validates: ClassVar[bool] = False  # no validation loss: the reward on held-out prompts is the measure (ft eval)
+    learning_rates: ClassVar[tuple[float, float]] = (1e-6, 1e-5)
+
+    name: Literal["grpo"]
+    """Method name."""
+    rewards: Annotated[list[RewardSpec], Field(min_length=1)]
+    """Reward functions, summed with their weights."""
+    num_generations: Bounded(int, ge=2, le=1024) = 8
+    """Completions sampled per prompt (the group)."""
+    max_new_tokens: Tokens = 256
+    """Longest completion generated."""
+    temperature: Bounded(float, gt=0, le=100) = 1.0
+    """Sampling temperature."""
+    top_p: Bounded(float, gt=0, le=1) = 1.0
+    """Nucleus sampling threshold."""
+    kl_coef: Bounded(float, ge=0, le=1000) = 0.0
+    """Weight of the KL penalty to the reference model (0: no reference model is needed)."""
+    clip_eps: Bounded(float, gt=0, le=100) = 0.2
+    """PPO-style ratio clipping."""
+    loss_normalization: Literal["sequence", "token", "dr_grpo"] = "sequence"
+    """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO);
+    `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    """Generation engine: `auto` uses vLLM on GPUs where installed, transformers otherwise."""
+
+    def reference_kind(self, adapter: str) -> str:
+        return "none" if self.kl_coef == 0 else _adapter_or_copy(adapter)
+
+    def generation_tokens(self, seq_len: int) -> int:
+        return seq_len  # prompt and completion together stay within data.seq_len
+
+    def rows_per_step(self, global_batch: int) -> int:
+        return global_batch // self.num_generations  # the batch counts completions; a row is a prompt
+
+    def train_problems(self, train: Section) -> list[Problem]:
+        if train.global_batch_tokens is not None or train.global_batch_size % self.num_generations == 0:
+            return []
+        n, batch = self.num_generations, train.global_batch_size
+        return [
+            Problem(
+                (("train", "global_batch_size"), ("method", "num_generations")),
+                f"a GRPO batch holds whole groups: {batch} completions is not a multiple of {n} generations per prompt",
+                f"set train.global_batch_size to a multiple of {n}, e.g. {n * max(1, batch // n)}",
+            )
+        ]
+
+
+Method = Annotated[SFTMethod | DPOMethod | GRPOMethod, Field(discriminator="name")]

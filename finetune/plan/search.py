@@ -1,0 +1,371 @@
+"""The search for a setup that fits: topology, precision and global batch, then every candidate setup the config
+allows, each with the largest micro-batch (and checkpointing only when needed) that fits the hardware.
+
+`finetune.plan.planner` records the result as Decisions; `finetune.plan.advice` reruns the same search on
+relaxed configs when nothing fits. Both use this module; neither is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from finetune.catalog import ModelFacts
+from finetune.config.schema import Config
+from finetune.errors import PlanError
+from finetune.hardware import Hardware
+from finetune.plan.comm import seconds, step_traffic
+from finetune.plan.memory import Estimate, Setup, estimate
+from finetune.plan.plan import Decision
+
+GPU_HEADROOM = 0.10  # keep 10% of each GPU free: estimator error, allocator spikes, other processes
+CPU_HEADROOM = 0.20  # the OS, page cache and the tokenizer also live in host RAM
+HOST_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    processes_per_node: int
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+@dataclass(frozen=True)
+class Candidate:
+    adapter: str
+    quantization: str
+    backend: str
+    sharding: str | None
+    offload: str
+
+
+@dataclass(frozen=True)
+class Fit:
+    candidate: Candidate
+    micro_batch_size: int
+    checkpointing: bool
+    estimate: Estimate
+
+
+def sharded_params(c: Candidate) -> bool:
+    """Parameters themselves are split over ranks (FSDP2, ZeRO-3): a forward pass needs every rank."""
+    return c.backend == "fsdp" or c.sharding == "zero3"
+
+
+def loading(c: Candidate) -> str:
+    """How ranks load the weights. FSDP2 and ZeRO-3 never hold a whole 16/32-bit copy per rank; a 4-bit base is loaded
+    quantized by each rank (bitsandbytes quantizes while loading, so it cannot be filled into meta-device shards)."""
+    if c.quantization != "none":
+        return "replica"
+    if c.backend == "fsdp":
+        return "meta"
+    return "partitioned" if c.sharding == "zero3" else "replica"
+
+
+# ---------------------------------------------------------------- topology, precision, batch
+def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topology:
+    d = config.distributed
+    unit = "process" if hw.is_cpu else "GPU"
+    if d.backend == "single":
+        idle = "" if hw.world_size == 1 else f" ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)"
+        out.append(
+            Decision(
+                "world_size",
+                1,
+                "backend single runs one process" + idle,
+                "config",
+            )
+        )
+        return Topology(1, 1)
+    nodes = hw.nodes if d.nodes == "auto" else d.nodes
+    if nodes > hw.nodes:
+        raise PlanError(
+            f"distributed.nodes: {nodes} asks for more nodes than the hardware has ({hw.describe()}); set "
+            f"distributed.nodes: {hw.nodes} or auto, or plan for the hardware you will run on (--hardware "
+            f"{nodes}x{hw.devices_per_node}x...)"
+        )
+    ppn = hw.devices_per_node if d.processes_per_node == "auto" else d.processes_per_node
+    if not hw.is_cpu and ppn > hw.devices_per_node:
+        raise PlanError(
+            f"distributed.processes_per_node: {ppn} is more than the {hw.devices_per_node} GPUs per node; set it "
+            f"to {hw.devices_per_node} or auto"
+        )
+    source = "auto" if d.nodes == "auto" and d.processes_per_node == "auto" else "config"
+    why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {unit}{'s' if ppn > 1 else ''}"
+    out.append(
+        Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source)
+    )
+    return Topology(nodes, ppn)
+
+
+def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
+    p = config.train.precision
+    acc = hw.accelerator
+    if p != "auto":
+        if acc is not None and p == "bf16" and not acc.bf16:
+            raise PlanError(
+                f"train.precision: bf16 is not supported by {acc.name}; set train.precision: fp16 (or auto)"
+            )
+        if acc is None and p == "fp16":
+            raise PlanError(
+                "train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 "
+                "(or auto)"
+            )
+        out.append(Decision("precision", p, "as set in the config", "config"))
+        return p
+    if acc is None:
+        out.append(
+            Decision(
+                "precision",
+                "fp32",
+                "CPU: fp32 is exact and supported everywhere (set bf16 to use AMX/AVX-512 bf16 units where the "
+                "CPU has them)",
+            )
+        )
+        return "fp32"
+    if acc.bf16:
+        out.append(
+            Decision("precision", "bf16", f"{acc.name} supports bf16: half the memory of fp32, no loss scaling needed")
+        )
+        return "bf16"
+    out.append(Decision("precision", "fp16", f"{acc.name} has no bf16; fp16 with dynamic loss scaling"))
+    return "fp16"
+
+
+def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> int:
+    t, world = config.train, topo.world
+    if t.global_batch_tokens is not None:
+        seqs = max(world, round(t.global_batch_tokens / config.data.seq_len / world) * world)
+        out.append(
+            Decision(
+                "global_batch_size",
+                seqs,
+                f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world "
+                f"size {world}: {seqs * config.data.seq_len} tokens per step",
+            )
+        )
+        return seqs
+    if t.global_batch_size % world:
+        lower, upper = (t.global_batch_size // world) * world, (t.global_batch_size // world + 1) * world
+        options = " or ".join(str(n) for n in (lower, upper) if n)
+        raise PlanError(
+            f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} "
+            f"ranks; set it to {options}, or change distributed.processes_per_node / nodes"
+        )
+    out.append(
+        Decision(
+            "global_batch_size",
+            t.global_batch_size,
+            f"{t.global_batch_size // world} sequences per rank × {world} ranks",
+            "config" if t.explicit("global_batch_size") else "auto",
+        )
+    )
+    return t.global_batch_size
+
+
+# ---------------------------------------------------------------- the search
+def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Fit | None:
+    """In the most preferred group of candidates (same adapter and quantization, with or without host offload)
+    where something fits: DDP before sharding, then the least estimated communication per step (ties: the
+    order of `candidates`). Each candidate's own fit already avoids checkpointing where it can."""
+    from itertools import groupby
+
+    backends = {"single": 0, "ddp": 0}
+    for _, group in groupby(
+        candidates(config, hw, topo), key=lambda c: (c.offload != "none", c.adapter, c.quantization)
+    ):
+        fits = [f for f in (fit_candidate(config, hw, m, topo, precision, batch, c) for c in group) if f is not None]
+        if fits:
+            return min(
+                fits,
+                key=lambda f: (
+                    backends.get(f.candidate.backend, 1),
+                    seconds(traffic(f, topo, m, precision, batch), topo.nodes, f.candidate.sharding),
+                ),
+            )
+    return None
+
+
+def traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int) -> dict[str, float]:
+    c = fit.candidate
+    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
+    accumulation = batch // topo.world // fit.micro_batch_size
+    return step_traffic(
+        c.backend,
+        c.sharding,
+        topo.nodes,
+        topo.processes_per_node,
+        fit.estimate.trainable_params,
+        m.num_params,
+        stored,
+        accumulation,
+    )
+
+
+def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
+    """Every setup the config allows, in preference order; host offload (slow) only after all others."""
+    from finetune.config.checks import BNB_OPTIMIZERS
+
+    bnb_optimizer = (
+        config.train.optimizer in BNB_OPTIMIZERS
+    )  # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
+    out = [
+        Candidate(a, q, b, s, o)
+        for a, q in adapter_options(config)
+        for b, s, o in backend_options(config, hw, topo)
+        if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
+    ]
+    return sorted(out, key=lambda c: c.offload != "none")
+
+
+def adapter_options(config: Config) -> list[tuple[str, str]]:
+    """(adapter, quantization) pairs to try, least compromise first."""
+    a, q = config.adapter.type, config.quantization.type
+    if a == "full":
+        return [("full", "none")]
+    if a == "qlora" or (a == "lora" and q == "nf4"):
+        return [("qlora", "nf4")]
+    if q == "int8":
+        return [("lora", "int8")]
+    if q == "nf4":
+        return [("qlora", "nf4")]
+    if a == "lora" or q == "none":
+        return [("lora", "none")]
+    return [("lora", "none"), ("qlora", "nf4")]
+
+
+def backend_options(config: Config, hw: Hardware, topo: Topology) -> list[tuple[str, str | None, str]]:
+    """(backend, sharding, offload) triples to try, least communication and host traffic first."""
+    d = config.distributed
+    if topo.world == 1 and d.backend in ("auto", "single"):
+        opts = [("single", None, "none")]
+        if d.backend == "auto" and not hw.is_cpu and d.offload in ("auto", "all"):
+            opts.append(("fsdp", "full_shard", "all"))
+        return opts
+    backends = ["ddp", "fsdp"] if d.backend == "auto" else [d.backend]
+    out = []
+    for b in backends:
+        for s in _shardings(b, d.sharding, topo):
+            for o in _offloads(b, s, d.offload, hw):
+                out.append((b, s, o))
+    return out
+
+
+def _shardings(backend: str, asked: str, topo: Topology) -> list[str | None]:
+    if backend in ("ddp", "single"):
+        return [None]
+    if asked != "auto":
+        if asked == "hybrid_shard" and topo.nodes == 1:
+            raise PlanError(
+                "distributed.sharding: hybrid_shard shards inside a node and replicates across nodes, but the "
+                "job has 1 node; set sharding: full_shard (or auto)"
+            )
+        return [asked]
+    if backend == "deepspeed":
+        return ["zero1", "zero2", "zero3"]
+    return ["shard_grad_op"] + (["hybrid_shard"] if topo.nodes > 1 else []) + ["full_shard"]
+
+
+def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> list[str]:
+    if backend in ("ddp", "single"):
+        return ["none"]
+    if asked != "auto":
+        if asked != "none" and hw.is_cpu:
+            raise PlanError(
+                f"distributed.offload: {asked} moves memory from GPUs to host RAM, but this hardware has no GPU; "
+                "set offload: none (or auto)"
+            )
+        return [asked]
+    if hw.is_cpu:
+        return ["none"]
+    if backend == "deepspeed":
+        return ["none", "optimizer", "all"] if sharding == "zero3" else ["none", "optimizer"]
+    return ["none", "all"] if sharding == "full_shard" else ["none"]
+
+
+def fit_candidate(
+    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, cand: Candidate
+) -> Fit | None:
+    """Largest micro-batch without checkpointing; checkpointing only when even that does not fit."""
+    per_rank = batch // topo.world
+    t = config.train
+    ckpts = [False, True] if t.gradient_checkpointing == "auto" else [t.gradient_checkpointing]
+    sizes = divisors(per_rank)[::-1] if t.micro_batch_size == "auto" else [t.micro_batch_size]
+    if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
+        raise PlanError(
+            f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank "
+            f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or "
+            "auto"
+        )
+    for ckpt in ckpts:
+        for mb in sizes:
+            est = estimate(m, setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
+            if fits(est, hw):
+                return Fit(cand, mb, ckpt, est)
+    return None
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending, in O(sqrt n)."""
+    import math
+
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def setup(
+    config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool
+) -> Setup:
+    """The memory estimator's view of one candidate."""
+    a, method = config.adapter, config.method
+    shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
+    attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+    gen_tokens = method.generation_tokens(config.data.seq_len)
+    targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
+    return Setup(
+        adapter=cand.adapter,
+        quantization=cand.quantization,
+        precision=precision,
+        optimizer=config.train.optimizer,
+        micro_batch_size=mb,
+        seq_len=config.data.seq_len,
+        gradient_checkpointing=ckpt,
+        sharding=cand.sharding,
+        shard_size=shard_size if cand.sharding else 1,
+        offload=cand.offload,
+        lora_r=a.r,
+        lora_targets=targets,
+        lora_dropout=a.dropout,
+        dora=a.dora,
+        modules_to_save=tuple(a.modules_to_save),
+        double_quant=config.quantization.double_quant,
+        attention=attn,
+        sequences_per_row=method.sequences_per_row,
+        reference_copy=method.reference_kind(cand.adapter) == "copy",
+        generation_tokens=gen_tokens,
+        generation_batch=batch // topo.world if gen_tokens else 0,
+        accelerator=not hw.is_cpu,
+        loading=loading(cand),
+        accumulation=batch // topo.world // mb,
+    )
+
+
+def device_capacity(hw: Hardware) -> int:
+    return int(hw.device_memory_bytes * (1 - (CPU_HEADROOM if hw.is_cpu else GPU_HEADROOM)))
+
+
+def host_capacity(hw: Hardware) -> int:
+    return int(hw.host_memory_bytes * (1 - HOST_HEADROOM))
+
+
+def fits(est: Estimate, hw: Hardware) -> bool:
+    if est.device_bytes > device_capacity(hw):
+        return False
+    return hw.is_cpu or est.host_bytes <= host_capacity(hw)
+
+
+def with_hardware(hw: Hardware, nodes: int | None = None, devices_per_node: int | None = None) -> Hardware:
+    """The same hardware with another node or device count (for 'what would fit' advice)."""
+    return replace(hw, nodes=nodes or hw.nodes, devices_per_node=devices_per_node or hw.devices_per_node)
