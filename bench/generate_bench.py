@@ -76,10 +76,10 @@ def write_prompts(path: Path, n: int) -> None:
 
 
 def run(tmp: Path, name: str, processes: int, sort: bool, args) -> dict:
+    from finetune.artifacts import resolve
     from finetune.infer.engines import Sampling
     from finetune.infer.generate import GenerateJob, generate
     from finetune.infer.prompts import PromptSpec
-    from finetune.infer.source import resolve
 
     out = tmp / f"{name.replace(' ', '_').replace(',', '')}.jsonl"
     job = GenerateJob(

@@ -229,8 +229,8 @@ def _patch(T):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    """Patches finetune.train once it is imported as a module (`python -m finetune.train` runs a separate __main__ copy,
-    whose training goes through the imported module: workflow calls finetune.train.setup/run)."""
+    """Patches finetune.train once it is imported (each rank, `python -m finetune.rank`, imports it and calls
+    finetune.train.setup/run)."""
 
     def find_spec(self, name, path, target=None):
         if name != "finetune.train":

@@ -97,7 +97,7 @@ def run_main(fn, what: str = "ft", run_dir=None) -> None:
     """Run `fn()` and exit: 0 when it returns, the exit code of an `FtError` (with its message), 130 on Ctrl-C,
     and for anything else one message (exit 1; 2 for an OSError) with the traceback in a log file.
 
-    Every entry point uses it (`ft`, and each rank's `python -m finetune.train`), so that no input reaches
+    Every entry point uses it (`ft`, and each rank's `python -m finetune.rank`), so that no input reaches
     the user as a traceback. `what` names the command in messages; `run_dir` is where the log goes.
     """
     import sys

@@ -1,10 +1,11 @@
 """`ft merge-lora`: fold a LoRA adapter into its base and save a plain transformers model.
 
 The source is an adapter folder (peft format) or an ft run folder (`RUN/config.yaml` + `RUN/final/`).
-The adapter is checked against the base before peft sees it, so a mismatch is explained rather than
-dumped as a traceback. The merge is verified: logits of base+adapter (unmerged) on a few seeded random
-inputs are compared with the merged model's. The output is written to a temporary folder next to
-out_dir and renamed at the end, so a folder at out_dir is always complete.
+The adapter is found, checked against the base and merged by finetune.artifacts (as for `ft generate`
+and `ft eval`), so a mismatch is explained rather than dumped as a traceback. The merge is verified:
+logits of base+adapter (unmerged) on a few seeded random inputs are compared with the merged model's.
+The output is written to a temporary folder next to out_dir and renamed at the end, so a folder at
+out_dir is always complete.
 """
 
 from __future__ import annotations
@@ -19,11 +20,19 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.artifacts import (
+    DTYPES,
+    AdapterSource,
+    attach,
+    dtypes,
+    find_adapter,
+    find_tokenizer,
+    first_line,
+    load_base,
+    merge_adapter,
+)
 from finetune.errors import FtError
 
-DTYPES = ("auto", "bf16", "fp16", "fp32")
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 CHECK_LEN = 16  # tokens per verification sequence
 CHECK_SEED = 0
 
@@ -65,150 +74,12 @@ class MergeReport:
         return "\n".join(self.lines())
 
 
-@dataclass(frozen=True)
-class _Source:
-    adapter: Path
-    run: Path | None
-    run_config: dict  # RUN/config.yaml as written by ft train ({} for an adapter folder)
-    run_plan: dict  # RUN/plan.json: the resolved adapter/quantization when the config said auto ({} when absent)
-    tokenizer_dirs: tuple[Path, ...]  # where to look for the tokenizer, in order
-
-
 # ---------------------------------------------------------------- inputs
-def _read_yaml(path: Path) -> dict:
-    """A run's config.yaml as a mapping, with `${VAR}` (how ft writes values that came from the environment)
-    expanded from this process's environment."""
-    import os
-
-    import yaml
-
-    from finetune.config.env import Expansion
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise FtError(f"{path}: cannot read the run's config: {e}") from None
-    if not isinstance(data, dict):
-        raise FtError(
-            f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}"
-        )
-    expansion = Expansion(os.environ, yaml.safe_load)
-    data = expansion.value(data)
-    if expansion.problems:
-        raise FtError(
-            f"{path}: {expansion.problems[0].message}; set the variable the run was started with, or edit the file"
-        )
-    return data
-
-
-def _read_plan(path: Path) -> dict:
-    try:
-        plan = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}  # the plan only refines what config.yaml says; a damaged one is not worth failing for
-    return plan if isinstance(plan, dict) else {}
-
-
-def _check_adapter_folder(folder: Path, what: str) -> None:
-    if not (folder / "adapter_config.json").is_file():
-        hint = (
-            " It holds config.json: it is a full model already, there is nothing to merge."
-            if (folder / "config.json").is_file()
-            else ""
-        )
-        raise FtError(
-            f"{what} {folder} has no adapter_config.json, so it is not a peft adapter.{hint}\n    fix: point ft "
-            "merge-lora at a folder saved by peft (adapter_config.json + adapter_model.safetensors) or at an ft "
-            "run folder"
-        )
-    if not any((folder / f).is_file() for f in ADAPTER_FILES):
-        raise FtError(
-            f"{what} {folder} has adapter_config.json but no adapter_model.safetensors: the adapter's weights "
-            "are missing.\n    fix: copy the weights next to adapter_config.json, or use a complete checkpoint"
-        )
-
-
-def _resolve_source(source: str | Path) -> _Source:
-    """An adapter folder or a run folder (config.yaml + final/); anything else is an FtError."""
-    src = Path(source).expanduser()
-    if not src.is_dir():
-        raise FtError(
-            f"{src}: no such folder.\n    fix: pass an adapter folder (adapter_config.json + "
-            "adapter_model.safetensors) or an ft run folder (config.yaml + final/)"
-        )
-    if (src / "config.yaml").is_file() and (src / "final").is_dir():
-        cfg, plan = _read_yaml(src / "config.yaml"), _read_plan(src / "plan.json")
-        if "full" in (str((cfg.get("adapter") or {}).get("type", "")), plan.get("adapter")):
-            raise FtError(
-                f"{src}: this run trained all weights; {src / 'final'} is already a full model, there is nothing "
-                "to merge"
-            )
-        _check_adapter_folder(src / "final", "the run's final folder")
-        tok = (cfg.get("model") or {}).get("tokenizer")
-        dirs = [src / "final"] + ([Path(tok)] if tok and Path(tok).is_dir() else [])
-        return _Source(adapter=src / "final", run=src, run_config=cfg, run_plan=plan, tokenizer_dirs=tuple(dirs))
-    if (src / "adapter_config.json").is_file() or any((src / f).is_file() for f in ADAPTER_FILES):
-        _check_adapter_folder(src, "the adapter folder")
-        return _Source(adapter=src, run=None, run_config={}, run_plan={}, tokenizer_dirs=(src,))
-    if (src / "config.json").is_file():
-        raise FtError(
-            f"{src} holds config.json and no adapter_config.json: it is a full model, there is nothing to "
-            "merge.\n    fix: pass the adapter folder (or the run folder) and give this model as --base"
-        )
-    found = ", ".join(sorted(p.name for p in src.iterdir())[:8]) or "nothing"
-    raise FtError(
-        f"{src} is neither an adapter folder nor an ft run folder (it holds: {found}).\n"
-        "    expected: an adapter folder with adapter_config.json + adapter_model.safetensors,\n"
-        "              or a run folder with config.yaml and final/ (the adapter saved by ft train)"
-    )
-
-
-def _resolve_base(base: str | None, src: _Source) -> tuple[str, str]:
-    """(path or hub id, where it was named): --base, else the run's model.name, else the adapter's
-    base_model_name_or_path."""
-    if base:
-        name, where = str(base), "--base"
-    elif (src.run_config.get("model") or {}).get("name"):
-        name, where = str(src.run_config["model"]["name"]), f"model.name in {src.run / 'config.yaml'}"
-    else:
-        cfg = json.loads((src.adapter / "adapter_config.json").read_text())
-        name, where = (
-            cfg.get("base_model_name_or_path") or "",
-            f"base_model_name_or_path in {src.adapter / 'adapter_config.json'}",
-        )
-        if not name:
-            raise FtError(
-                f"{src.adapter}: the adapter does not name its base model.\n    fix: pass --base with the folder "
-                "or hub id of the model it was trained on"
-            )
-    from finetune.models import BUILT_IN
-
-    if name.lower() in BUILT_IN and not Path(name).exists():
-        from finetune.config.schema import ModelSection
-        from finetune.models import model_path
-
-        return model_path(ModelSection(name=name)), where
-    path = Path(name).expanduser()
-    if (path.is_absolute() or name.startswith(".")) and not path.is_dir():
-        raise FtError(
-            f"{where}: the base model folder {name} does not exist.\n    fix: pass --base with the folder "
-            "(config.json + safetensors) or hub id of the base"
-        )
-    return (str(path) if path.exists() else name), where
-
-
-def _is_qlora(src: _Source) -> bool:
-    """True when the run trained on a 4-bit base: config.yaml says so, or plan.json resolved auto to it."""
-    adapter = str((src.run_config.get("adapter") or {}).get("type", ""))
-    quant = str((src.run_config.get("quantization") or {}).get("type", ""))
-    return "qlora" in (adapter, src.run_plan.get("adapter")) or "nf4" in (quant, src.run_plan.get("quantization"))
-
-
 def _resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
     """("bf16", torch.bfloat16) etc.; "auto" follows the base's config, fp32 when it says nothing."""
     import torch
 
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    names = dtypes()
     if dtype not in DTYPES:
         raise FtError(f"--dtype {dtype!r}: not a dtype ft merges to.\n    fix: use one of {', '.join(DTYPES)}")
     if dtype != "auto":
@@ -219,7 +90,7 @@ def _resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
         cfg = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise FtError(
-            f"cannot read the base model's config from {base!r}: {_first_line(e)}\n    fix: pass --base with a "
+            f"cannot read the base model's config from {base!r}: {first_line(e)}\n    fix: pass --base with a "
             "local folder holding config.json (or a hub id, online)"
         ) from None
     found = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
@@ -229,17 +100,6 @@ def _resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
         if found == value:
             return name, value
     return "fp32", torch.float32
-
-
-def _first_line(e: BaseException) -> str:
-    """The line of an exception worth showing: a size mismatch when torch lists them, else the first line."""
-    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-    sizes = [line for line in lines if line.startswith("size mismatch")]
-    return (
-        (sizes[0] + (f" (and {len(sizes) - 1} more)" if len(sizes) > 1 else ""))
-        if sizes
-        else (lines[0] if lines else type(e).__name__)
-    )
 
 
 # ---------------------------------------------------------------- out_dir
@@ -271,125 +131,7 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- models
-def _load_base(base: str, dtype, trust_remote_code: bool):
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as e:
-        raise FtError(
-            f"cannot load the base model {base!r}: {_first_line(e)}\n    fix: pass --base with a local folder "
-            "holding config.json and safetensors weights (or a hub id, online)"
-        ) from None
-    return model.eval()
-
-
-def _load_tokenizer(dirs: list[Path], base: str, trust_remote_code: bool):
-    """(tokenizer, where it came from): the first folder with tokenizer files, else the base's, else (None, "")."""
-    from transformers import AutoTokenizer
-
-    for where in [*(str(d) for d in dirs if any((d / f).is_file() for f in TOKENIZER_FILES)), base]:
-        try:
-            return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code), where
-        except (OSError, ValueError, TypeError):
-            continue
-    return None, ""
-
-
-def _adapter_shapes(adapter: Path) -> dict[str, tuple[int, ...]]:
-    """lora_A/lora_B weight name -> shape, read from the safetensors header (no tensors loaded)."""
-    from safetensors import safe_open
-
-    path = adapter / "adapter_model.safetensors"
-    if not path.is_file():
-        return {}  # a .bin adapter: peft checks it on load
-    with safe_open(str(path), framework="pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if ".lora_A." in k or ".lora_B." in k}
-
-
-def _features(module) -> tuple[int, int] | None:
-    """(in, out) features of a linear-like module, None for kinds this check does not know."""
-    if hasattr(module, "in_features") and hasattr(module, "out_features"):
-        return int(module.in_features), int(module.out_features)
-    if type(module).__name__ == "Conv1D":  # GPT-2 style: weight is (in, out)
-        return tuple(int(s) for s in module.weight.shape)
-    return None
-
-
-def _mismatches(model, shapes: dict[str, tuple[int, ...]]):
-    """Modules the adapter has weights for: those the base lacks, and those whose shapes differ."""
-    missing, wrong = [], []
-    for key, shape in shapes.items():
-        path, kind = key.removeprefix("base_model.model.").split(".lora_")[0], key.split(".lora_")[1][0]
-        try:
-            feats = _features(model.get_submodule(path))
-        except AttributeError:
-            missing.append(path)
-            continue
-        if feats is None or len(shape) != 2 or ".lora_embedding" in key:
-            continue
-        adapter_side, base_side = (shape[1], feats[0]) if kind == "A" else (shape[0], feats[1])
-        if adapter_side != base_side:
-            wrong.append((path, "input" if kind == "A" else "output", adapter_side, base_side))
-    return sorted(set(missing)), list({w[0]: w for w in reversed(wrong)}.values())[::-1]  # first mismatch per module
-
-
-def _check_fits(model, adapter: Path, base: str, where: str) -> None:
-    """FtError when the adapter's weights do not fit the base: modules it lacks, or other sizes.
-    `where` names the setting that chose the base ("--base", "model.name in RUN/config.yaml", ...)."""
-    missing, wrong = _mismatches(model, _adapter_shapes(adapter))
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
-        raise FtError(
-            f"the adapter {adapter} does not fit the base {base} ({where}): the base has no module {shown}.\n    "
-            "fix: pass --base with the model the adapter was trained on"
-        )
-    if not wrong:
-        return
-    hidden = getattr(model.config.get_text_config(), "hidden_size", None)
-    ours = [w for w in wrong if w[1] == "input" and w[3] == hidden]
-    head = (
-        f"the adapter was trained for a base with hidden size {ours[0][2]}; {where} points at a model with "
-        f"{hidden} ({base})"
-        if ours
-        else f"the adapter's layer sizes differ from those of the base {base} ({where})"
-    )
-    detail = "; ".join(f"{p}: {side} size {a} in the adapter, {b} in the base" for p, side, a, b in wrong[:3])
-    raise FtError(f"{head}.\n    e.g. {detail}\n    fix: pass --base with the model the adapter was trained on")
-
-
-def _attach(model, adapter: Path, base: str, where: str):
-    """PeftModel of base+adapter; peft's errors and unfilled adapter modules become FtErrors."""
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict
-
-    _check_fits(model, adapter, base, where)
-    try:
-        peft_model = PeftModel.from_pretrained(model, str(adapter), is_trainable=False)
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise FtError(
-            f"peft cannot apply the adapter {adapter} to the base {base} ({where}): {_first_line(e)}\n    fix: "
-            "pass --base with the model the adapter was trained on"
-        ) from None
-    shapes = _adapter_shapes(adapter)
-    if shapes:
-        unfilled = sorted(
-            k
-            for k in get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-            if (".lora_A." in k or ".lora_B." in k) and k not in shapes
-        )
-        if unfilled:
-            raise FtError(
-                f"the adapter {adapter} has no weights for {len(unfilled)} adapter modules peft created on the "
-                f"base {base} ({where}) (e.g. {unfilled[0]}): the base has layers the adapter was not trained "
-                "with.\n    fix: pass --base with the model the adapter was trained on"
-            )
-    return peft_model.eval()
-
-
+# ---------------------------------------------------------------- check and save
 def _check_tokens(model, n: int):
     """n seeded random sequences of CHECK_LEN token ids valid for the model; None when n == 0."""
     import torch
@@ -409,16 +151,6 @@ def _logits(model, tokens):
         return model(input_ids=tokens.to(model.device)).logits.float().cpu()
 
 
-def _merge(peft_model, adapter: Path):
-    try:
-        return peft_model.merge_and_unload(safe_merge=True).eval()
-    except ValueError as e:  # safe_merge found NaNs
-        raise FtError(
-            f"merging {adapter} gives broken weights: {_first_line(e)}\n    fix: check the adapter (it may have "
-            "diverged in training), or merge to --dtype fp32"
-        ) from None
-
-
 def _save(model, tokenizer, tmp: Path, max_shard_size: str) -> int:
     """Save weights (safetensors, sharded above max_shard_size) and tokenizer; return the shard count."""
     model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
@@ -432,19 +164,19 @@ def _save(model, tokenizer, tmp: Path, max_shard_size: str) -> int:
 
 # ---------------------------------------------------------------- the verb
 def _merged_model(
-    base: str, where: str, src: _Source, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool
+    base: str, where: str, src: AdapterSource, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool
 ):
     """(merged model, max |logit diff| base+adapter vs merged, notes)."""
-    model = _load_base(base, torch_dtype, trust_remote_code)
+    model = load_base(base, torch_dtype, trust_remote_code)
     notes = []
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer is not None and len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer))  # as training did for added tokens
         notes.append(f"grew the base's embeddings from {rows} to {len(tokenizer)} rows to match the tokenizer")
-    peft_model = _attach(model, src.adapter, base, where)
+    peft_model = attach(model, src.adapter, base, where)
     tokens = _check_tokens(model, check_inputs)
     before = _logits(peft_model, tokens)  # kept: merging rewrites the base's weights in place
-    merged = _merge(peft_model, src.adapter)
+    merged = merge_adapter(peft_model, src.adapter)
     after = _logits(merged, tokens)
     diff = math.nan if before is None else float((before - after).abs().max())
     return merged, diff, notes
@@ -479,15 +211,15 @@ def merge_lora(
     trust_remote_code: bool = False,
 ) -> MergeReport:
     """Merge the adapter at `source` (adapter folder or run folder) into its base; save to out_dir."""
-    src = _resolve_source(source)
-    base_name, where = _resolve_base(base, src)
+    src = find_adapter(source)
+    base_name, where = src.base(base)
     _check_args(max_shard_size, check_inputs)
     out = Path(out_dir).expanduser()
     _check_out_dir(out, overwrite, [p for p in (src.adapter, src.run, Path(base_name)) if p is not None])
     dtype_name, torch_dtype = _resolve_dtype(dtype, base_name, trust_remote_code)
-    tokenizer, tok_from = _load_tokenizer(list(src.tokenizer_dirs), base_name, trust_remote_code)
+    tokenizer, tok_from = find_tokenizer(list(src.tokenizer_dirs), base_name, trust_remote_code)
     merged, diff, notes = _merged_model(base_name, where, src, torch_dtype, tokenizer, check_inputs, trust_remote_code)
-    qlora = _is_qlora(src)
+    qlora = src.qlora
     if qlora:
         notes.append(
             "the check compares with base+adapter on the unquantized base; the 4-bit model used in training "

@@ -21,6 +21,7 @@ from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
 from finetune.errors import FtError
+from finetune.methods import Method
 from finetune.methods.loss import step_normaliser
 from finetune.plan.plan import Plan
 
@@ -40,7 +41,7 @@ class Job:
     config: Config
     plan: Plan
     engine: object  # the wrapped model with its optimizer and schedule (distributed/engine.py)
-    method: object
+    method: Method
     train: object
     validation: object | None
     stream: Stream
@@ -130,7 +131,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
             config.distributed,
         )
     model.train()
-    rows = methods.rows_per_step(config.method, plan.global_batch_size)
+    rows = config.method.rows_per_step(plan.global_batch_size)
     total = steps_for(len(prepared.train), rows, config.train.max_steps, config.train.epochs)
     with activity(f"wrapping the model ({plan.backend})"):
         wrapped = engine.build(model, plan, config.train, config.distributed, device, total)
@@ -139,7 +140,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
             config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device)
         )
     stream = Stream(len(prepared.train), rows, config.train.seed, runtime.rank, runtime.world_size)
-    validation = prepared.validation if getattr(method, "validates", True) else None
+    validation = prepared.validation if method.validates else None
     return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime)
 
 
@@ -199,31 +200,29 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
-    """Sharded models: every rank writes its shards; otherwise rank 0 writes (replicas are identical)."""
+    """Every rank takes part; the engine writes its own format (shards, or one copy from rank 0)."""
     state = {
         **extra,
         "position": job.stream.position,
     }  # this step's data position, never an older one carried in `extra`
-    keep = job.config.output.keep_checkpoints
-    e = job.engine
-    if e.sharded:
-        return checkpoint.save_sharded(run_dir, step, e, state, keep, job.runtime)
-    path = run_dir / "checkpoints" / f"step-{step:08d}"
-    if job.runtime.is_main:
-        path = checkpoint.save(run_dir, step, e.inner, e.optimizer, e.scheduler, state, keep)
-    job.runtime.barrier()
-    return path
+    return checkpoint.save(run_dir, step, job.engine, state, job.config.output.keep_checkpoints, job.runtime)
 
 
-def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, stop: SignalStop | None = None) -> dict:
-    """Train from step 0 or from a checkpoint; save checkpoints, the final weights; return a summary."""
+def run(
+    job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, stop: SignalStop | None = None, hooks=()
+) -> dict:
+    """Train from step 0 or from a checkpoint; save checkpoints, the final weights; return a summary.
+
+    `hooks` (tests and debugging; rank.step_hooks): each is called as hook(rank, step) at the start of every step.
+    A hook may raise (a failing rank), sleep (a rank that stops responding) or return True (stop after this step,
+    as if SIGTERM had arrived)."""
     from finetune.evaluate import validation_metrics
-    from finetune.runlog import MetricsWriter
+    from finetune.metrics import MetricsWriter
 
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        saved = checkpoint.load(resume_from, job.engine, job.runtime.rank)
+        saved = checkpoint.load(resume_from, job.engine, job.runtime)
         start, job.stream.position = saved["step"], saved["position"]
         state = {
             "tokens": saved["tokens"],
@@ -238,7 +237,7 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
         for step in range(start + 1, job.total_steps + 1):
             t0 = time.perf_counter()
             with activity(f"step {step} of {job.total_steps}"):
-                _injected_failure(job.runtime.rank, step)
+                stop_after = _call_hooks(hooks, job.runtime.rank, step)
                 last = train_step(job)
             seconds = time.perf_counter() - t0
             state["tokens"] += last["tokens"]
@@ -264,8 +263,8 @@ def run(job: Job, run_dir: Path, resume_from: Path | None = None, on_step=None, 
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
                 with activity(f"saving the checkpoint of step {step}"):
                     save_checkpoint(job, run_dir, step, state)
-            if _injected_stop(step):
-                stop.signum = signal.SIGTERM
+            if stop_after:
+                stop.signum = stop.signum or signal.SIGTERM
             with activity(f"agreeing after step {step} whether to stop"):
                 stopping = job.runtime.any(bool(stop.signum))
             if stopping:  # every rank stops after the same step
@@ -315,24 +314,9 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     return final
 
 
-def _injected_failure(rank: int, step: int) -> None:
-    """Fault injection for tests of failure handling: FT_TEST_FAIL=RANK:STEP makes that rank raise at that step,
-    FT_TEST_HANG=RANK:STEP:SECONDS makes it sleep there (its peers' collectives time out)."""
-    import os
-
-    spec = os.environ.get("FT_TEST_FAIL")
-    if spec and spec == f"{rank}:{step}":
-        raise RuntimeError(f"injected failure on rank {rank} at step {step} (FT_TEST_FAIL)")
-    hang = os.environ.get("FT_TEST_HANG", "").split(":")  # RANK:STEP:SECONDS: that rank stops responding for a while
-    if len(hang) == 3 and hang[:2] == [str(rank), str(step)]:
-        time.sleep(float(hang[2]))
-
-
-def _injected_stop(step: int) -> bool:
-    """For tests of preemption: FT_TEST_STOP_AT=STEP acts as if SIGTERM arrived during that step."""
-    import os
-
-    return os.environ.get("FT_TEST_STOP_AT") == str(step)
+def _call_hooks(hooks, rank: int, step: int) -> bool:
+    """Call every hook as hook(rank, step); True when one asks to stop after this step."""
+    return any([hook(rank, step) is True for hook in hooks])  # a list: every hook runs
 
 
 class _NoMetrics:
@@ -343,45 +327,3 @@ class _NoMetrics:
 
     def close(self) -> None:
         pass
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m finetune.train RUN_DIR [--resume-from CHECKPOINT]`: one rank of a job that `ft train` planned.
-
-    The rank starts from the run folder alone (config.yaml, plan.json, data.json): it does not read the job
-    file, probe the hardware, plan, or prepare data, and it does not import the CLI.
-
-    Under torchrun the rank follows distributed/lifecycle.py: it stops on the first SIGTERM/SIGINT (or the
-    launcher's stop request) after its step with a checkpoint, exits 0 then (torchrun reports no failure; the
-    launcher says what happened, once), and stops when its parent dies."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m finetune.train", description=main.__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="the run folder ft train wrote")
-    parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
-    args = parser.parse_args(argv)
-    from finetune.distributed import lifecycle
-    from finetune.distributed.runtime import failed_during, launched
-    from finetune.errors import run_main
-
-    def rank():
-        from finetune.train import Stopped  # this module runs as __main__: the loop raises the imported module's class
-        from finetune.workflow import train_run_folder
-
-        if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
-            train_run_folder(Path(args.run_dir), args.resume_from)
-            return 0
-        lifecycle.start_rank()
-        try:
-            train_run_folder(Path(args.run_dir), args.resume_from)
-        except Stopped as e:
-            return lifecycle.rank_stopped(str(e), e.exit_code - 128)
-        except KeyboardInterrupt:
-            return lifecycle.rank_interrupted(failed_during())
-        return 0
-
-    run_main(rank, what=f"python -m finetune.train {args.run_dir}", run_dir=args.run_dir)
-
-
-if __name__ == "__main__":
-    main()

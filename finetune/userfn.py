@@ -1,4 +1,5 @@
-"""User functions named in a config or on the command line: metrics for `ft eval`, rewards for GRPO.
+"""User functions named in a config, on the command line or in an environment variable: metrics for `ft eval`,
+rewards for GRPO, test and debug hooks (FT_STEP_HOOK, see finetune/rank.py).
 
 A spec is `package.module:function` (imported from the Python path, the current folder included) or
 `path/to/file.py:function` (a file, relative to the current folder or absolute). Every failure is an

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -123,6 +122,7 @@ def run_train(
     from finetune.data.preprocess import prepare
     from finetune.distributed.launch import rank_command
     from finetune.plan import plan as make_plan
+    from finetune.resume import overwrite_run, resume_checks, resume_point
 
     role = role or NodeRole()
     config = load(config_path, overrides)
@@ -144,13 +144,13 @@ def run_train(
         from finetune.runfolder import check_output_dir
 
         check_output_dir(run_dir)
-        resume_from = _resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
+        resume_from = resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
     else:
         resume_from = checkpoint.latest(run_dir) if resuming else None
     prepared = prepare(config)  # once per node, before any rank starts
     job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
     if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
-        finished = _resume_checks(run_dir, config, job_plan, prepared, allow_changes)
+        finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
         if finished is not None:
             return finished
     cmd = rank_command(
@@ -168,46 +168,14 @@ def run_train(
         role.node_rank == 0
     ):  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
         if overwrite and not resuming:
-            _overwrite(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
+            overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
         _write_run_folder(run_dir, config, job_plan, prepared, cmd)
         set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
     if job_plan.process_group:
         return _launch(cmd, job_plan, config_path, overrides)
-    return train_run_folder(run_dir, resume_from, prepared)
+    from finetune.rank import train_run_folder
 
-
-def train_run_folder(run_dir, resume_from=None, prepared=None) -> dict:
-    """One rank's whole job, from the run folder alone: the saved config, the Plan read back, the prepared data."""
-    import json
-    from pathlib import Path
-
-    from finetune.config import load
-    from finetune.data.preprocess import load_prepared
-
-    run_dir = Path(run_dir)
-    config, job_plan = load(run_dir / "config.yaml"), read_plan(run_dir)
-    if prepared is None:
-        prepared = load_prepared(config, Path(json.loads((run_dir / "data.json").read_text())["cache"]))
-    return _train(config, job_plan, prepared, run_dir, Path(resume_from) if resume_from else None)
-
-
-def read_plan(run_dir) -> Plan:
-    """The Plan that `ft train` wrote into the run folder."""
-    import json
-    from pathlib import Path
-
-    path = Path(run_dir) / "plan.json"
-    try:
-        return Plan.from_json(json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise FtError(
-            f"{path} does not exist: a rank starts from a run folder that ft train wrote; run ft train CONFIG"
-        ) from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise FtError(
-            f"{path} is not a plan this version of ft wrote ({type(e).__name__}: {e}); run ft train CONFIG again "
-            "to re-plan"
-        ) from None
+    return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
 
 
 def _replan(config, hw, facts, config_path, prepared, job_plan):
@@ -227,7 +195,7 @@ def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
     import shlex
     import sys
 
-    from finetune.distributed.lifecycle import Exchange
+    from finetune.distributed.lifecycle import Exchange, run_forwarding_signals
 
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
@@ -236,7 +204,7 @@ def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
     sys.stderr.write("launching: " + line + "\n")
     exchange = Exchange()
     try:
-        code = _run_forwarding_signals(cmd, env, exchange)
+        code = run_forwarding_signals(cmd, env, exchange)
         _raise_if_stopped(exchange, code, config_path, overrides)
     finally:
         exchange.close()
@@ -254,44 +222,6 @@ def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
             f"command by hand with: {line}"
         )
     return {"steps": None, "launched": cmd}
-
-
-def _run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
-    """Run torchrun in a session of its own that dies with ft, and pass on the SIGTERM/SIGINT ft receives.
-
-    With an `exchange` (ft's training ranks): the first becomes a stop request that every rank turns into that
-    signal, to stop after its step with a checkpoint; copies of it within a short window are ignored; a later
-    one kills torchrun and the ranks at once. Without (other workers): each signal, less copies, goes to
-    torchrun, which passes it to its workers."""
-    import signal
-
-    from finetune.distributed import lifecycle
-
-    if exchange is not None:
-        env = {**env, **exchange.env()}
-    started = []  # torchrun, once started; a stop request made before that is read by the ranks when they start
-
-    def forward(signum, frame):
-        if lifecycle.note(signum) == "repeat":
-            return
-        if exchange is None:
-            if not started:
-                raise KeyboardInterrupt  # nothing started yet to pass it to: stop here
-            started[0].send_signal(signum)
-        elif not exchange.requested:
-            exchange.request_stop(signum)
-        elif not exchange.aborted and started:
-            exchange.aborted = signum
-            lifecycle.kill_now(started[0])
-
-    lifecycle.reset_signals()
-    old = {sig: signal.signal(sig, forward) for sig in lifecycle.STOP_SIGNALS}
-    try:
-        started.append(lifecycle.start_torchrun(cmd, env, ranks_stop_themselves=exchange is not None))
-        return started[0].wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
@@ -329,138 +259,16 @@ def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
     )
 
 
-def _resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
-    """The checkpoint to resume from, or None; refuses to replace another run, or to write into a folder that is not
-    a run, by accident. Reads only: `--overwrite` removes the old run later, once the new one has planned and
-    prepared."""
-    import sys
-
-    from finetune import checkpoint
-    from finetune.runfolder import looks_like_run
-
-    holds_run = looks_like_run(run_dir)
-    if not holds_run and run_dir.exists() and any(run_dir.iterdir()):
-        raise FtError(
-            f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder "
-            "(nothing was written)"
-        )
-    if resume:
-        last = checkpoint.latest(run_dir)
-        if last is None and explicit:
-            sys.stderr.write(f"--resume: {run_dir} has no complete checkpoint yet; starting from step 0\n")
-        return last
-    if holds_run and not overwrite:
-        steps = [p.name for p in checkpoint.checkpoints(run_dir)]
-        raise FtError(
-            f"output.dir {run_dir} already holds a run "
-            f"({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
-            "use --resume to continue it, --overwrite to replace it, or choose another output.dir"
-        )
-    return None
-
-
-def _overwrite(run_dir, job_file) -> None:
-    """--overwrite: remove what ft wrote in the old run (never a folder ft did not make); say what was left."""
-    import sys
-
-    from finetune.runfolder import remove_run
-
-    if not run_dir.exists():
-        return
-    left = remove_run(run_dir, job_file)
-    if left:
-        sys.stderr.write(
-            f"--overwrite: removed the old run; kept {len(left)} entries ft did not write: {', '.join(left[:8])}\n"
-        )
-
-
-# Keys a resumed run may change: they do not change what is trained or how (only how long, and what is logged or kept).
-RESUME_SAFE = (
-    "train.max_steps",
-    "train.epochs",
-    "output.log_steps",
-    "output.save_steps",
-    "output.eval_steps",
-    "output.keep_checkpoints",
-    "output.trackers",
-    "output.resume",
-    "output.run_name",
-    "distributed.timeout_minutes",
-    "evaluation.every_steps",
-)
-
-
-def _resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> dict | None:
-    """Resuming an existing run: a finished run is left as it is (unless it is to train longer), and a changed config is
-    refused with the list of changes, or accepted with --allow-changes and recorded in the run folder."""
-    import json
-    import sys
-    import time
-
-    import yaml
-
-    from finetune.data.stream import steps_for
-    from finetune.methods import rows_per_step
-    from finetune.runlog import redact_config
-
-    if (run_dir / "result.json").exists():
-        done = json.loads((run_dir / "result.json").read_text()).get("steps") or 0
-        total = steps_for(
-            len(prepared.train),
-            rows_per_step(config.method, job_plan.global_batch_size),
-            config.train.max_steps,
-            config.train.epochs,
-        )
-        if total <= done:
-            sys.stderr.write(
-                f"{run_dir} finished all {done} steps (final "
-                f"{'model' if job_plan.adapter == 'full' else 'adapter'} in {run_dir / 'final'}); "
-                "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n"
-            )
-            return {"steps": done, "finished": True, "final": str(run_dir / "final")}
-    changes = _config_changes(
-        yaml.safe_load((run_dir / "config.yaml").read_text()) or {}, redact_config(config, exclude_unset=True)
-    )
-    unsafe = [c for c in changes if not c[0].startswith(RESUME_SAFE)]
-    if unsafe and not allow_changes:
-        listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])
-        raise FtError(
-            f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that "
-            "change what is trained: "
-            f"{listed}. Resume with the run's config, start a new output.dir, or pass --allow-changes to resume "
-            "anyway (recorded in the run folder)"
-        )
-    if changes:
-        with open(run_dir / "resume-changes.jsonl", "a", encoding="utf-8") as f:
-            f.write(
-                json.dumps(
-                    {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
-                )
-                + "\n"
-            )
-    return None
-
-
-def _config_changes(saved: dict, now: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, saved value, new value) for every key whose value differs (lists compared whole)."""
-    out = []
-    for key in sorted(set(saved) | set(now), key=str):
-        a, b, name = saved.get(key), now.get(key), f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_changes(a, b, name + ".")
-        elif a != b:
-            out.append((name, a, b))
-    return out
-
-
 def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
     import json
     import shlex
 
     import yaml
 
+    from finetune.files import atomic_write_text
+    from finetune.redaction import redact_config
     from finetune.runfolder import mark
-    from finetune.runlog import atomic_write_text, environment_snapshot, redact_config
+    from finetune.runinfo import environment_snapshot
 
     mark(run_dir)  # first: from now on this folder is ft's run folder (and --overwrite may remove what ft writes here)
     # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every
@@ -487,163 +295,13 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
         )
 
 
-def _train(config, job_plan, prepared, run_dir, resume_from) -> dict:
-    from rich.console import Console
-
-    from finetune.distributed.runtime import explained_failures
-
-    console = Console(stderr=True, highlight=False)
-    with explained_failures(config.distributed.timeout_minutes):
-        return _train_explained(config, job_plan, prepared, run_dir, resume_from, console)
-
-
-def _train_explained(config, job_plan, prepared, run_dir, resume_from, console) -> dict:
-    import json
-
-    from finetune import train
-    from finetune.runlog import atomic_write_text, model_card, plot_losses
-
-    job = train.setup(config, job_plan, prepared)
-    main = job.runtime.is_main
-    trackers = _trackers(config, run_dir, job.runtime.rank)
-    before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
-    with _progress(console, job.total_steps) if main else contextlib.nullcontext(lambda *a: None) as on_step:
-
-        def step_hook(step, total, row):
-            on_step(step, total, row)
-            if step % config.output.log_steps == 0:
-                trackers.log(step, {k: v for k, v in row.items() if isinstance(v, (int, float))})
-            _periodic_eval(config, job, prepared.tokenizer, run_dir, trackers, step, total)
-
-        try:
-            result = train.run(job, run_dir, resume_from, on_step=step_hook)
-        except BaseException:
-            trackers.close(failed=True)
-            raise
-    trackers.close()
-    final = train.save_final(job, run_dir, prepared.tokenizer)
-    after = _task_eval(
-        config, job, prepared.tokenizer
-    )  # before the return of other ranks: a sharded model generates on all
-    if not main:
-        return result
-    result.update(
-        {
-            "task_before": before,
-            "task_after": after,
-            "final": str(final),
-            "artifact": "model" if job_plan.adapter == "full" else "adapter",
-        }
-    )
-    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    card = {
-        "config": config,
-        "plan": job_plan.to_json(),
-        "data": prepared.summary,
-        "metrics": result,
-        "artifact": result["artifact"],
-        "run_dir": str(run_dir),
-        "path": str(final),
-        "name": config.output.run_name or run_dir.name,
-    }
-    atomic_write_text(run_dir / "README.md", model_card(card))
-    atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2))
-    _report(console, config, result)
-    return result
-
-
-def _trackers(config, run_dir, rank: int = 0):
-    """The configured experiment trackers (none configured, or not rank 0: a no-op)."""
-    from finetune.trackers import Trackers
-
-    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, config, rank=rank)
-
-
-def _task_eval(config, job, tokenizer):
-    if config.evaluation is None:
-        return None
-    from finetune.evaluate import task_score
-    from finetune.infer.prompts import template_for
-
-    e = config.evaluation
-    if not job.runtime.is_main and not job.engine.gathers_parameters:
-        return None  # a sharded model generates on every rank (its forward needs them all); others: rank 0 alone
-    from finetune.train import autocast
-
-    @contextlib.contextmanager
-    def context():
-        with job.engine.generation(), autocast(job):
-            yield
-
-    return task_score(
-        job.inner,
-        tokenizer,
-        template_for(tokenizer, config.data.template),
-        e,
-        job.device,
-        context=context,
-        synced=job.engine.synced_generation,
-    )
-
-
-def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:
-    """evaluation.every_steps: the task metric during training, into metrics.jsonl and the trackers."""
-    every = config.evaluation.every_steps if config.evaluation is not None else 0
-    if not every or step % every or step >= total:
-        return
-    from finetune.runlog import MetricsWriter
-
-    score = _task_eval(config, job, tokenizer)
-    if score is not None and job.runtime.is_main:
-        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
-            metrics.log(step, **{f"eval_{config.evaluation.metric}": score})
-        trackers.log(step, {f"eval_{config.evaluation.metric}": score})
-
-
-@contextlib.contextmanager
-def _progress(console, total: int):
-    """A progress bar with loss, tokens/s and ETA; yields the per-step callback."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (
-        TextColumn("training"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
-        yield lambda step, _total, row: bar.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
-
-
-def _report(console, config, result) -> None:
-    line = f"trained {result['steps']} steps in {result['seconds']:.0f} s; final loss {result['final_loss']:.4f}"
-    if result.get("final_eval_loss") is not None:
-        line += f", validation loss {result['final_eval_loss']:.4f}"
-    console.print(line)
-    if result.get("task_after") is not None:
-        e = config.evaluation
-        before = f"{100 * result['task_before']:.1f}% → " if result.get("task_before") is not None else ""
-        console.print(f"{e.metric} on {e.path}: {before}{100 * result['task_after']:.1f}%")
-    console.print(f"saved {result['artifact']} to {result['final']}")
-
-
 def write_launch_script(config_path, overrides, hardware, out, time_limit: str, partition: str | None):
     """`ft launch --slurm`: plan for the cluster's hardware and write the sbatch script."""
     from pathlib import Path
 
     from finetune.config import load
     from finetune.distributed.slurm import sbatch_script
-    from finetune.runlog import atomic_write_text
+    from finetune.files import atomic_write_text
 
     job_plan = compile_plan(config_path, overrides, hardware)
     config = load(config_path, overrides)

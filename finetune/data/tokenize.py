@@ -21,6 +21,14 @@ MANY_MESSAGES = 16  # longer conversations are cut to the messages that start wi
 _UNTRAINED = "_untrained"
 
 
+def pad_id(tokenizer, fallback: int | None = None) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else `fallback`, else its end-of-sequence token
+    (padding never carries loss or attention, so any id works; EOS is what most base models would have used)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    return fallback if fallback is not None else tokenizer.eos_token_id
+
+
 @dataclass(frozen=True)
 class Rules:
     """What the tokenizer step needs from the config, nothing more."""

@@ -1,6 +1,6 @@
 """The one builder of launch commands: how a job's ranks start (`ft train`, `ft plan`, Slurm, `ft generate`).
 
-A rank is `python -m finetune.train RUN_DIR`: it starts from the run folder that `ft train` wrote
+A rank is `python -m finetune.rank RUN_DIR`: it starts from the run folder that `ft train` wrote
 (config.yaml, plan.json, data.json) and never re-plans. Several ranks, or a backend that needs a process
 group even for one (FSDP2, DeepSpeed), start through torchrun: standalone on one node; across nodes
 the same command on every node, with that node's rank and the address of node 0.
@@ -9,7 +9,7 @@ the same command on every node, with that node's rank and the address of node 0.
 from __future__ import annotations
 
 DEFAULT_PORT = 29500
-RANK_ENTRY = "finetune.train"
+RANK_ENTRY = "finetune.rank"
 
 
 def needs_launcher(backend: str, world_size: int) -> bool:

@@ -218,6 +218,41 @@ def kill_now(proc: subprocess.Popen) -> None:
                 continue
 
 
+def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
+    """Run torchrun (`cmd`) in a session of its own that dies with ft, pass on the SIGTERM/SIGINT ft receives, and
+    return torchrun's exit code. `ft train` and `ft generate` start their workers through it.
+
+    With an `exchange` (ft's training ranks): the first becomes a stop request that every rank turns into that
+    signal, to stop after its step with a checkpoint; copies of it within a short window are ignored; a later
+    one kills torchrun and the ranks at once. Without (other workers): each signal, less copies, goes to
+    torchrun, which passes it to its workers."""
+    if exchange is not None:
+        env = {**env, **exchange.env()}
+    started = []  # torchrun, once started; a stop request made before that is read by the ranks when they start
+
+    def forward(signum, frame):
+        if note(signum) == "repeat":
+            return
+        if exchange is None:
+            if not started:
+                raise KeyboardInterrupt  # nothing started yet to pass it to: stop here
+            started[0].send_signal(signum)
+        elif not exchange.requested:
+            exchange.request_stop(signum)
+        elif not exchange.aborted and started:
+            exchange.aborted = signum
+            kill_now(started[0])
+
+    reset_signals()
+    old = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        started.append(start_torchrun(cmd, env, ranks_stop_themselves=exchange is not None))
+        return started[0].wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 # ------------------------------------------------------------------ a rank's side
 def under_launcher() -> bool:
     """True in a rank that ft train's launcher started (it reads the ranks' reports and prints the one message)."""

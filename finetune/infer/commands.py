@@ -38,10 +38,11 @@ def run_generate(
     progress=True,
 ):
     """`ft generate`: build the job from the options, generate, print the summary."""
+    from finetune.artifacts import resolve
     from finetune.infer.engines import Sampling
-    from finetune.infer.generate import GenerateJob, generate
+    from finetune.infer.generate import generate
+    from finetune.infer.job import GenerateJob
     from finetune.infer.prompts import PromptSpec
-    from finetune.infer.source import resolve
 
     job = GenerateJob(
         source=resolve(source, base, trust_remote_code),
@@ -93,10 +94,10 @@ def run_eval(
     progress=True,
 ):
     """`ft eval`: the metrics asked for (or the run's `evaluation:` section), as a table or JSON, and to --out."""
+    from finetune.artifacts import resolve
     from finetune.infer.evaluation import LOSS, EvalJob, evaluate, from_run, print_table
     from finetune.infer.prompts import PromptSpec
     from finetune.infer.scoring import parse
-    from finetune.infer.source import resolve
 
     src = resolve(source, base, trust_remote_code)
     loss = LOSS in metrics

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.artifacts import DTYPES, dtypes
+from finetune.data.tokenize import pad_id
 from finetune.errors import FtError
 
 ENGINES = ("auto", "transformers", "vllm")
@@ -80,6 +82,19 @@ def choose(engine: str, tensor_parallel: int) -> str:
     return chosen
 
 
+def torch_dtype(name: str, device):
+    """The dtype to generate in: `auto` is fp32 on CPU, bf16 on GPUs that support it, else fp16."""
+    import torch
+
+    if name not in DTYPES:
+        raise FtError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return dtypes()[name]
+
+
 class TransformersEngine:
     """Batched `model.generate` with left padding and an attention mask."""
 
@@ -91,7 +106,7 @@ class TransformersEngine:
         self.model, self.tokenizer, self.sampling, self.device = model, tokenizer, sampling, device
         self.context, self.synced = context, synced
         self.stop = stop_ids(tokenizer)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
+        self.pad = pad_id(tokenizer, fallback=self.stop[0])
 
     def generate(self, batch: list[list[int]], number: int) -> list[tuple[str, int]]:
         import torch

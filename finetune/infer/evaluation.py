@@ -1,4 +1,5 @@
-"""`ft eval`: task metrics, loss and perplexity, and lm-eval-harness tasks, as JSON and as a table.
+"""`ft eval`: task metrics, loss and perplexity, and lm-eval-harness tasks, as JSON and as a table; and the task
+metric during training (task_score).
 
 Task metrics generate greedily through `ft generate`'s machinery (data-parallel, resumable, in input
 order, kept in a predictions file), then score every sample with finetune.infer.scoring. Loss and
@@ -14,11 +15,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.artifacts import ModelSource
+from finetune.data.tokenize import pad_id
 from finetune.errors import DataError, FtError
 from finetune.infer.engines import Sampling
 from finetune.infer.prompts import PromptSpec
-from finetune.infer.scoring import BUILT_IN, Metric
-from finetune.infer.source import ModelSource
+from finetune.infer.scoring import Metric, score_text
 
 LOSS = "loss"
 
@@ -58,12 +60,13 @@ class EvalResult:
 
 def from_run(run: str) -> tuple[PromptSpec, tuple[Metric, ...], int]:
     """The run's `evaluation:` section as (data, metrics, max_new_tokens), for `ft eval RUN` without --data."""
+    from finetune.artifacts import RunFolder
     from finetune.config.schema import EvaluationSection
     from finetune.infer.scoring import from_section
-    from finetune.merge import _read_yaml
 
-    path = Path(run) / "config.yaml"
-    section = (_read_yaml(path) if path.is_file() else {}).get("evaluation")
+    folder = RunFolder(run)
+    path = folder.config_path
+    section = (folder.config_dict() if path.is_file() else {}).get("evaluation")
     if not section:
         raise FtError(
             f"{run}: no data to evaluate "
@@ -128,6 +131,44 @@ def evaluate(job: EvalJob, processes: int | None = None, overwrite: bool = False
     return result
 
 
+def task_score(
+    model, tokenizer, jinja: str | None, section, device, batch_size: int = 32, context=None, synced: bool = False
+) -> float:
+    """Mean score of an `evaluation:` section's metric over its prompt/answer file, answers generated greedily (the
+    task metric during training).
+
+    Prompts are rendered with `jinja` (the job's chat template) and generated in length-sorted batches by
+    the same engine and scored by the same metrics as `ft eval`. During training, `context` gives the job's
+    autocast and parameter gathering (fp32 master weights must not reach half-precision-only kernels such as
+    flash-attention), and `synced` keeps the ranks of a sharded model in step.
+    """
+    import torch
+
+    from finetune.infer.batches import plan
+    from finetune.infer.engines import TransformersEngine
+    from finetune.infer.prompts import columns, encode, read_prompts
+    from finetune.infer.scoring import Scorer, from_section
+
+    scorer = Scorer(from_section(section))
+    prompts = read_prompts(PromptSpec(section.path, samples=section.samples)).prompts
+    ids = [encode(p, tokenizer, jinja) for p in prompts]
+    engine = TransformersEngine(
+        model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device, context=context, synced=synced
+    )
+    was_training = model.training
+    model.eval()
+    texts = [""] * len(prompts)
+    try:
+        with torch.no_grad():
+            for number, batch in enumerate(plan([len(i) for i in ids], batch_size)):
+                for i, (text, _) in zip(batch, engine.generate([ids[i] for i in batch], number)):
+                    texts[i] = text
+    finally:
+        model.train(was_training)
+    scores = scorer(texts, [p.reference for p in prompts], columns(prompts), [p.origin for p in prompts])
+    return sum(scores) / max(len(scores), 1)
+
+
 def _check_references(prompts, metrics, loss: bool) -> None:
     if not (loss or any(m.needs_reference for m in metrics)):
         return
@@ -146,7 +187,8 @@ def _check_references(prompts, metrics, loss: bool) -> None:
 
 
 def _task_metrics(job: EvalJob, prompt_set, scorers, result: EvalResult, processes, overwrite, progress) -> None:
-    from finetune.infer.generate import GenerateJob, generate
+    from finetune.infer.generate import generate
+    from finetune.infer.job import GenerateJob
     from finetune.infer.prompts import columns
 
     prompts = prompt_set.prompts
@@ -194,7 +236,8 @@ def _task_metrics(job: EvalJob, prompt_set, scorers, result: EvalResult, process
 def _load(source: ModelSource, dtype: str):
     import torch
 
-    from finetune.infer.source import load_model, load_tokenizer, torch_dtype
+    from finetune.artifacts import load_model, load_tokenizer
+    from finetune.infer.engines import torch_dtype
 
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     tokenizer = load_tokenizer(source)
@@ -234,7 +277,7 @@ def _loss(model, tokenizer, template: str, prompts, batch_rows: int) -> dict[str
         row, _ = fit_length(tokenize_record(record, rules, tokenizer, jinja), rules)
         if row is not None:
             rows.append({"input_ids": row["input_ids"], "labels": row["labels"]})
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     loss = validation_loss(
         model,
         SFT(pad, "sdpa", batch_rows),
@@ -255,8 +298,7 @@ def print_table(result: EvalResult, console) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for name, value in result.metrics.items():
-        shown = f"{100 * value:.2f}%" if name in BUILT_IN else f"{value:.4f}"
-        table.add_row(name, shown)
+        table.add_row(name, score_text(name, value))
     for task, values in result.lm_eval.items():
         for name, value in values.items():
             table.add_row(f"{task} · {name}", f"{value:.4f}")

@@ -20,44 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import DataError, FtError
-from finetune.infer.engines import Sampling
-from finetune.infer.prompts import PromptSpec
-from finetune.infer.source import ModelSource
-
-DEFAULT_BATCH = {"transformers": 16, "vllm": 256}
-
-
-@dataclass(frozen=True)
-class GenerateJob:
-    """Everything that decides the output; saved as OUT.parts/job.json for the processes and for restarts."""
-
-    source: ModelSource
-    prompts: PromptSpec
-    out: str
-    sampling: Sampling = Sampling()
-    template: str | None = None  # None: the job file's data.template, else the run's, else the tokenizer's
-    batch_size: int | None = None  # None: 16 for transformers, 256 for vLLM
-    sort: bool = True
-    engine: str = "auto"
-    tensor_parallel: int = 1
-    dtype: str = "auto"
-    output_field: str = "completion"
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> GenerateJob:
-        sampling = {**data["sampling"], "stop": tuple(data["sampling"]["stop"])}
-        source = {**data["source"], "tokenizer_dirs": tuple(data["source"]["tokenizer_dirs"])}
-        return cls(
-            **{
-                **data,
-                "source": ModelSource(**source),
-                "prompts": PromptSpec(**data["prompts"]),
-                "sampling": Sampling(**sampling),
-            }
-        )
+from finetune.infer.job import DEFAULT_BATCH, GenerateJob
 
 
 @dataclass(frozen=True)
@@ -98,9 +61,9 @@ def generate(
     job: GenerateJob, processes: int | None = None, overwrite: bool = False, progress: bool = True
 ) -> GenerateResult:
     """Generate what OUT lacks, then write OUT in input order; see the module docstring."""
+    from finetune.artifacts import load_tokenizer
     from finetune.infer import batches, engines, store
     from finetune.infer.prompts import encode, read_prompts, template_for
-    from finetune.infer.source import load_tokenizer
 
     job.sampling.check()
     out = _output_path(job.out)
@@ -215,7 +178,7 @@ def _run(parts: Path, attempt: int, world: int, total: int, progress: bool) -> N
 
     with _Bar(total, progress) as bar:
         if world == 1:
-            worker.run(parts, attempt, 0, 1, on_rows=bar.advance)
+            worker.run(parts, attempt, 0, 1, on_rows=bar.advance, hooks=worker.batch_hooks())
             return
         code = _launch(parts, attempt, world, bar)
     if code:
@@ -229,8 +192,8 @@ def _launch(parts: Path, attempt: int, world: int, bar) -> int:
     import torch
 
     from finetune.distributed.launch import torchrun
+    from finetune.distributed.lifecycle import run_forwarding_signals
     from finetune.infer.store import PartsWatcher
-    from finetune.workflow import _run_forwarding_signals
 
     cmd = torchrun(["-m", "finetune.infer.worker", str(parts), str(attempt)], 1, world, python=sys.executable)
     env = dict(os.environ)
@@ -245,7 +208,7 @@ def _launch(parts: Path, attempt: int, world: int, bar) -> int:
     thread = threading.Thread(target=follow, daemon=True)
     thread.start()
     try:
-        return _run_forwarding_signals(cmd, env)
+        return run_forwarding_signals(cmd, env)
     finally:
         stop.set()
         thread.join()

@@ -62,6 +62,12 @@ def parse(text: str, pattern: str | None, key: str = "--metric") -> Metric:
     return Metric(text, key, pattern=pattern if text == "regex" else None)
 
 
+def score_text(metric: str, value: float, digits: int = 2) -> str:
+    """A metric's value for people: a built-in metric's (the share of samples that match, 0..1) as a percentage, any
+    other (a user function's mean score, which may be any number; a loss) as the plain number."""
+    return f"{100 * value:.{digits}f}%" if metric in BUILT_IN else f"{value:.4f}"
+
+
 class Scorer:
     """Scores completions with one metric; built once (the function is imported, the pattern compiled)."""
 

@@ -108,11 +108,6 @@ class PartWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def cut_short(self) -> None:
-        """Leave half a line, as a kill in the middle of a write does (for tests of resume)."""
-        self._file.write('{"id": "cut sh')
-        self._file.flush()
-
     def close(self) -> None:
         self._file.close()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from finetune.errors import FtError
 
+BATCH_HOOK = "FT_BATCH_HOOK"  # test/debug hook: path/to/file.py:function, called as hook(rank, batches_done)
 _LAUNCHER_VARS = (
     "RANK",
     "LOCAL_RANK",
@@ -30,10 +31,11 @@ _LAUNCHER_VARS = (
 )
 
 
-def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, on_rows=None) -> None:
-    """Generate this rank's batches of attempt `attempt`; `on_rows(rows, tokens)` after each batch."""
+def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, on_rows=None, hooks=()) -> None:
+    """Generate this rank's batches of attempt `attempt`; `on_rows(rows, tokens)` after each batch, then each of
+    `hooks` (tests and debugging; see batch_hooks) as hook(rank, batches_done)."""
     from finetune.infer.batches import deal
-    from finetune.infer.generate import GenerateJob
+    from finetune.infer.job import GenerateJob
     from finetune.infer.store import PartWriter, write_stats
 
     job = GenerateJob.from_json(json.loads((parts / "job.json").read_text()))
@@ -54,17 +56,18 @@ def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, o
             ]
             writer.write(items)
             rows, tokens = rows + len(items), tokens + sum(n for _, n, _ in items)
-            _injected_crash(rank, done, writer)
             if on_rows is not None:
                 on_rows(len(items), sum(n for _, n, _ in items))
+            for hook in hooks:
+                hook(rank, done)
     finally:
         writer.close()
     write_stats(parts, attempt, rank, rows, tokens, start, time.time())
 
 
 def _inputs(job, keys: list[str]):
+    from finetune.artifacts import load_tokenizer
     from finetune.infer.prompts import read_prompts, template_for
-    from finetune.infer.source import load_tokenizer
     from finetune.infer.store import id_key
 
     prompts = read_prompts(job.prompts).prompts
@@ -98,11 +101,11 @@ def _engine(job, tokenizer, local_rank: int):
         return engines.VllmEngine(job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype)
     from transformers.utils import logging
 
-    from finetune.infer.source import load_model, torch_dtype
+    from finetune.artifacts import load_model
 
     logging.disable_progress_bar()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    model = load_model(job.source, tokenizer, torch_dtype(job.dtype, device), device)
+    model = load_model(job.source, tokenizer, engines.torch_dtype(job.dtype, device), device)
     return engines.TransformersEngine(model, tokenizer, job.sampling, device)
 
 
@@ -131,19 +134,24 @@ def _gpu_count() -> int:
     return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
 
 
-def _injected_crash(rank: int, batches_done: int, writer) -> None:
-    """For tests of resume: FT_TEST_CRASH=RANK:BATCHES makes that rank die after that many batches, leaving half a
-    line."""
-    if os.environ.get("FT_TEST_CRASH") == f"{rank}:{batches_done}":
-        writer.cut_short()
-        os._exit(137)
+def batch_hooks() -> tuple:
+    """The hook that FT_BATCH_HOOK names (path/to/file.py:function or package.module:function), for tests and
+    debugging: each process calls it after every batch it has written as hook(rank, batches_done); it may, for
+    instance, kill the process to test resuming. Read once, when the process starts; none when the variable is
+    unset."""
+    spec = os.environ.get(BATCH_HOOK)
+    if not spec:
+        return ()
+    from finetune.userfn import load_function
+
+    return (load_function(spec, BATCH_HOOK),)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     try:
-        run(Path(args[0]), int(args[1]), rank, world, local)
+        run(Path(args[0]), int(args[1]), rank, world, local, hooks=batch_hooks())
     except FtError as e:
         sys.stderr.write(f"error (process {rank}): {e}\n")
         sys.exit(e.exit_code)

@@ -1,0 +1,119 @@
+"""The package's import graph: no module uses another module's private names, and no two modules import each other
+(directly or round a circle), counting imports inside functions too: a circle that only works because an import is
+deferred is still a circle in the design."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import REPO
+
+PACKAGE = REPO / "finetune"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], list[str]]:
+    """(modules of the package that `name` imports, private names it takes from other modules)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets, private, aliases = set(), [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if not module.startswith("finetune"):
+                continue
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                if full in known:  # `from finetune.x import module`
+                    targets.add(full)
+                    aliases[alias.asname or alias.name] = full
+                elif module in known:
+                    targets.add(module)
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        private.append(f"{name} imports {alias.name} from {module}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    targets.add(alias.name)
+                    if alias.asname:
+                        aliases[alias.asname] = alias.name
+    for node in ast.walk(tree):  # module._name
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            owner = aliases[node.value.id]
+            if node.attr.startswith("_") and not node.attr.startswith("__") and owner != name:
+                private.append(f"{name} uses {owner}.{node.attr}")
+    targets.discard(name)
+    return targets, private
+
+
+def graph() -> tuple[dict[str, set[str]], list[str]]:
+    known = modules()
+    edges, private = {}, []
+    for name, path in known.items():
+        edges[name], found = imports(name, path, known)
+        private += found
+    return edges, private
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    _, private = graph()
+    assert not private, "\n".join(private)
+
+
+def test_no_import_circles():
+    edges, _ = graph()
+    found = circles(edges)
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
+    """The checker itself: a circle of three and a private name are found."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    known = {"finetune.x": tmp_path / "x.py", "finetune.y": tmp_path / "y.py"}
+    known["finetune.y"].write_text("from finetune import x\nfrom finetune.x import _hidden\nx._other()\n")
+    targets, private = imports("finetune.y", known["finetune.y"], known)
+    assert targets == {"finetune.x"} and len(private) == 2
