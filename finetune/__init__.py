@@ -4,4 +4,8 @@ Heavy libraries (torch, transformers, peft, datasets) are imported lazily inside
 need them, so that `ft --help`, `ft validate` and `ft plan --hardware ...` start fast.
 """
 
+from finetune.compat import quiet_unused_bitsandbytes_kernel
+
 __version__ = "0.1.0"
+
+quiet_unused_bitsandbytes_kernel()  # before anything imports bitsandbytes (logging only: no library is imported here)

@@ -23,3 +23,26 @@ def keep_4bit_layers_trainable_on_cpu(model) -> int:
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
     return len(layers)
+
+
+BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
+BNB_KERNEL_WARNING = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _DropUnusedKernelWarning:
+    """A logging filter: drops bitsandbytes' notice that its CPU inference kernel could not be fetched."""
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(BNB_KERNEL_WARNING)
+
+
+def quiet_unused_bitsandbytes_kernel() -> None:
+    """bitsandbytes 0.50 (backends/cpu/ops.py), on CPUs with AVX512-BF16, tries at import to fetch an inference-only
+    4-bit kernel from the hub and logs a warning when it cannot (always, offline or without the `kernels` package).
+    ft never runs that kernel (keep_4bit_layers_trainable_on_cpu turns its path off), so the warning, printed by every
+    run, is noise: a filter on that one logger drops exactly that message; every other bitsandbytes message passes."""
+    import logging
+
+    logger = logging.getLogger(BNB_KERNEL_LOGGER)
+    if not any(isinstance(f, _DropUnusedKernelWarning) for f in logger.filters):
+        logger.addFilter(_DropUnusedKernelWarning())

@@ -2,16 +2,27 @@
 # Create .venv (once) and install ft with its test dependencies into it.
 # torch is installed first, pinned, so that pip does not pull a multi-GB build it does not need;
 # on a GPU machine install the torch build for your CUDA first and this script keeps it.
+# Nothing is installed again while pyproject.toml and this script are unchanged since the last successful install
+# (their hash is kept in .venv/.ft-installed); FT_REINSTALL=1 installs anyway.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+STAMP=.venv/.ft-installed
+digest() { if command -v sha256sum >/dev/null; then sha256sum; else shasum -a 256; fi; }
+wanted=$(cat pyproject.toml scripts/setup.sh | digest | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted" ] && [ "${FT_REINSTALL:-0}" != 1 ]; then
+  echo "ft environment up to date (.venv; pyproject.toml unchanged since the last install; FT_REINSTALL=1 reinstalls)"
+  exit 0
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+rm -f "$STAMP"
 python -m pip install --quiet --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${FT_TORCH_VERSION:-2.13.0}"
 fi
 DS_BUILD_OPS=${DS_BUILD_OPS:-0} python -m pip install --quiet -e ".[test]"  # DeepSpeed compiles the ops it uses on first use
 python -c "import torch, transformers, peft; print(f'ft environment ready: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+echo "$wanted" > "$STAMP"

@@ -1,39 +1,23 @@
-"""Shared test setup: never reach the hub; helpers to write job files."""
+"""Shared test setup: never reach the hub; fixtures shared by several test files (builders are in tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import LORA, built_once, ft_train, make_examples, trained
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-REPO = Path(__file__).resolve().parent.parent
-
-MINIMAL = """\
-model: {name: meta-llama/Llama-3.1-8B}
-data:
-  datasets: [{path: data/train.jsonl, format: chat}]
-  seq_len: 2048
-  packing: true
-method: {name: sft}
-adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}
-quantization: {type: auto}
-train:
-  global_batch_size: 32
-  micro_batch_size: auto
-  gradient_checkpointing: auto
-  optimizer: adamw_torch
-  precision: auto
-  lr: 2.0e-4
-  max_steps: 1000
-distributed: {backend: auto, sharding: auto, offload: auto}
-output: {dir: runs/llama8b-lora}
-"""
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share the cores: threads that wait for a core
+    # spin and burn it, so each worker (and what it starts) computes with its share of the cores
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 @pytest.fixture
@@ -50,19 +34,79 @@ def write_yaml(tmp_path):
 
 @pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
-    """The run multi-process tests compare with (tests/test_distributed.py `job`): full fine-tuning in one
-    process, 6 steps, a checkpoint at step 3 (saving changes nothing in the trajectory)."""
-    from tests.test_distributed import ft_train, job
+    """The run multi-process tests compare with (tests/helpers.py `job`): full fine-tuning in one process, 6 steps,
+    a checkpoint at step 3 (saving changes nothing in the trajectory)."""
+    return built_once(tmp_path_factory, "one", lambda f: trained(f, "one", "--set", "output.save_steps=3")) / "one"
 
-    tmp = tmp_path_factory.mktemp("reference")
-    r = ft_train(job(tmp, "one"), "--hardware", "cpu", "--set", "output.save_steps=3")
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp / "one"
+
+@pytest.fixture(scope="session")
+def one_process_lora(tmp_path_factory):
+    """The tiny job with a LoRA adapter (tests/helpers.py LORA) in one process: what FSDP2 and ZeRO-3 LoRA runs of the
+    same job (with the same overrides) must equal."""
+    return built_once(tmp_path_factory, "one-lora", lambda f: trained(f, "one", *LORA)) / "one"
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory):
+    """The tiny model after 250 SFT steps on arithmetic (about half the test questions right): what DPO and GRPO tests
+    start from, so that DPO has preferences to sharpen and GRPO has some right answers to reinforce."""
+
+    def build(tmp: Path) -> None:
+        from finetune.tiny import arithmetic_records, write_jsonl
+
+        data = write_jsonl(arithmetic_records(4000, seed=0), tmp / "train.jsonl")
+        cfg = tmp / "sft.yaml"
+        cfg.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, cache_dir: {tmp / "cache"}}}
+adapter: {{type: full}}
+train: {{global_batch_size: 64, lr: 2.0e-3, max_steps: 250, warmup_steps: 25}}
+output: {{dir: {tmp / "run"}, save_steps: 0, log_steps: 50}}
+""")
+        r = ft_train(str(cfg), "--hardware", "cpu", timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "sft", build) / "run" / "final"
+
+
+@pytest.fixture(scope="module")
+def packed_rows():
+    """Five examples packed into two rows of 32 tokens (2-3 examples each): (examples, rows)."""
+    import datasets
+
+    from finetune.data.packing import pack
+
+    examples = make_examples([12, 10, 9, 8, 7], seed=11)
+    rows = list(pack(datasets.Dataset.from_list(examples), seq_len=32))
+    assert [len(r["seq_lens"]) for r in rows] == [3, 2]  # two rows, 2-3 examples each
+    return examples, rows
+
+
+# The test files that take longest, longest first (seconds of a whole run on 2 cores, measured with --durations:
+# alignment 336, distributed 295, deepspeed 275, signals 124, train 80, sharded_loading 74). scripts/test.sh runs
+# whole files on 2 workers (--dist loadfile) in collection order: a long file that started last would run alone.
+LONGEST_FIRST = (
+    "test_alignment.py",
+    "test_distributed.py",
+    "test_deepspeed.py",
+    "test_signals.py",
+    "test_train.py",
+    "test_sharded_loading.py",
+    "test_memory_measured.py",
+    "test_generate.py",
+    "test_qlora_sharded.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu are skipped where no CUDA GPU is present (CI, this project's CPU machines)."""
+    """Tests marked gpu are skipped where no CUDA GPU is present (CI, this project's CPU machines). Files are ordered
+    LONGEST_FIRST, then those with more slow tests (the order is otherwise kept: pytest-xdist workers must collect the
+    same order)."""
     import importlib.util
+
+    slow = Counter(item.path for item in items if "slow" in item.keywords)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -slow[item.path]))
 
     has_gpu = False
     if importlib.util.find_spec("torch") is not None:
@@ -76,78 +120,28 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout: int = 600) -> list[dict]:
-    """A probe script (tests/scripts/*_probe.py) on 2 gloo ranks over the given job files; its JSON reports,
-    one per job and rank, in (job, rank) order."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tests.test_distributed import free_port
-
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        "cpu:2",
-        str(out),
-        *configs,
-        *flags,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
+# ---------------------------------------------------------------- how many tests -m left out (also under pytest-xdist)
+DESELECTED = pytest.StashKey[int]()
 
 
-def random_llama(
-    folder: Path,
-    *,
-    hidden: int,
-    layers: int,
-    intermediate: int,
-    heads: int,
-    tied: bool = False,
-    kv_heads: int | None = None,
-) -> int:
-    """Save a Llama with random bf16 weights (uniform, norms at 1) and ft's tiny tokenizer; returns its parameter count.
-    Built on the meta device and then filled: seconds even at 400M parameters."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def pytest_deselected(items):
+    """Count what -m (or -k) left out; an xdist worker hands its count to the controller, which prints it."""
+    if items:
+        config = items[0].config
+        config.stash[DESELECTED] = config.stash.get(DESELECTED, 0) + len(items)
+        if hasattr(config, "workeroutput"):
+            config.workeroutput["deselected"] = config.stash[DESELECTED]
 
-    from finetune.tiny import build_tokenizer
 
-    tok = build_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads or max(1, heads // 2),
-        max_position_embeddings=256,
-        tie_word_embeddings=tied,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=None,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gave each name its own tensor
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(1.0) if p.ndim == 1 else p.uniform_(-0.05, 0.05, generator=gen)
-    model.save_pretrained(str(folder))
-    tok.save_pretrained(str(folder))
-    return sum(p.numel() for p in model.parameters())
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker finished; every worker collected the same tests, so one count is the run's."""
+    count = getattr(node, "workeroutput", {}).get("deselected", 0)
+    node.config.stash[DESELECTED] = max(node.config.stash.get(DESELECTED, 0), count)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.stash.get(DESELECTED, 0)
+    if count:
+        expression = f" (-m {config.option.markexpr!r})" if config.option.markexpr else ""
+        terminalreporter.write_line(f"{count} tests deselected{expression}")

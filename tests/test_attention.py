@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from finetune import attention
 from finetune.data.collate import collate
 from finetune.data.packing import best_fit_decreasing
-from tests.test_packing import packed_rows, tiny_llama  # noqa: F401 (packed_rows is a fixture)
+from tests.helpers import tiny_llama
 
 LENGTHS = [1, 5, 1, 7, 3, 1]  # length-1 samples at the start, middle and end
 SCALE = 0.3
@@ -157,7 +157,7 @@ def test_max_length_given_as_tensor_is_read_once_per_batch(monkeypatch, kernel_p
     assert len(reads) == 2 and kernel_path.calls == 4
 
 
-def test_tiny_llama_on_kernel_path_packed_equals_separate_runs(kernel_path, packed_rows):  # noqa: F811
+def test_tiny_llama_on_kernel_path_packed_equals_separate_runs(kernel_path, packed_rows):
     examples, rows = packed_rows
     attention.register()
     model = tiny_llama("sdpa_varlen")
@@ -218,7 +218,7 @@ def test_cuda_falls_back_for_fp32_dropout_and_old_torch(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_tiny_llama_packed_equals_separate_runs(packed_rows):  # noqa: F811
+def test_cuda_bf16_tiny_llama_packed_equals_separate_runs(packed_rows):
     needs_flash()
     examples, rows = packed_rows
     attention.register()

@@ -26,3 +26,22 @@ def test_4bit_layers_keep_their_training_kernels_after_an_eval_forward():
     model.train()(x).float().sum().backward()
     assert x.grad is not None and x.grad.abs().sum() > 0  # gradients flow through the 4-bit base
     assert keep_4bit_layers_trainable_on_cpu(torch.nn.Linear(2, 2)) == 0
+
+
+def test_the_unused_bitsandbytes_kernel_warning_is_dropped_and_nothing_else(caplog):
+    import inspect
+    import logging
+
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.backends.cpu.ops as ops
+
+    from finetune.compat import BNB_KERNEL_LOGGER, BNB_KERNEL_WARNING
+
+    assert ops.__name__ == BNB_KERNEL_LOGGER  # the logger bitsandbytes warns through; renamed: revisit compat
+    assert BNB_KERNEL_WARNING in inspect.getsource(ops)  # the message ft drops still exists
+    logger = logging.getLogger(BNB_KERNEL_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=BNB_KERNEL_LOGGER):
+        logger.warning(BNB_KERNEL_WARNING + ": %s. Please make sure ...", "no network")
+        logger.warning("some other bitsandbytes warning")
+    messages = [r.getMessage() for r in caplog.records if r.name == BNB_KERNEL_LOGGER]
+    assert messages == ["some other bitsandbytes warning"]

@@ -7,7 +7,7 @@ import pytest
 
 from finetune.config import load, loads
 from finetune.errors import ConfigError, FtError
-from tests.conftest import MINIMAL
+from tests.helpers import MINIMAL
 
 
 def problems(text: str, overrides=(), environ=None) -> ConfigError:

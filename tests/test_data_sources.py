@@ -10,16 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from finetune.config.schema import DatasetSpec
 from finetune.data.formats import normalize_dataset
 from finetune.data.sources import SourceStats, load_source, looks_like_hub_id, mix, split_validation, take
 from finetune.errors import DataError
+from tests.helpers import spec
 
 datasets.disable_progress_bars()
-
-
-def spec(path, fmt="chat", **kw) -> DatasetSpec:
-    return DatasetSpec(path=str(path), format=fmt, **kw)
 
 
 def write_jsonl(path, records) -> str:

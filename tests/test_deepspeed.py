@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import FtError
-from tests.conftest import REPO, random_llama, run_probe
-from tests.test_distributed import ft_train, job, losses
+from tests.helpers import LORA, REPO, ft_train, job, losses, random_llama, run_probe, step_hook
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -119,15 +118,17 @@ def test_a_users_deepspeed_file_is_refused_for_overlap_comm_below_stage_2_and_fo
         config_for(plan, config.train, config.distributed)
 
 
+@pytest.mark.slow
 def test_zero3_matches_one_process_resumes_after_a_stop_and_consolidates(tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
     zero = job(tmp_path, "zero3")
     args = [*ZERO, "--set", "distributed.sharding=zero3", "--set", "output.save_steps=3"]
-    stopped = ft_train(zero, *args, env={"FT_TEST_STOP_AT": "4"}, timeout=600)
+    stopped = ft_train(zero, *args, env=step_hook(tmp_path, stop_at=4), timeout=600)
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     ckpt = tmp_path / "zero3" / "checkpoints" / "step-00000004"
     assert (ckpt / "deepspeed").is_dir() and (ckpt / "rng-1.pt").exists()
+    assert json.loads((ckpt / "state.json").read_text())["format"] == "deepspeed"
     written = json.loads((tmp_path / "zero3" / "deepspeed.json").read_text())
     assert written["zero_optimization"]["stage"] == 3 and written["train_batch_size"] == 8
     resumed = ft_train(zero, *args, "--resume", timeout=600)
@@ -149,21 +150,17 @@ def test_zero3_matches_one_process_resumes_after_a_stop_and_consolidates(tmp_pat
     )  # step 3, not the final weights
 
 
-def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp_path):
+@pytest.mark.slow
+def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp_path, one_process_lora):
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    lora = ["--set", "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}", "--set", "train.lr=0.02"]
-    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu", *lora)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = ft_train(job(tmp_path, "zero3"), *ZERO, "--set", "distributed.sharding=zero3", *lora, timeout=600)
+    two = ft_train(job(tmp_path, "zero3"), *ZERO, "--set", "distributed.sharding=zero3", *LORA, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
-    assert losses(tmp_path / "zero3") == pytest.approx(
-        losses(tmp_path / "one"), rel=1e-4, abs=1e-5
-    )  # from the same start
-    a = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    assert losses(tmp_path / "zero3") == pytest.approx(losses(one_process_lora), rel=1e-4, abs=1e-5)  # the same start
+    a = load_file(str(one_process_lora / "final" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "zero3" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
@@ -180,18 +177,20 @@ def test_lora_adapter_saved_from_zero3_reloads_and_gives_the_trained_outputs(tmp
         trained = reloaded(ids).logits
     assert (trained - untrained).abs().max() > 1e-3  # the adapter changes outputs
     one_model = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(model_path(ModelSection(name="ft-tiny"))), str(tmp_path / "one" / "final")
+        AutoModelForCausalLM.from_pretrained(model_path(ModelSection(name="ft-tiny"))), str(one_process_lora / "final")
     ).eval()
     with torch.no_grad():
         torch.testing.assert_close(trained, one_model(ids).logits, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_zero2_matches_one_process(tmp_path, one_process):
     two = ft_train(job(tmp_path, "zero2"), *ZERO, "--set", "distributed.sharding=zero2", timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert losses(tmp_path / "zero2") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_grpo_generates_and_trains_under_zero3_with_a_lora_adapter_and_kl(tmp_path):
     """Sampling needs whole parameters on every rank (ranks sample different lengths): gathered for generate()."""
     from finetune.tiny import prompt_records, write_jsonl

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from finetune.data.stream import Stream
-from tests.conftest import REPO
+from tests.helpers import LORA, REPO, free_port, ft_train, job, losses, step_hook
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -27,36 +27,7 @@ def test_ranks_see_disjoint_rows_whose_union_is_the_epoch(world):
     assert sorted(flat) == sorted(i for _ in range(rows // batch) for i in single.next_step())
 
 
-def job(tmp_path, name: str, steps: int = 6) -> str:
-    from finetune.tiny import arithmetic_records, write_jsonl
-
-    data = write_jsonl(arithmetic_records(128, seed=7), tmp_path / "d.jsonl")
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(f"""
-model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
-adapter: {{type: full}}
-train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: {steps}, lr: 3.0e-3, warmup_steps: 1}}
-output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
-""")
-    return str(path)
-
-
-def ft_train(*args, env=None, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "finetune", "train", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        timeout=timeout,
-    )
-
-
-def losses(run_dir) -> list[float]:
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_path, one_process):
     two = ft_train(job(tmp_path, "two"), "--hardware", "cpu:2")
     assert two.returncode == 0, two.stderr[-3000:]
@@ -81,7 +52,7 @@ def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> 
     launch = (run / "launch.txt").read_text()
     assert (
         "torch.distributed.run" in launch
-        and "-m finetune.train" in launch
+        and "-m finetune.rank" in launch
         and str(run) in launch
         and "--nproc-per-node=2" in launch
     )
@@ -117,29 +88,22 @@ def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> 
     assert losses(run) == pytest.approx(first, rel=1e-6)
     for rank in (0, 1):
         modules = set(json.loads((tmp_path / f"mods-{rank}.json").read_text())["modules"])
-        assert "finetune.cli" not in modules and "finetune.workflow" in modules
+        assert "finetune.rank" in modules and not {"finetune.cli", "finetune.workflow"} & modules  # no launcher code
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     start = time.time()
-    r = ft_train(job(tmp_path, "fail", steps=50), "--hardware", "cpu:2", env={"FT_TEST_FAIL": "1:3"}, timeout=240)
+    fail = step_hook(tmp_path, fail=(1, 3))
+    r = ft_train(job(tmp_path, "fail", steps=50), "--hardware", "cpu:2", env=fail, timeout=240)
     assert r.returncode != 0
     assert "injected failure on rank 1 at step 3" in r.stderr + r.stdout
     assert "a rank exited with code" in r.stderr
     assert time.time() - start < 240
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_nodes_on_loopback_train_together(tmp_path):
-    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+@pytest.mark.slow
+def test_two_nodes_on_loopback_train_together(tmp_path, one_process):
     config, port = job(tmp_path, "nodes"), str(free_port())
     nodes = [
         subprocess.Popen(
@@ -173,7 +137,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path):
     assert "--node-rank=1" in outs[1][1] and "--master-addr=127.0.0.1" in outs[0][1]
     plan = json.loads((tmp_path / "nodes" / "plan.json").read_text())
     assert (plan["nodes"], plan["world_size"], plan["backend"]) == (2, 2, "ddp")
-    assert losses(tmp_path / "nodes") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
+    assert losses(tmp_path / "nodes") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
 
 
 def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
@@ -214,6 +178,7 @@ def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
     assert "HF_TOKEN=" not in text
 
 
+@pytest.mark.slow
 def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process):
     fsdp = job(tmp_path, "fsdp")
     sharded = [
@@ -226,11 +191,12 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
         "--set",
         "output.save_steps=3",
     ]
-    stopped = ft_train(fsdp, *sharded, env={"FT_TEST_STOP_AT": "4"})
+    stopped = ft_train(fsdp, *sharded, env=step_hook(tmp_path, stop_at=4))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     assert "Resume with: ft train CONFIG --resume" in stopped.stderr
     ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000004"
     assert (ckpt / "dcp").is_dir() and (ckpt / "rng-1.pt").exists()  # sharded: every rank wrote its part
+    assert json.loads((ckpt / "state.json").read_text())["format"] == "dcp"  # the engine's format, recorded
     resumed = ft_train(fsdp, *sharded, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     plan = json.loads((tmp_path / "fsdp" / "plan.json").read_text())
@@ -252,16 +218,14 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
 
 
-def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
+@pytest.mark.slow
+def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path, one_process_lora):
     import torch
     from safetensors.torch import load_file
 
-    lora = ["--set", "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}", "--set", "train.lr=0.02"]
-    one = ft_train(job(tmp_path, "one"), "--hardware", "cpu", *lora)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu:2", "--set", "distributed.backend=fsdp", *lora)
+    two = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu:2", "--set", "distributed.backend=fsdp", *LORA)
     assert two.returncode == 0, two.stderr[-3000:]
-    a = load_file(str(tmp_path / "one" / "final" / "adapter_model.safetensors"))
+    a = load_file(str(one_process_lora / "final" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "fsdp" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
@@ -272,6 +236,7 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path):
     assert any(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k)
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_activity(tmp_path):
     start = time.time()
     r = ft_train(
@@ -280,7 +245,7 @@ def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_a
         "cpu:2",
         "--set",
         "distributed.timeout_minutes=0.1",
-        env={"FT_TEST_HANG": "1:3:9"},
+        env=step_hook(tmp_path, hang=(1, 3, 9)),
         timeout=240,
     )
     out = " ".join((r.stderr + r.stdout).split())  # messages are wrapped to the terminal's width
@@ -292,6 +257,7 @@ def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_a
     assert time.time() - start < 90  # the timeout ended it, not the test's own limit
 
 
+@pytest.mark.slow
 def test_fsdp_on_one_process_runs_under_torchrun_and_matches_a_plain_process(tmp_path, one_process):
     """What the planner picks for one GPU that only fits with FSDP offload: FSDP2 needs a process group even of one."""
     fsdp = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu", "--set", "distributed.backend=fsdp")

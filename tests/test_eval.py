@@ -11,6 +11,7 @@ import pytest
 from finetune.errors import DataError, FtError
 from finetune.infer.scoring import Metric, Scorer, parse
 from finetune.userfn import load_function
+from tests.helpers import crafted_run, evil_model
 
 METRIC_FILE = """
 def score(completions, reference, topic, **columns):
@@ -97,6 +98,26 @@ def test_metric_functions_get_columns_and_are_checked(metric_file):
         parse("exactmatch", None)
     with pytest.raises(FtError, match="--pattern '"):
         parse("regex", None)
+
+
+def test_only_bounded_metrics_are_shown_as_percentages():
+    """exact_match, contains and regex score the share of samples that match (0..1); a user function may return any
+    number, so its mean (and a loss) is shown as it is, in ft eval's table as after training."""
+    import io
+
+    from rich.console import Console
+
+    from finetune.infer.evaluation import EvalResult, print_table
+    from finetune.infer.scoring import score_text
+
+    assert [score_text(m, 0.25) for m in ("exact_match", "contains", "regex")] == ["25.00%"] * 3
+    assert score_text("exact_match", 0.25, 1) == "25.0%"
+    assert score_text("function", 12.5, 1) == score_text("metrics.py:score", 12.5) == "12.5000"
+    out = io.StringIO()
+    result = EvalResult(model="m", metrics={"exact_match": 0.5, "metrics.py:score": 1.25, "loss": 2.0})
+    print_table(result, Console(file=out, width=200))
+    table = out.getvalue()
+    assert "50.00%" in table and "1.2500" in table and "2.0000" in table and "125" not in table
 
 
 # ---------------------------------------------------------------- ft eval on a tiny model
@@ -193,7 +214,7 @@ def test_ft_eval_refuses_metrics_without_references(model_dir, tmp_path):
 
 # ---------------------------------------------------------------- during training, and again with ft eval
 @pytest.mark.slow
-def test_periodic_evaluation_during_training_and_ft_eval_of_the_run_agree(tmp_path, monkeypatch):
+def test_periodic_evaluation_during_training_and_ft_eval_of_the_run_agree(tmp_path, monkeypatch, capfd):
     from finetune.infer.commands import run_eval
     from finetune.tiny import arithmetic_records, write_jsonl
     from finetune.workflow import run_train
@@ -214,6 +235,8 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
 evaluation: {{path: {test}, metric: function, function: metrics.py:digits, max_new_tokens: 6, every_steps: 2}}
 """)
     result = run_train(tmp_path / "job.yaml", hardware="cpu")
+    printed = " ".join(capfd.readouterr().err.split())  # a function's score is a plain number, not a percentage
+    assert f": {result['task_before']:.4f} → {result['task_after']:.4f}" in printed, printed[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_function" in r] == [2]
     assert result["task_before"] is not None and result["task_after"] is not None
@@ -261,8 +284,6 @@ def _adapter_run(model_dir, root, marker):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from tests.test_generate import evil_model
-
     base = evil_model(model_dir, root / "evil-base", marker)
     run = root / "lora-run"
     peft_model = get_peft_model(
@@ -282,7 +303,6 @@ def test_ft_eval_of_a_crafted_run_folder_runs_none_of_its_code(model_dir, tmp_pa
     import transformers.dynamic_module_utils as dynamic
 
     from finetune.infer.commands import run_eval
-    from tests.test_generate import crafted_run
 
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
     monkeypatch.setattr(sys, "path", list(sys.path))

@@ -11,7 +11,7 @@ import yaml
 from finetune.config import load
 from finetune.config.docs import json_schema_text, markdown_reference
 from finetune.workflow import compile_plan
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 EXAMPLES = sorted((REPO / "examples" / "yaml").glob("*.yaml"))
 SCHEMA_LINE = "# yaml-language-server: $schema=../../schemas/ft.schema.json"

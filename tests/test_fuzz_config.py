@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from tests.conftest import REPO
 from tests.fuzz.configs import generate
 from tests.fuzz.runner import run_all, summary
+from tests.helpers import REPO
 
 KINDS = {
     "bool-for-int",
@@ -62,6 +62,7 @@ def test_the_generator_is_seeded_and_covers_every_kind_of_mistake(cases):
     assert {c.command for c in cases} == {"validate", "plan"}
 
 
+@pytest.mark.slow
 def test_every_bad_config_is_a_clear_user_error(cases, tmp_path):
     start = time.monotonic()
     outcomes = run_all(cases, tmp_path, timeout=20)

@@ -26,9 +26,8 @@ import yaml
 
 from finetune.data.sources import load_source
 from finetune.errors import DataError
-from tests.conftest import REPO
 from tests.fuzz.data_files import Case, cases, jsonl, materialize
-from tests.test_data_sources import spec
+from tests.helpers import REPO, spec
 
 LIMIT_S = 20.0  # per case
 CASES = cases()
@@ -199,6 +198,7 @@ def test_bad_data_file(name, warm, tmp_path):
 SUBPROCESS = ("json_deep_list", "fifo", "prompt_completion_number")
 
 
+@pytest.mark.slow
 def test_real_processes_print_one_error_and_exit_2():
     """A few cases through `python -m finetune preprocess`, in parallel: exit 2, `error: FILE:LINE`, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -253,6 +253,7 @@ def _conversations(rng):
     yield [{"role": "user", "content": "x" * 8000}, {"role": "assistant", "content": "y" * 10}]
 
 
+@pytest.mark.slow
 def test_long_records_give_what_the_whole_record_gives():
     """tokenize_record cuts long records before tokenizing; the kept tokens, labels and status must not change."""
     import random

@@ -12,13 +12,14 @@ import sys
 import pytest
 import torch
 
+from finetune.artifacts import resolve
 from finetune.errors import DataError, FtError
 from finetune.infer import batches
 from finetune.infer.engines import Sampling
-from finetune.infer.generate import GenerateJob, generate
+from finetune.infer.generate import generate
+from finetune.infer.job import GenerateJob
 from finetune.infer.prompts import PromptSpec, read_prompts
-from finetune.infer.source import resolve
-from tests.conftest import REPO
+from tests.helpers import REPO, crafted_run
 
 MAX_NEW = 6
 
@@ -201,8 +202,8 @@ def test_ids_are_positions_when_the_input_has_none(model_dir, tmp_path):
 def test_sampling_is_seeded_per_batch_not_per_process(model_dir):
     import torch
 
+    from finetune.artifacts import load_model, load_tokenizer
     from finetune.infer.engines import TransformersEngine
-    from finetune.infer.source import load_model, load_tokenizer
 
     src = resolve(str(model_dir))
     tokenizer = load_tokenizer(src)
@@ -220,6 +221,22 @@ def test_sampling_is_seeded_per_batch_not_per_process(model_dir):
 
 
 # ---------------------------------------------------------------- several processes, crashes
+def crash_hook(folder, parts, rank: int, batches: int) -> str:
+    """FT_BATCH_HOOK's value for a hook (written into `folder`) that kills process `rank` after its `batches`-th
+    batch, leaving half a line in its part file under `parts`, as a kill in the middle of a write does."""
+    hook = folder / "crash_hook.py"
+    hook.write_text(
+        "import os\nimport pathlib\n\n\n"
+        "def hook(rank, batches_done):\n"
+        f"    if (rank, batches_done) == ({rank}, {batches}):\n"
+        f"        (part,) = pathlib.Path({str(parts)!r}).glob(f'part-*-r{{rank}}.jsonl')\n"
+        "        with open(part, 'a', encoding='utf-8') as f:\n"
+        '            f.write(\'{"id": "cut sh\')\n'
+        "        os._exit(137)\n"
+    )
+    return f"{hook}:hook"
+
+
 @pytest.mark.slow
 def test_two_processes_write_the_same_bytes_as_one(one_process, model_dir, prompts_file, tmp_path):
     out = tmp_path / "two.jsonl"
@@ -234,14 +251,13 @@ def test_two_processes_write_the_same_bytes_as_one(one_process, model_dir, promp
 @pytest.mark.slow
 def test_a_crashed_job_resumes_without_duplicates_or_gaps(one_process, model_dir, prompts_file, tmp_path, monkeypatch):
     out = tmp_path / "crash.jsonl"
-    monkeypatch.setenv(
-        "FT_TEST_CRASH", "1:1"
-    )  # process 1 dies after its first batch, leaving half a line; torchrun stops process 0
+    parts = out.with_name("crash.jsonl.parts")
+    # process 1 dies after its first batch, leaving half a line; torchrun stops process 0
+    monkeypatch.setenv("FT_BATCH_HOOK", crash_hook(tmp_path, parts, rank=1, batches=1))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with pytest.raises(FtError, match="generation failed: a process exited"):
         generate(job(model_dir, prompts_file, out), processes=2, progress=False)
-    monkeypatch.delenv("FT_TEST_CRASH")
-    parts = out.with_name("crash.jsonl.parts")
+    monkeypatch.delenv("FT_BATCH_HOOK")
     written = [line for p in parts.glob("part-*.jsonl") for line in p.read_text().splitlines()]
     assert not out.exists() and 0 < len(written) < 40 and any("cut sh" in line for line in written)
     with pytest.raises(FtError, match="other settings .*sampling.temperature was 0.0, now 0.5"):
@@ -276,50 +292,6 @@ def test_vllm_engine_greedy_matches_transformers(one_process, model_dir, prompts
 
 
 # ---------------------------------------------------------------- code in a run folder runs only when asked
-EVIL = """
-import pathlib
-pathlib.Path({marker!r}).write_text("the model folder's own code ran")
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-class EvilConfig(LlamaConfig):
-    pass
-
-class EvilModel(LlamaForCausalLM):
-    config_class = EvilConfig
-
-class EvilTokenizer(PreTrainedTokenizerFast):
-    pass
-"""
-
-
-def evil_model(model_dir, folder, marker):
-    """A copy of the tiny model whose config.json and tokenizer_config.json point (auto_map) at evil.py,
-    which writes `marker` when imported."""
-    import shutil
-
-    shutil.copytree(model_dir, folder)
-    for name, auto_map in (
-        ("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
-        ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizer"]}),
-    ):
-        config = json.loads((folder / name).read_text())
-        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
-    (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
-    return folder
-
-
-def crafted_run(model_dir, root, marker, model_name="ft-tiny"):
-    """A run folder whose config.yaml turns trust_remote_code on and whose final/ model ships evil.py."""
-    import yaml
-
-    run = root / "run"
-    evil_model(model_dir, run / "final", marker)
-    (run / "config.yaml").write_text(
-        yaml.safe_dump({"model": {"name": model_name, "trust_remote_code": True}, "adapter": {"type": "full"}})
-    )
-    return run
-
-
 @pytest.fixture
 def modules_cache(tmp_path, monkeypatch):
     """transformers copies remote code under HF_MODULES_CACHE before importing it: keep that in tmp_path."""

@@ -13,37 +13,22 @@ import json
 import pytest
 
 from finetune.tiny import arithmetic_records, preference_records, write_jsonl
-from tests.test_distributed import ft_train, job, losses
+from tests.helpers import GPU_TIMEOUT, ft_train, job, losses, metric_rows, visible_gpus
 
 pytestmark = pytest.mark.gpu
-TIMEOUT = (
-    300  # per ft train; a warm run of the tiny model takes seconds, DeepSpeed's first CPU Adam build about a minute
-)
-
-
-def visible_gpus(n: int) -> dict:
-    """Environment that shows a job the first n of the GPUs this process sees (ft then plans for exactly those)."""
-    import os
-
-    seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    return {"CUDA_VISIBLE_DEVICES": ",".join(seen[:n] if seen else map(str, range(n)))}
 
 
 def run(tmp_path, name: str, *overrides: str, steps: int = 12, config: str | None = None):
     """ft train on one GPU (--hardware omitted: ft probes it) of the tiny job `name`, or of `config`; the loss must
     fall."""
     sets = [a for o in ((() if config else ("train.lr=2.0e-3",)) + overrides) for a in ("--set", o)]
-    r = ft_train(config or job(tmp_path, name, steps=steps), *sets, env=visible_gpus(1), timeout=TIMEOUT)
+    r = ft_train(config or job(tmp_path, name, steps=steps), *sets, env=visible_gpus(1), timeout=GPU_TIMEOUT)
     assert r.returncode == 0, r.stderr[-4000:]
     plan = json.loads((tmp_path / name / "plan.json").read_text())
     trace = losses(tmp_path / name)
     assert len(trace) == steps and trace[-1] < trace[0], trace
     assert plan["device"] == "GPU" and plan["world_size"] == 1, plan
     return plan
-
-
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def test_bf16_full_fine_tuning(tmp_path):
@@ -128,7 +113,7 @@ output: {{dir: {tmp_path / "dpo"}, log_steps: 1, save_steps: 0}}
     plan = run(tmp_path, "dpo", config=str(config))
     assert (plan["method"], plan["reference"], plan["precision"]) == ("dpo", "precomputed", "bf16")
     assert "reference model" not in plan["memory"]["per_device_breakdown_gib"]  # no frozen copy
-    margins = [r["rewards/margin"] for r in rows(tmp_path / "dpo") if "rewards/margin" in r]
+    margins = [r["rewards/margin"] for r in metric_rows(tmp_path / "dpo") if "rewards/margin" in r]
     assert len(margins) == 12 and margins[-1] > margins[0], margins
 
 
@@ -146,7 +131,7 @@ def test_evaluation_after_full_fine_tuning_in_bf16(tmp_path):
         f"evaluation={{path: {questions}, metric: exact_match, max_new_tokens: 8, every_steps: 6}}",
     )
     assert (plan["precision"], plan["adapter"]) == ("bf16", "full")
-    metrics = rows(tmp_path / "eval")
+    metrics = metric_rows(tmp_path / "eval")
     assert [r["step"] for r in metrics if "eval_loss" in r] == [6, 12], metrics
     assert [r["step"] for r in metrics if "eval_exact_match" in r] == [6], metrics
     evals = [r["eval_loss"] for r in metrics if "eval_loss" in r]

@@ -16,8 +16,7 @@ import json
 import pytest
 
 from finetune.tiny import preference_records, prompt_records, write_jsonl
-from tests.test_distributed import ft_train, job, losses
-from tests.test_gpu import TIMEOUT, rows, visible_gpus
+from tests.helpers import GPU_TIMEOUT, ft_train, job, losses, metric_rows, visible_gpus
 
 
 def _gpus() -> int:
@@ -34,7 +33,7 @@ BF16 = dict(rel=2e-2, abs=2e-3)
 
 
 def train(config: str, gpus: int, *overrides: str):
-    r = ft_train(config, *[a for o in overrides for a in ("--set", o)], env=visible_gpus(gpus), timeout=TIMEOUT)
+    r = ft_train(config, *[a for o in overrides for a in ("--set", o)], env=visible_gpus(gpus), timeout=GPU_TIMEOUT)
     assert r.returncode == 0, r.stderr[-4000:]
     return r
 
@@ -108,7 +107,7 @@ output: {{dir: {tmp_path / "dpo"}, log_steps: 1, save_steps: 0}}
     train(str(config), 2)
     p = plan_of(tmp_path / "dpo")
     assert (p["method"], p["backend"], p["world_size"], p["reference"]) == ("dpo", "fsdp", 2, "adapter"), p
-    margins = [r["rewards/margin"] for r in rows(tmp_path / "dpo") if "rewards/margin" in r]
+    margins = [r["rewards/margin"] for r in metric_rows(tmp_path / "dpo") if "rewards/margin" in r]
     assert len(margins) == 8 and margins[-1] > margins[0], margins
     assert (tmp_path / "dpo" / "final" / "adapter_model.safetensors").stat().st_size > 0
 
@@ -129,7 +128,7 @@ output: {{dir: {tmp_path / "grpo"}, log_steps: 1, save_steps: 0}}
     train(str(config), 2)
     p = plan_of(tmp_path / "grpo")
     assert (p["method"], p["backend"], p["world_size"]) == ("grpo", "fsdp", 2) and p["generation"] != "local", p
-    got = [r for r in rows(tmp_path / "grpo") if "reward" in r]
+    got = [r for r in metric_rows(tmp_path / "grpo") if "reward" in r]
     assert len(got) == 3 and all(r["kl"] >= 0 for r in got), got
     assert (tmp_path / "grpo" / "final" / "adapter_model.safetensors").stat().st_size > 0
 

@@ -97,21 +97,18 @@ def test_checkpointing_micro_batch_and_dpo_scale_activations():
     plain = activation_bytes(LLAMA8B, setup(), 2)
     assert activation_bytes(LLAMA8B, setup(micro_batch_size=4), 2) == pytest.approx(4 * plain, rel=0.01)
     assert activation_bytes(LLAMA8B, setup(gradient_checkpointing=True), 2) < plain / 8
-    assert activation_bytes(LLAMA8B, setup(method="dpo"), 2) == pytest.approx(2 * plain, rel=0.01)
+    assert activation_bytes(LLAMA8B, setup(sequences_per_row=2), 2) == pytest.approx(2 * plain, rel=0.01)
     assert activation_bytes(LLAMA8B, setup(attention="eager"), 2) > plain
     assert logits_bytes(LLAMA8B, setup(), 2) == 2048 * 128256 * (2 + 8)
 
 
 def test_grpo_peak_is_the_larger_phase():
     train_only = estimate(LLAMA8B, setup())
-    long_rollouts = estimate(LLAMA8B, setup(method="grpo", generation_tokens=4096, generation_batch=256))
+    long_rollouts = estimate(LLAMA8B, setup(generation_tokens=4096, generation_batch=256))
     assert long_rollouts.device["generation (KV cache)"] > 0 and "activations" not in long_rollouts.device
     kv = 2 * 32 * 1024 * 2 * 4096 * 256
     assert long_rollouts.device["generation (KV cache)"] == pytest.approx(kv + 256 * 128256 * 4)
-    assert (
-        "generation (KV cache)"
-        not in estimate(LLAMA8B, setup(method="grpo", generation_tokens=64, generation_batch=1)).device
-    )
+    assert "generation (KV cache)" not in estimate(LLAMA8B, setup(generation_tokens=64, generation_batch=1)).device
     assert train_only.device_bytes < long_rollouts.device_bytes
 
 

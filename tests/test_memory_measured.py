@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.slow  # each test trains in a process of its own
 
 
 @pytest.mark.parametrize("adapter", ["full", "lora"])

@@ -187,29 +187,6 @@ def test_overwrite_replaces_and_failure_leaves_nothing(tiny, tmp_path, monkeypat
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp folder left behind
 
 
-@pytest.mark.parametrize(
-    "config, plan, expected",
-    [
-        ({"adapter": {"type": "qlora"}}, {}, True),
-        ({"adapter": {"type": "lora"}, "quantization": {"type": "nf4"}}, {}, True),
-        ({"adapter": {"type": "auto"}}, {"adapter": "qlora", "quantization": "nf4"}, True),
-        (
-            {"adapter": {"type": "lora"}, "quantization": {"type": "none"}},
-            {"adapter": "lora", "quantization": "none"},
-            False,
-        ),
-        ({}, {}, False),
-    ],
-)
-def test_qlora_detection(config, plan, expected):
-    from finetune.merge import _is_qlora, _Source
-
-    assert (
-        _is_qlora(_Source(adapter=Path("a"), run=Path("r"), run_config=config, run_plan=plan, tokenizer_dirs=()))
-        is expected
-    )
-
-
 def test_full_run_refused(tmp_path):
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)

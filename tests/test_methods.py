@@ -8,7 +8,7 @@ import datasets
 import pytest
 import torch
 
-from finetune.config.schema import DPOMethod, GRPOMethod, RewardSpec
+from finetune.config.methods import DPOMethod, GRPOMethod, RewardSpec
 from finetune.data.collate import collate
 from finetune.errors import FtError
 from finetune.methods.dpo import DPO, FrozenCopy
@@ -198,11 +198,43 @@ def test_rewards_receive_completions_and_columns_in_order(tmp_path, monkeypatch)
     ]  # each completion with its prompt's row
     assert [p[0]["content"] for p in call["prompts"]] == ["a", "a", "b", "b"]
     assert call["kwargs"] == {"bonus": 1}
-    assert total.tolist() == [1.0, 2.0, 3.0, 4.0] and metrics["rewards/recording.py:reward"] == 2.5
+    assert total.tolist() == [1.0, 2.0, 3.0, 4.0] and metrics["rewards/reward"] == 2.5
 
 
 class _Tok:
     pad_token_id, eos_token_id = 0, 1
+
+
+def test_a_reward_is_logged_under_its_function_name_suffixed_where_two_share_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards").mkdir()
+    (tmp_path / "rewards" / "sevens.py").write_text(
+        "def sevens(completions, **_):\n    return [float(c.count('7')) for c in completions]\n"
+    )
+    specs = [
+        RewardSpec(function="rewards/sevens.py:sevens"),
+        RewardSpec(function="exact_match", args={"column": "answer"}),
+        RewardSpec(function="exact_match", args={"column": "answer", "extract": "(\\d)"}),
+    ]
+    rewards = load_rewards(specs)
+    assert [r.name for r in rewards] == ["sevens", "exact_match_1", "exact_match_2"]
+    method = GRPO(GRPOMethod(name="grpo", num_generations=2, rewards=specs), _Tok(), 4, None, None, rewards)
+    rows = {"extra": ['{"answer": "7"}'], "prompt": ['[{"role": "user", "content": "a"}]']}
+    _, metrics = method.score(["77", "a 7"], rows, [0])
+    assert {k: v for k, v in metrics.items() if k.startswith("rewards/")} == {
+        "rewards/sevens": 1.5,
+        "rewards/exact_match_1": 0.0,
+        "rewards/exact_match_2": 1.0,
+    }
+
+
+def test_unique_reward_names():
+    from finetune.methods.rewards import unique_names
+
+    assert unique_names(["f", "g"]) == ["f", "g"]
+    assert unique_names(["f", "f", "g"]) == ["f_1", "f_2", "g"]
+    names = unique_names(["f", "f", "f_1"])  # a function already called f_1 keeps its name
+    assert names[2] == "f_1" and len(set(names)) == 3
 
 
 def test_builtin_rewards():
@@ -251,11 +283,12 @@ def test_a_reward_that_cannot_be_imported_stops_before_training(tmp_path, monkey
         load_rewards([RewardSpec(function="exact_match"), RewardSpec(function="missing.py:score")])
 
 
+@pytest.mark.slow
 def test_a_preference_row_without_rejected_is_named_by_file_and_line(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     data = tmp_path / "pairs.jsonl"
     data.write_text(

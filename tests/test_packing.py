@@ -11,6 +11,7 @@ import torch
 from finetune.data.collate import collate
 from finetune.data.packing import best_fit_decreasing, efficiency, pack, padding_efficiency
 from finetune.errors import DataError
+from tests.helpers import make_examples, tiny_llama
 
 
 def random_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -86,17 +87,6 @@ def test_bfd_rejects_examples_that_do_not_fit():
 
 
 # ------------------------------------------------------------------ pack
-def make_examples(lengths, seed=0, vocab=256):
-    """Rows with a prompt part (labels -100) and a trained part; token values random."""
-    rng = random.Random(seed)
-    rows = []
-    for n in lengths:
-        ids = [rng.randrange(vocab) for _ in range(n)]
-        prompt = rng.randint(0, n - 1)
-        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "source": "x"})
-    return rows
-
-
 def test_pack_rows_keep_examples_whole_and_mark_boundaries():
     examples = make_examples(random_lengths(60, 1, 40, seed=3), seed=3)
     packed = pack(datasets.Dataset.from_list(examples), seq_len=64)
@@ -214,33 +204,6 @@ def test_collate_rejects_bad_batches():
 
 
 # ------------------------------------------------------------------ a tiny Llama agrees
-def tiny_llama(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(config).eval()
-    assert model.config._attn_implementation == attn
-    return model
-
-
-@pytest.fixture(scope="module")
-def packed_rows():
-    examples = make_examples([12, 10, 9, 8, 7], seed=11)
-    rows = list(pack(datasets.Dataset.from_list(examples), seq_len=32))
-    assert [len(r["seq_lens"]) for r in rows] == [3, 2]  # two rows, 2-3 examples each
-    return examples, rows
-
-
 def test_collated_batch_is_padded(packed_rows):
     _, rows = packed_rows
     batch = collate(rows, pad_id=0, attn_implementation="sdpa", pad_to_multiple_of=16)

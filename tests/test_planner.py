@@ -10,7 +10,7 @@ from finetune.errors import PlanError
 from finetune.hardware import parse
 from finetune.plan import plan
 from finetune.plan.memory import GiB
-from tests.conftest import MINIMAL
+from tests.helpers import MINIMAL
 
 AUTO = MINIMAL.replace(
     "adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}", "adapter: {type: auto}"

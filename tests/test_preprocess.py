@@ -12,7 +12,7 @@ from finetune.config import loads
 from finetune.data.masking import IGNORE
 from finetune.errors import DataError
 from finetune.tiny import arithmetic_records, write_jsonl
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 
 def job(tmp_path, datasets: str, **data) -> str:
@@ -162,6 +162,7 @@ def test_nothing_left_is_an_error(tmp_path):
         prepare(job(tmp_path, f"[{{path: {long}, format: chat}}]", overlong="drop"))
 
 
+@pytest.mark.slow
 def test_cli_preprocess_summary_and_preview(tmp_path, arithmetic):
     path = tmp_path / "job.yaml"
     path.write_text(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]", packing=True))
@@ -242,6 +243,7 @@ def test_template_rejecting_a_conversation_names_the_record(tmp_path):
         prepare(job(tmp_path, f"[{{path: {twice}, format: chat}}]", template="mistral"))
 
 
+@pytest.mark.slow
 def test_concurrent_preprocess_builds_once(tmp_path, arithmetic):
     path = tmp_path / "job.yaml"
     path.write_text(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]"))

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 SCRIPT = REPO / "tests" / "scripts" / "qlora_logits.py"
 BACKENDS = ("fsdp", "deepspeed")
@@ -138,7 +138,6 @@ def test_sharded_qlora_matches_one_process_in_bf16(results, backend):
     assert _max_diff(got["after"], other["after"]) == 0  # both backends compute in bf16 the same way
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_an_eval_forward_leaves_later_qlora_forwards_and_training_unchanged(results):
     """Validation, generation and DPO references run eval-mode forwards before and between training steps. On CPUs

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from finetune.errors import FtError
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 EXAMPLES = sorted((REPO / "examples" / "yaml").glob("*.yaml"))
 
@@ -59,12 +59,13 @@ def test_plan_fields_carry_what_downstream_used_to_re_derive():
     lora_dpo = planned("adapter: {type: lora}\nmethod: {name: dpo, reference: precomputed}", fmt="preference")
     assert lora_dpo.reference == "precomputed"
     one = planned("adapter: {type: lora}", hw="1xH100-80GB")
-    assert (one.process_group, one.launch[:3]) == (False, ("python", "-m", "finetune.train"))
+    assert (one.process_group, one.launch[:3]) == (False, ("python", "-m", "finetune.rank"))
 
 
+@pytest.mark.slow
 def test_a_rank_without_a_plan_is_told_what_to_run(tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "finetune.train", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "finetune.rank", str(tmp_path)], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "config.yaml" in r.stderr or "plan.json" in r.stderr

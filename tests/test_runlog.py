@@ -1,4 +1,5 @@
-"""The run folder's records: redaction, environment snapshot, metrics.jsonl, loss plot, model card, atomic writes."""
+"""The run folder's records: redaction, environment snapshot (runinfo), metrics.jsonl and loss plot (metrics),
+model card (modelcard), atomic writes (files)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,11 @@ import sys
 import pytest
 
 from finetune.errors import FtError
-from finetune.runlog import (
-    SECRET_KEY,
-    MetricsWriter,
-    atomic_write_text,
-    environment_snapshot,
-    model_card,
-    plot_losses,
-    read_metrics,
-    redact,
-)
+from finetune.files import atomic_write_text
+from finetune.metrics import MetricsWriter, plot_losses, read_metrics
+from finetune.modelcard import model_card
+from finetune.redaction import SECRET_KEY, redact
+from finetune.runinfo import environment_snapshot
 
 HF = "hf_" + "aB3" * 12
 WANDB = "0123456789abcdef" * 2 + "01234567"
@@ -171,7 +167,7 @@ def test_environment_snapshot_without_torch(monkeypatch, tmp_path):
 
 
 def test_missing_package_reads_not_installed(monkeypatch, tmp_path):
-    monkeypatch.setattr("finetune.runlog.PACKAGES", ("surely-not-a-package-ft",))
+    monkeypatch.setattr("finetune.runinfo.PACKAGES", ("surely-not-a-package-ft",))
     assert environment_snapshot(tmp_path)["packages"] == {"surely-not-a-package-ft": "not installed"}
 
 
@@ -418,7 +414,7 @@ def _env_config():
 
 
 def test_redact_config_writes_environment_values_back_as_references():
-    from finetune.runlog import redact_config
+    from finetune.redaction import redact_config
 
     config = _env_config()
     out = redact_config(config, exclude_unset=True)
@@ -433,7 +429,7 @@ def test_the_saved_config_loads_again_from_the_environment():
     import yaml
 
     from finetune.config import loads
-    from finetune.runlog import redact_config
+    from finetune.redaction import redact_config
 
     config = _env_config()
     saved = yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune.errors import FtError
-from tests.conftest import REPO, random_llama, run_probe
+from tests.helpers import REPO, random_llama, run_probe
 
 PROBE = REPO / "tests" / "scripts" / "sharded_load_probe.py"
 BIG = dict(hidden=1024, layers=24, intermediate=4096, heads=16)  # ~380M parameters: ~0.72 GiB in bf16

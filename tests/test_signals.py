@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-from tests.test_distributed import ft_train, job, losses
+from tests.helpers import REPO, ft_train, job, job_text, losses, setup_job, step_hook
 
 STEPS = 24
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -55,7 +54,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def rank_processes(run: Path) -> list[tuple[int, str]]:
-    """Live processes of this run's ranks (and their torchrun): cmdline names finetune.train and the run folder."""
+    """Live processes of this run's ranks (and their torchrun): cmdline names finetune.rank and the run folder."""
     alive = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -66,7 +65,7 @@ def rank_processes(run: Path) -> list[tuple[int, str]]:
         except (OSError, IndexError):
             continue
         if (
-            "finetune.train" in cmd and str(run) in cmd and state not in ("Z", "X")
+            "finetune.rank" in cmd and str(run) in cmd and state not in ("Z", "X")
         ):  # a zombie is dead, only not yet reaped
             alive.append((int(entry.name), cmd))
     return alive
@@ -111,7 +110,7 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     config, run = job(tmp_path, "run", steps=STEPS), tmp_path / "run"
     # Rank 0 pauses 3 s in step 5 (its peer waits in the step's first collective): the stop requested after step 3
     # has landed before step 5 ends, however fast the machine.
-    ctrl_c = start(config, env={"FT_TEST_HANG": "0:5:3"})
+    ctrl_c = start(config, env=step_hook(tmp_path, hang=(0, 5, 3)))
     wait_for_steps(run, 3, ctrl_c)
     os.killpg(
         ctrl_c.pid, signal.SIGINT
@@ -120,7 +119,7 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     assert 3 <= first <= 5
 
     # Slurm/Kubernetes: SIGTERM to every process (ft, torchrun, both ranks) at once; the ranks also hear it from ft.
-    slurm = start(config, "--resume", env={"FT_TEST_HANG": f"0:{first + 4}:3"})
+    slurm = start(config, "--resume", env=step_hook(tmp_path, hang=(0, first + 4, 3)))
     wait_for_steps(run, first + 2, slurm)
     everyone = [slurm.pid, *descendants(slurm.pid)]
     assert len(everyone) >= 4, everyone  # ft, torchrun, 2 ranks
@@ -197,3 +196,44 @@ def test_copies_of_one_signal_count_once_and_a_later_one_stops_at_once(monkeypat
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
         assert again.signum == signal.SIGTERM
+
+
+# ---------------------------------------------------------------- the test hook of the loop (FT_STEP_HOOK)
+@pytest.mark.slow
+def test_the_loop_calls_every_step_hook_and_a_true_stops_after_that_step_as_on_sigterm(tmp_path):
+    from finetune import checkpoint
+    from finetune.train import Stopped, run
+
+    _, _, _, job = setup_job(tmp_path, job_text(tmp_path, "lora", steps=6))
+    seen = []
+
+    def watch(rank, step):
+        seen.append((rank, step))
+
+    def stop(rank, step):
+        return step == 3
+
+    (tmp_path / "run").mkdir()
+    with pytest.raises(Stopped) as info:
+        run(job, tmp_path / "run", hooks=(stop, watch))
+    assert seen == [(0, 1), (0, 2), (0, 3)]  # every hook runs, before its step
+    assert info.value.exit_code == 143 and "stopped by SIGTERM after step 3 of 6" in str(info.value)
+    state = json.loads((checkpoint.latest(tmp_path / "run") / "state.json").read_text())
+    assert state["step"] == 3 and state["stopped_by"] == "SIGTERM"
+
+
+def test_ft_step_hook_is_read_from_the_environment_and_a_broken_one_names_the_variable(tmp_path, monkeypatch):
+    from finetune.errors import FtError
+    from finetune.rank import STEP_HOOK, step_hooks
+
+    monkeypatch.delenv(STEP_HOOK, raising=False)
+    assert step_hooks() == ()
+    ((name, spec),) = step_hook(tmp_path, fail=(1, 2), stop_at=4).items()
+    monkeypatch.setenv(name, spec)
+    (hook,) = step_hooks()
+    assert hook(0, 4) is True and hook(1, 3) is False
+    with pytest.raises(RuntimeError, match="injected failure on rank 1 at step 2"):
+        hook(1, 2)
+    monkeypatch.setenv(STEP_HOOK, f"{tmp_path / 'missing.py'}:hook")
+    with pytest.raises(FtError, match=r"FT_STEP_HOOK: .*missing\.py.* does not exist"):
+        step_hooks()

@@ -183,6 +183,7 @@ def _read_mlflow(uri: str):
     return client, run
 
 
+@pytest.mark.slow
 def test_mlflow_logs_to_the_run_folder(monkeypatch, tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")

@@ -14,61 +14,16 @@ import torch
 
 from finetune.errors import FtError
 from finetune.tiny import arithmetic_records, write_jsonl
-from tests.conftest import REPO
-
-
-def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra="", data=None, out="run", lr=None):
-    data = data or write_jsonl(arithmetic_records(256, seed=5), tmp_path / "arith.jsonl")
-    adapter_yaml = {
-        "full": "{type: full}",
-        "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}",
-        "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
-        "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}",
-    }[adapter]
-    return f"""
-model: {{name: ft-tiny}}
-data:
-  datasets: [{{path: {data}, format: chat}}]
-  seq_len: 48
-  cache_dir: {tmp_path / "cache"}
-adapter: {adapter_yaml}
-train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps},
-  lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
-output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
-{extra}"""
-
-
-def write(tmp_path, text, name="job.yaml"):
-    path = tmp_path / name
-    path.write_text(text)
-    return path
+from tests.helpers import REPO, job_text, losses, setup_job, write_job
 
 
 def train(tmp_path, text, **kw):
     from finetune.workflow import run_train
 
-    return run_train(write(tmp_path, text), hardware="cpu", **kw)
+    return run_train(write_job(tmp_path, text), hardware="cpu", **kw)
 
 
-def losses(run_dir):
-    return [r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-
-def setup_job(tmp_path, text):
-    """A Job built the way `ft train` builds it (for tests that look inside the model)."""
-    from finetune.config import load
-    from finetune.data.preprocess import prepare
-    from finetune.hardware import parse
-    from finetune.plan import plan
-    from finetune.train import setup
-    from finetune.workflow import model_facts
-
-    config = load(write(tmp_path, text))
-    p = plan(config, parse("cpu"), model_facts(config.model))
-    prepared = prepare(config)
-    return config, p, prepared, setup(config, p, prepared)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["full", "lora", "qlora", "int8"])
 def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
     from finetune.train import run
@@ -94,6 +49,7 @@ def test_loss_falls_and_only_trainable_parameters_change(tmp_path, adapter):
         assert all("lora_" in n for n in changed) and sum(numel[n] for n in trainable) < 0.2 * sum(numel.values())
 
 
+@pytest.mark.slow
 def test_run_folder_holds_what_is_needed_to_understand_and_repeat_the_run(tmp_path):
     result = train(tmp_path, job_text(tmp_path, "lora", steps=8))
     run_dir = tmp_path / "run"
@@ -122,6 +78,7 @@ def test_run_folder_holds_what_is_needed_to_understand_and_repeat_the_run(tmp_pa
     assert result["artifact"] == "adapter"
 
 
+@pytest.mark.slow
 def test_saved_adapter_reloads_with_the_trained_outputs(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -143,6 +100,7 @@ def test_saved_adapter_reloads_with_the_trained_outputs(tmp_path):
     assert (trained - base).abs().max() > 1e-3  # the adapter changed the outputs
 
 
+@pytest.mark.slow
 def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):
     from finetune.train import train_step
 
@@ -159,6 +117,7 @@ def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):
     assert max((w1[n] - w4[n]).abs().max().item() for n in w1) < 1e-6
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     """Stopped twice (the Slurm requeue case) and resumed twice: the same weights and one log line per step."""
     from finetune import checkpoint
@@ -203,6 +162,7 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     ] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monkeypatch):
     from finetune import checkpoint
 
@@ -230,6 +190,7 @@ def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monke
     assert not [p for p in (tmp_path / "run2" / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path, capsys):
     text = job_text(tmp_path, "full", steps=2)
     train(tmp_path, text)
@@ -286,6 +247,7 @@ def test_overwrite_never_deletes_what_ft_did_not_make(tmp_path, monkeypatch):
     assert (holder / "job.yaml").exists()
 
 
+@pytest.mark.slow
 def test_output_dir_is_checked_before_any_work(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     with pytest.raises(FtError, match="is a file, not a folder"):
@@ -317,8 +279,9 @@ def test_bad_model_inputs_are_clear(tmp_path, edit, needle):
         train(tmp_path, job_text(tmp_path, "lora", steps=2).replace(*edit))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
-    path = write(tmp_path, job_text(tmp_path, "full", steps=2000))
+    path = write_job(tmp_path, job_text(tmp_path, "full", steps=2000))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "finetune", "train", str(path), "--hardware", "cpu"],
@@ -344,6 +307,7 @@ def test_sigterm_saves_a_resumable_checkpoint(tmp_path):
     assert 3 <= state["step"] < 2000 and state["position"] == state["step"] * 8
 
 
+@pytest.mark.slow
 def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -371,6 +335,7 @@ def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
     assert again.returncode == 2 and "Traceback" not in again.stderr
 
 
+@pytest.mark.slow
 def test_configured_tracker_receives_the_training_metrics(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -384,6 +349,7 @@ def test_configured_tracker_receives_the_training_metrics(tmp_path):
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resumes(tmp_path, monkeypatch):
     import errno
 
@@ -429,6 +395,7 @@ def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resum
     ] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_values_from_the_environment_appear_nowhere_under_the_run_folder(tmp_path, monkeypatch):
     """A value given through ${VAR} (a token, a private path) is written back as ${VAR} wherever ft records the
     config."""

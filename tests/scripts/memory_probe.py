@@ -52,7 +52,7 @@ text = f"""
 model: {{name: {tmp / "model"}}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / "cache"}, packing: true}}
 adapter: {{type: {adapter}}}
-train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 3, gradient_checkpointing: false}}
+train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2, gradient_checkpointing: false}}
 output: {{dir: {tmp / "run"}}}
 """
 config = loads(text)
@@ -68,7 +68,8 @@ def rss():
 
 base = rss()
 job = setup(config, p, prepared)
-for _ in range(3):
+# the optimizer state is created at the end of the first step: the second is the first to peak with it
+for _ in range(2):
     train_step(job)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(

@@ -11,7 +11,7 @@ import sys
 import finetune.catalog
 import finetune.hardware
 import finetune.plan.planner
-from finetune.train import main
+from finetune.rank import main
 
 
 def forbidden(*args, **kwargs):

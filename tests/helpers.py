@@ -1,0 +1,357 @@
+"""Builders shared by the tests (job files, hook files, ...). Test files import these from here, never from each other;
+fixtures live in tests/conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+MINIMAL = """\
+model: {name: meta-llama/Llama-3.1-8B}
+data:
+  datasets: [{path: data/train.jsonl, format: chat}]
+  seq_len: 2048
+  packing: true
+method: {name: sft}
+adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}
+quantization: {type: auto}
+train:
+  global_batch_size: 32
+  micro_batch_size: auto
+  gradient_checkpointing: auto
+  optimizer: adamw_torch
+  precision: auto
+  lr: 2.0e-4
+  max_steps: 1000
+distributed: {backend: auto, sharding: auto, offload: auto}
+output: {dir: runs/llama8b-lora}
+"""
+
+
+# ---------------------------------------------------------------- ft train in a process of its own, and what it wrote
+def job(tmp_path, name: str, steps: int = 6) -> str:
+    """The tiny job most multi-process tests run: full fine-tuning of ft-tiny on 128 arithmetic rows, 8 rows a step
+    (4 per micro-batch), a loss logged every step, no checkpoints; its run folder is tmp_path/name."""
+    from finetune.tiny import arithmetic_records, write_jsonl
+
+    data = write_jsonl(arithmetic_records(128, seed=7), tmp_path / "d.jsonl")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
+adapter: {{type: full}}
+train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: {steps}, lr: 3.0e-3, warmup_steps: 1}}
+output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
+""")
+    return str(path)
+
+
+LORA = ["--set", "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}", "--set", "train.lr=0.02"]  # `job` with LoRA
+
+
+def ft_train(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    """`ft train ARGS` in a new process (one thread per process: the ranks share the machine's cores)."""
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", "train", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=timeout,
+    )
+
+
+def metric_rows(run_dir) -> list[dict]:
+    """Every row of a run folder's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def losses(run_dir) -> list[float]:
+    """The training losses a run folder logged, step by step."""
+    return [r["loss"] for r in metric_rows(run_dir) if "loss" in r]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- runs that several test files compare with
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder that `build(folder)` fills once per test session, even when pytest-xdist runs several workers: the
+    first worker that needs it builds it (under a lock, in the session's common temporary folder), the others wait and
+    use it. For what several test files compare with; tests must not change what is in it."""
+    import shutil
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' basetemps share a parent
+    folder, done = root / f"built-{name}", root / f"built-{name}.done"
+    with FileLock(str(root / f"built-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+def trained(folder: Path, name: str, *args: str) -> Path:
+    """ft train of the tiny job (tests/helpers.py `job`) named `name` in `folder`, in one process; its run folder."""
+    r = ft_train(job(folder, name), "--hardware", "cpu", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return folder / name
+
+
+# ---------------------------------------------------------------- one-process jobs built in the test's own process
+def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra="", data=None, out="run", lr=None) -> str:
+    """A tiny one-process job (ft-tiny on 256 arithmetic rows unless `data` is given) with the given adapter:
+    full, lora, qlora or int8; its run folder is tmp_path/out."""
+    from finetune.tiny import arithmetic_records, write_jsonl
+
+    data = data or write_jsonl(arithmetic_records(256, seed=5), tmp_path / "arith.jsonl")
+    adapter_yaml = {
+        "full": "{type: full}",
+        "lora": "{type: lora, r: 8, alpha: 16, dropout: 0.0}",
+        "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
+        "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}",
+    }[adapter]
+    return f"""
+model: {{name: ft-tiny}}
+data:
+  datasets: [{{path: {data}, format: chat}}]
+  seq_len: 48
+  cache_dir: {tmp_path / "cache"}
+adapter: {adapter_yaml}
+train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps},
+  lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
+output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
+{extra}"""
+
+
+def write_job(tmp_path, text: str, name: str = "job.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def setup_job(tmp_path, text: str):
+    """(config, plan, prepared data, Job) built the way `ft train` builds them (for tests that look inside the
+    model)."""
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.train import setup
+    from finetune.workflow import model_facts
+
+    config = load(write_job(tmp_path, text))
+    p = plan(config, parse("cpu"), model_facts(config.model))
+    prepared = prepare(config)
+    return config, p, prepared, setup(config, p, prepared)
+
+
+# ---------------------------------------------------------------- models and probes
+def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout: int = 600) -> list[dict]:
+    """A probe script (tests/scripts/*_probe.py) on 2 gloo ranks over the given job files; its JSON reports,
+    one per job and rank, in (job, rank) order."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        "cpu:2",
+        str(out),
+        *configs,
+        *flags,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
+
+
+def random_llama(
+    folder: Path,
+    *,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    heads: int,
+    tied: bool = False,
+    kv_heads: int | None = None,
+) -> int:
+    """Save a Llama with random bf16 weights (uniform, norms at 1) and ft's tiny tokenizer; returns its parameter count.
+    Built on the meta device and then filled: seconds even at 400M parameters."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or max(1, heads // 2),
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave each name its own tensor
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0) if p.ndim == 1 else p.uniform_(-0.05, 0.05, generator=gen)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return sum(p.numel() for p in model.parameters())
+
+
+def tiny_llama(attn: str):
+    """A 2-layer Llama (vocab 256) with random weights (seed 0) in eval mode, on the given attention implementation."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(config).eval()
+    assert model.config._attn_implementation == attn
+    return model
+
+
+def make_examples(lengths, seed=0, vocab=256) -> list[dict]:
+    """Rows with a prompt part (labels -100) and a trained part; token values random."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for n in lengths:
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        prompt = rng.randint(0, n - 1)
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:], "source": "x"})
+    return rows
+
+
+def spec(path, fmt="chat", **kw):
+    """The DatasetSpec of one data file."""
+    from finetune.config.schema import DatasetSpec
+
+    return DatasetSpec(path=str(path), format=fmt, **kw)
+
+
+# ---------------------------------------------------------------- a model folder that ships code (trust_remote_code)
+EVIL = """
+import pathlib
+pathlib.Path({marker!r}).write_text("the model folder's own code ran")
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+class EvilConfig(LlamaConfig):
+    pass
+
+class EvilModel(LlamaForCausalLM):
+    config_class = EvilConfig
+
+class EvilTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+
+
+def evil_model(model_dir, folder, marker):
+    """A copy of the tiny model whose config.json and tokenizer_config.json point (auto_map) at evil.py,
+    which writes `marker` when imported."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    for name, auto_map in (
+        ("config.json", {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
+        ("tokenizer_config.json", {"AutoTokenizer": [None, "evil.EvilTokenizer"]}),
+    ):
+        config = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**config, "auto_map": auto_map}))
+    (folder / "evil.py").write_text(EVIL.format(marker=str(marker)))
+    return folder
+
+
+def crafted_run(model_dir, root, marker, model_name="ft-tiny"):
+    """A run folder whose config.yaml turns trust_remote_code on and whose final/ model ships evil.py."""
+    import yaml
+
+    run = root / "run"
+    evil_model(model_dir, run / "final", marker)
+    (run / "config.yaml").write_text(
+        yaml.safe_dump({"model": {"name": model_name, "trust_remote_code": True}, "adapter": {"type": "full"}})
+    )
+    return run
+
+
+# ---------------------------------------------------------------- GPU checks (tests/test_gpu*.py)
+GPU_TIMEOUT = 300  # per ft train; a warm run of the tiny model takes seconds, DeepSpeed's first CPU Adam build a minute
+
+
+def visible_gpus(n: int) -> dict:
+    """Environment that shows a job the first n of the GPUs this process sees (ft then plans for exactly those)."""
+    seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(seen[:n] if seen else map(str, range(n)))}
+
+
+# ---------------------------------------------------------------- the training loop's test hook (FT_STEP_HOOK)
+def step_hook(
+    folder,
+    *,
+    fail: tuple[int, int] | None = None,
+    hang: tuple[int, int, float] | None = None,
+    stop_at: int | None = None,
+) -> dict[str, str]:
+    """The environment that makes every rank of a run call a hook written into `folder` at the start of each step
+    (FT_STEP_HOOK, see finetune/rank.py): fail=(RANK, STEP) makes that rank raise there ("injected failure on rank
+    RANK at step STEP"), hang=(RANK, STEP, SECONDS) makes it sleep there (its peers' collectives wait), stop_at=STEP
+    stops every rank after that step as if SIGTERM had arrived."""
+    import tempfile
+    from pathlib import Path
+
+    fd, path = tempfile.mkstemp(dir=folder, prefix="step_hook_", suffix=".py")
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(
+            "import time\n\n"
+            f"FAIL, HANG, STOP_AT = {fail!r}, {hang!r}, {stop_at!r}\n\n\n"
+            "def hook(rank, step):\n"
+            "    if FAIL is not None and (rank, step) == tuple(FAIL):\n"
+            '        raise RuntimeError(f"injected failure on rank {rank} at step {step}")\n'
+            "    if HANG is not None and (rank, step) == tuple(HANG[:2]):\n"
+            "        time.sleep(HANG[2])\n"
+            "    return step == STOP_AT\n"
+        )
+    return {"FT_STEP_HOOK": f"{Path(path)}:hook"}
