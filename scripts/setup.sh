@@ -24,5 +24,5 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${FT_TORCH_VERSION:-2.13.0}"
 fi
 DS_BUILD_OPS=${DS_BUILD_OPS:-0} python -m pip install --quiet -e ".[test]"  # DeepSpeed compiles the ops it uses on first use
-python -c "import torch, transformers, peft; print(f'ft environment ready: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
+python -c "import finetune, torch, transformers, peft; print(f'ft environment ready: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
 echo "$wanted" > "$STAMP"
