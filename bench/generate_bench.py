@@ -126,8 +126,7 @@ def main() -> None:
     base = best[CONFIGS[0][0]]
     print(
         f"ft generate: Llama {params / 1e6:.1f} M parameters, {args.prompts} prompts, {args.max_new_tokens} new "
-        "tokens each, "
-        f"batch {args.batch_size}, greedy, CPU, best of {args.repeats}"
+        f"tokens each, batch {args.batch_size}, greedy, CPU, best of {args.repeats}"
     )
     print(f"  {'':<24}{'prompts/s':>10}{'tokens/s':>10}{'ratio':>7}{'wall s':>8}{'padding':>9}")
     for name, _, _ in CONFIGS:

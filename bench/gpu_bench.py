@@ -371,9 +371,8 @@ def memory_report(m: dict) -> str:
         ratio = f"{rec['peak_allocated_gib'] / planned:.2f}" if planned else "-"
         lines.append(
             f"  {rec['rank']:>4}  {rec['after_load']['max_allocated_gib']:>10.2f}  "
-            f"{rec['steps'][0]['max_allocated_gib']:>12.2f}  "
-            f"{rec['peak_allocated_gib']:>10.2f}  {rec['peak_reserved_gib']:>13.2f}  "
-            f"{(f'{cap:.1f}' if cap else 'host'):>8}  {ratio:>9}"
+            f"{rec['steps'][0]['max_allocated_gib']:>12.2f}  {rec['peak_allocated_gib']:>10.2f}  "
+            f"{rec['peak_reserved_gib']:>13.2f}  {(f'{cap:.1f}' if cap else 'host'):>8}  {ratio:>9}"
         )
     lines.append(
         "  (GiB; torch.cuda.max_memory_allocated / max_memory_reserved since the rank started; peak/plan = peak "
@@ -544,9 +543,8 @@ def throughput_report(b: dict) -> str:
         mfu_m = f"{100 * r['mfu_measured_peak']:.1f}%" if r.get("mfu_measured_peak") is not None else "-"
         lines.append(
             f"  {r['adapter']:<5} {r['params'] / 1e9:>6.2f}B {r['trainable'] / 1e6:>9.1f}M {r['backend']:>8} "
-            f"{r['step_ms']:>8.1f} "
-            f"{r['tokens_per_s']:>10,.0f} {mfu:>8} {mfu_m:>9} {r['peak_memory_gib']:>9.2f} {r['planned_gib']:>9.2f} "
-            f"{r['peak_memory_gib'] / r['planned_gib']:>9.2f}"
+            f"{r['step_ms']:>8.1f} {r['tokens_per_s']:>10,.0f} {mfu:>8} {mfu_m:>9} {r['peak_memory_gib']:>9.2f} "
+            f"{r['planned_gib']:>9.2f} {r['peak_memory_gib'] / r['planned_gib']:>9.2f}"
         )
     lines.append(
         "  tokens/s: real tokens over the steps after the first few; MFU(6N): 6 x all parameters x tokens/s / peak "

@@ -13,10 +13,11 @@ import math
 from finetune.config.schema import AdapterSection
 from finetune.errors import FtError
 
+# random at the start (peft's default init); the other adapter tensors start at zero
 _DRAWN = (
     "lora_A",
     "lora_embedding_B",
-)  # random at the start (peft's default init); the other adapter tensors start at zero
+)
 _ZERO = ("lora_B", "lora_embedding_A")
 
 

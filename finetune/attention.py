@@ -114,7 +114,6 @@ def register() -> str:
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(NAME, sdpa_varlen_attention)
-    AttentionMaskInterface.register(
-        NAME, sdpa_mask
-    )  # unpacked calls (generation, padded batches) need sdpa's padding mask
+    # unpacked calls (generation, padded batches) need sdpa's padding mask
+    AttentionMaskInterface.register(NAME, sdpa_mask)
     return NAME

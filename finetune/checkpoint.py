@@ -83,11 +83,9 @@ def load_tensors(path: Path):
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise FtError(
-            f"checkpoint file {path} cannot be read safely ({first}): it holds something other than tensors and "
-            "plain data, "
-            "or it is damaged. ft loads checkpoints with weights_only=True and never runs code from them; resume "
-            "from another "
-            "checkpoint (delete this one) or start a new output.dir"
+            f"checkpoint file {path} cannot be read safely ({first}): it holds something other than tensors and plain "
+            "data, or it is damaged. ft loads checkpoints with weights_only=True and never runs code from them; "
+            "resume from another checkpoint (delete this one) or start a new output.dir"
         ) from None
 
 
@@ -190,8 +188,8 @@ def atomic_folder(path: Path, what: str):
             os.replace(old, path)
         raise FtError(
             f"saving {what} to {path} failed: {write_failure(e, path.parent)}. Nothing partial was left; the "
-            "checkpoints "
-            f"are intact. Free space, then resume with --resume (or write it from a checkpoint with ft consolidate)"
+            "checkpoints are intact. Free space, then resume with --resume (or write it from a checkpoint with ft "
+            "consolidate)"
         ) from None
     shutil.rmtree(old, ignore_errors=True)
 

@@ -184,17 +184,14 @@ def _forms() -> str:
     multi = [(name, next(iter(fam.sizes))) for name, fam in _FAMILIES.items() if len(fam.sizes) > 1]
     defaults = ", ".join(f"{name.lower()} = {name}-{gb}GB" for name, gb in multi)
     return (
-        "Accepted forms (case-insensitive):\n"
-        "  cpu              this machine's CPU, 1 process\n"
-        "  cpu:N, Nxcpu     N processes on this machine's CPU         e.g. cpu:4, 4xcpu\n"
-        "  GPU              one GPU                                   e.g. h100, A100-40GB\n"
-        "  NxGPU            N GPUs on one node                        e.g. 8xH100-80GB, 1xA10G-24GB\n"
-        "  MxNxGPU          M nodes of N GPUs each                    e.g. 2x8xA100-40GB\n"
-        "  NAME-SIZEGB      a GPU that is not a preset, SIZE in GB    e.g. 4xMyGPU-32GB\n"
-        "  ...,host=SIZE    host RAM per node: GB, GiB, TB or TiB     e.g. 8xH100-80GB,host=2TiB\n"
-        "  ...,cpus=N       CPU cores per node                        e.g. 8xH100-80GB,cpus=192\n"
-        f"GPU presets: {', '.join(PRESETS)}.\n"
-        f"A name without a size means the smallest variant ({defaults})."
+        "Accepted forms (case-insensitive):\n  cpu              this machine's CPU, 1 process\n  cpu:N, Nxcpu     N "
+        "processes on this machine's CPU         e.g. cpu:4, 4xcpu\n  GPU              one GPU                        "
+        "           e.g. h100, A100-40GB\n  NxGPU            N GPUs on one node                        e.g. "
+        "8xH100-80GB, 1xA10G-24GB\n  MxNxGPU          M nodes of N GPUs each                    e.g. 2x8xA100-40GB\n  "
+        "NAME-SIZEGB      a GPU that is not a preset, SIZE in GB    e.g. 4xMyGPU-32GB\n  ...,host=SIZE    host RAM "
+        "per node: GB, GiB, TB or TiB     e.g. 8xH100-80GB,host=2TiB\n  ...,cpus=N       CPU cores per node           "
+        f"             e.g. 8xH100-80GB,cpus=192\nGPU presets: {', '.join(PRESETS)}.\nA name without a size means the "
+        f"smallest variant ({defaults})."
     )
 
 

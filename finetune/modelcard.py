@@ -177,8 +177,7 @@ def _usage(base: str, artifact: str, run: dict, data: dict) -> str:
     return (
         "## Use\n\n```python\nfrom peft import PeftModel\nfrom transformers import AutoModelForCausalLM, "
         "AutoTokenizer\n\n"
-        f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n'
-        f'base = AutoModelForCausalLM.from_pretrained("{base}", dtype="auto")\n{resize}'
-        f'model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
+        f'tokenizer = AutoTokenizer.from_pretrained("{path}")\nbase = AutoModelForCausalLM.from_pretrained("{base}", '
+        f'dtype="auto")\n{resize}model = PeftModel.from_pretrained(base, "{path}")\n```\n\n'
         f"To merge the adapter into the base weights for a standalone model: `ft merge-lora {run_dir}`"
     )

@@ -140,9 +140,8 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
             config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code
         )
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
-        net.resize_token_embeddings(
-            len(tokenizer), mean_resizing=False
-        )  # on meta: shapes only; rows are filled by fill_rows
+        # on meta: shapes only; rows are filled by fill_rows
+        net.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     return finish_model(net, plan)
 
 
@@ -247,8 +246,7 @@ def weights_folder(model: ModelSection):
             f"model.name: sharded loading reads safetensors weights, and {path} has no *.safetensors ({found}). "
             "Convert the "
             'weights once: python -c "from transformers import AutoModelForCausalLM as M; '
-            "M.from_pretrained('IN').save_pretrained('OUT')\" "
-            "and point model.name at OUT"
+            "M.from_pretrained('IN').save_pretrained('OUT')\" and point model.name at OUT"
         )
     return path
 
@@ -377,8 +375,7 @@ def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
             "model.name: the checkpoint has no tensor for "
             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (its layout differs from "
             "the model's, e.g. fused experts that transformers converts while loading); sharded loading needs one "
-            "checkpoint tensor "
-            "per parameter: use distributed.backend: deepspeed or ddp for this model"
+            "checkpoint tensor per parameter: use distributed.backend: deepspeed or ddp for this model"
         )
     return keys
 

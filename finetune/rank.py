@@ -123,9 +123,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             raise
     trackers.close()
     final = train.save_final(job, run_dir, prepared.tokenizer)
-    after = _task_eval(
-        config, job, prepared.tokenizer
-    )  # before the return of other ranks: a sharded model generates on all
+    # before the return of other ranks: a sharded model generates on all
+    after = _task_eval(config, job, prepared.tokenizer)
     if not is_main:
         return result
     result.update(

@@ -22,6 +22,7 @@ SECRET_KEY = re.compile(
 )
 
 # Secret-looking values, wherever they appear inside a string: (pattern, replacement).
+# credential in a URL query
 _SECRET_VALUES = [
     (re.compile(r"hf_[A-Za-z0-9]{30,}"), REDACTED),  # Hugging Face token
     (re.compile(r"(?<![A-Za-z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Za-z0-9])"), REDACTED),  # AWS access key id
@@ -32,7 +33,7 @@ _SECRET_VALUES = [
     (
         re.compile(r"([?&](?:[a-z_]*token|api_?key|key|secret|password|sig|signature)=)[^&#\s]+", re.IGNORECASE),
         r"\1" + REDACTED,
-    ),  # credential in a URL query
+    ),
 ]
 # A wandb API key is 40 lowercase hex characters; so is a git commit or a model revision, hence the key check.
 _HEX40 = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{40}(?![0-9a-zA-Z])")

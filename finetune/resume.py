@@ -102,9 +102,8 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])
         raise FtError(
             f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that "
-            "change what is trained: "
-            f"{listed}. Resume with the run's config, start a new output.dir, or pass --allow-changes to resume "
-            "anyway (recorded in the run folder)"
+            f"change what is trained: {listed}. Resume with the run's config, start a new output.dir, or pass "
+            "--allow-changes to resume anyway (recorded in the run folder)"
         )
     if changes:
         with open(run_dir / "resume-changes.jsonl", "a", encoding="utf-8") as f:

@@ -98,9 +98,8 @@ def remove_run(run_dir: Path, job_file: Path | None) -> list[str]:
         present = sorted(p.name for p in run_dir.iterdir())[:8]
         raise FtError(
             f"--overwrite: {run_dir} was not made by this version of ft (no {MARKER} marker) and holds "
-            f"{', '.join(present) or 'nothing'}; "
-            "ft deletes only run folders it made. Delete it yourself if it is yours to lose, or choose another "
-            "output.dir"
+            f"{', '.join(present) or 'nothing'}; ft deletes only run folders it made. Delete it yourself if it is "
+            "yours to lose, or choose another output.dir"
         )
     left = []
     for entry in run_dir.iterdir():

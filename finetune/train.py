@@ -177,9 +177,8 @@ def train_step(job: Job) -> dict:
         reported.append(metrics)
     with activity("optimizer step (gradient reduction, clipping, update)"):
         grad_norm = job.engine.step()
-        loss_total = (
-            rt.sum(loss_total) / rt.world_size
-        )  # each rank's share is scaled by world size (see methods/loss.py)
+        # each rank's share is scaled by world size (see methods/loss.py)
+        loss_total = rt.sum(loss_total) / rt.world_size
     with activity("averaging the method's metrics over ranks"):
         extra = rt.mean(_mean_metrics(reported))
     return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": int(rt.sum(tokens)), **extra}

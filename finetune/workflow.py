@@ -213,8 +213,7 @@ def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
 
         raise FtError(
             f"training failed: torchrun, which runs the ranks, was killed by {signal_name(-code)}; the ranks stop "
-            "after their "
-            f"current step and save a checkpoint. Resume with: ft train CONFIG --resume"
+            f"after their current step and save a checkpoint. Resume with: ft train CONFIG --resume"
         )
     if code:
         raise FtError(

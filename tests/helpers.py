@@ -345,13 +345,10 @@ def step_hook(
     fd, path = tempfile.mkstemp(dir=folder, prefix="step_hook_", suffix=".py")
     with open(fd, "w", encoding="utf-8") as f:
         f.write(
-            "import time\n\n"
-            f"FAIL, HANG, STOP_AT = {fail!r}, {hang!r}, {stop_at!r}\n\n\n"
-            "def hook(rank, step):\n"
+            f"import time\n\nFAIL, HANG, STOP_AT = {fail!r}, {hang!r}, {stop_at!r}\n\n\ndef hook(rank, step):\n"
             "    if FAIL is not None and (rank, step) == tuple(FAIL):\n"
             '        raise RuntimeError(f"injected failure on rank {rank} at step {step}")\n'
-            "    if HANG is not None and (rank, step) == tuple(HANG[:2]):\n"
-            "        time.sleep(HANG[2])\n"
+            "    if HANG is not None and (rank, step) == tuple(HANG[:2]):\n        time.sleep(HANG[2])\n"
             "    return step == STOP_AT\n"
         )
     return {"FT_STEP_HOOK": f"{Path(path)}:hook"}

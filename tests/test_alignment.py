@@ -50,15 +50,13 @@ def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_pa
     two = ft_train(dpo_job(tmp_path, "two", sft_model), "--hardware", "cpu:2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["backend"] == "ddp"
-    assert losses(tmp_path / "two") == pytest.approx(
-        losses(tmp_path / "one"), rel=1e-4, abs=1e-5
-    )  # the same global batch
+    # the same global batch
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
     for name in ("one", "two"):
         final = [r for r in rows(tmp_path / name / "metrics.jsonl") if "eval_loss" in r][-1]
         # at the start the policy is the reference: every implicit reward is 0, accuracy 0 and loss ln 2 = 0.693
-        assert final["eval_rewards/accuracy"] > 0.65 and final["eval_loss"] < 0.69, (
-            final
-        )  # measured: 0.80 and 0.68 after 20 steps
+        # measured: 0.80 and 0.68 after 20 steps
+        assert final["eval_rewards/accuracy"] > 0.65 and final["eval_loss"] < 0.69, final
         assert (tmp_path / name / "final" / "adapter_model.safetensors").exists()
     trained = [r for r in rows(tmp_path / "one" / "metrics.jsonl") if "rewards/margin" in r]
     assert trained[-1]["rewards/margin"] > trained[0]["rewards/margin"]
@@ -134,9 +132,8 @@ def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_mo
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     resumed = ft_train(job, "--hardware", "cpu", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert rewards(tmp_path / "stopped") == pytest.approx(
-        rewards(tmp_path / "straight"), abs=1e-6
-    )  # the same samples: RNG restored
+    # the same samples: RNG restored
+    assert rewards(tmp_path / "stopped") == pytest.approx(rewards(tmp_path / "straight"), abs=1e-6)
     assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
 
 

@@ -36,8 +36,7 @@ def test_help_lists_the_verbs():
 def test_validate_and_plan_do_not_import_heavy_libraries():
     code = (
         "import sys; from finetune.cli import app; from finetune.config import load; from finetune.workflow import "
-        "compile_plan;"
-        f"compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
+        f"compile_plan;compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
         "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; "
         "print(heavy); assert not heavy"
     )
@@ -133,11 +132,8 @@ def test_schema_and_explain():
 def _ft_raising(exc: str, *args, tmp_path):
     """`ft ARGS` in a subprocess where planning raises `exc` (a Python expression)."""
     code = (
-        "import sys, finetune.workflow as w\n"
-        f"def boom(*a, **k):\n    raise {exc}\n"
-        "w.compile_plan = boom\n"
-        f"sys.argv = ['ft', *{list(args)!r}]\n"
-        "from finetune.cli import main\nmain()\n"
+        f"import sys, finetune.workflow as w\ndef boom(*a, **k):\n    raise {exc}\nw.compile_plan = boom\n"
+        f"sys.argv = ['ft', *{list(args)!r}]\nfrom finetune.cli import main\nmain()\n"
     )
     return subprocess.run(
         [sys.executable, "-c", code],

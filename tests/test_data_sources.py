@@ -112,10 +112,11 @@ def test_folder_reads_supported_files_recursively(tmp_path):
     (root / "README.md").write_text("ignored")
     ds, stats = load_source(spec(root, "completion"))
     assert sorted(ds["text"]) == ["hello", "record 0"]
+    # sorted by path: data/two.txt < data/x/...
     assert [f.rsplit("/", 1)[-1] for f in stats.files] == [
         "two.txt",
         "one.jsonl",
-    ]  # sorted by path: data/two.txt < data/x/...
+    ]
 
 
 def test_glob_without_matches(tmp_path):

@@ -141,13 +141,11 @@ def test_zero3_matches_one_process_resumes_after_a_stop_and_consolidates(tmp_pat
     from finetune.consolidate import consolidate
 
     c1 = AutoModelForCausalLM.from_pretrained(str(consolidate(one_process, step=3, out=tmp_path / "c1")))
-    c2 = AutoModelForCausalLM.from_pretrained(
-        str(consolidate(tmp_path / "zero3", step=3))
-    )  # from ZeRO partitions, one process
+    # from ZeRO partitions, one process
+    c2 = AutoModelForCausalLM.from_pretrained(str(consolidate(tmp_path / "zero3", step=3)))
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), c2.parameters())) < 1e-4
-    assert (
-        max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
-    )  # step 3, not the final weights
+    # step 3, not the final weights
+    assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
 
 
 @pytest.mark.slow
@@ -288,22 +286,18 @@ def test_zero3_lora_model_built_partitioned_has_one_process_weights_and_first_lo
 
     ranks = [r for r in zero3_runs["ranks"] if r["job"] == 2]
     assert [(r["loading"], r["partitioned"]) for r in ranks] == [("partitioned", True)] * 2
-    assert all(
-        r["held"] <= r["total"] // 2 + 4096 for r in ranks
-    )  # each rank holds half (ZeRO pads each partition a little)
+    # each rank holds half (ZeRO pads each partition a little)
+    assert all(r["held"] <= r["total"] // 2 + 4096 for r in ranks)
     a = torch.load(zero3_runs["one_dir"] / "weights-0.pt", weights_only=True)
     b = torch.load(zero3_runs["two_dir"] / "weights-2.pt", weights_only=True)
     assert (a["loading"], b["loading"]) == ("replica", "partitioned") and a["weights"].keys() == b["weights"].keys()
-    assert any("lora_A" in n for n in a["weights"]) and any(
-        "modules_to_save" in n for n in a["weights"]
-    )  # adapter, grown embeddings
+    # adapter, grown embeddings
+    assert any("lora_A" in n for n in a["weights"]) and any("modules_to_save" in n for n in a["weights"])
     for name, w in a["weights"].items():
-        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), (
-            name
-        )  # base, adapter, added rows: exactly
-    assert sorted(b["final_save_gathers"]) == sorted(
-        b["trainable"]
-    )  # the final save gathers the adapter, never the frozen base
+        # base, adapter, added rows: exactly
+        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), name
+    # the final save gathers the adapter, never the frozen base
+    assert sorted(b["final_save_gathers"]) == sorted(b["trainable"])
     assert [r["loss"] for r in ranks] == pytest.approx([zero3_runs["one"]["loss"]] * 2, rel=1e-5)
 
 
@@ -311,9 +305,8 @@ def test_zero3_lora_model_built_partitioned_has_one_process_weights_and_first_lo
 def test_zero3_full_fine_tuning_dpo_has_a_partitioned_reference_equal_to_the_policy_at_the_start(zero3_runs):
     ranks = [r for r in zero3_runs["ranks"] if r["job"] == 3]
     assert [(r["partitioned"], r["reference"]) for r in ranks] == [(True, "LlamaForCausalLM partitioned=True")] * 2
-    assert [r["loss"] for r in ranks] == pytest.approx(
-        [math.log(2)] * 2, abs=1e-6
-    )  # reference = policy before the first update
+    # reference = policy before the first update
+    assert [r["loss"] for r in ranks] == pytest.approx([math.log(2)] * 2, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -327,8 +320,7 @@ def test_a_rank_loading_a_400m_model_under_zero3_holds_about_its_partition(zero3
     added = sorted((r["loaded"] - base[r["rank"]]) / size for r in big)
     print(
         f"ZeRO-3 loading, {params / 1e6:.0f}M parameters ({size / 2**30:.2f} GiB bf16): peak over a tiny model, "
-        "per rank "
-        f"{', '.join(f'{x:.2f}x' for x in added)}; together {sum(added):.2f}x the bf16 size"
+        f"per rank {', '.join(f'{x:.2f}x' for x in added)}; together {sum(added):.2f}x the bf16 size"
     )
     assert all(r["partitioned"] and r["loading"] == "partitioned" for r in big)
     assert all(x < 0.6 for x in added[:-1]) and sum(added) < 1.6

@@ -211,9 +211,8 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
     from finetune.consolidate import consolidate
 
     c1 = AutoModelForCausalLM.from_pretrained(str(consolidate(one_process, step=3, out=tmp_path / "c1")))
-    c2 = AutoModelForCausalLM.from_pretrained(
-        str(consolidate(tmp_path / "fsdp", step=3))
-    )  # DCP shards of 2 ranks, read by one process
+    # DCP shards of 2 ranks, read by one process
+    c2 = AutoModelForCausalLM.from_pretrained(str(consolidate(tmp_path / "fsdp", step=3)))
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), c2.parameters())) < 1e-4
     assert max((pa - pb).abs().max().item() for pa, pb in zip(c1.parameters(), a.parameters())) > 1e-3
 
@@ -229,9 +228,8 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path, o
     b = load_file(str(tmp_path / "fsdp" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0
     for k in a:
-        assert (
-            a[k].shape == b[k].shape and a[k].numel() > 0
-        )  # not the empty or mis-shaped tensors of a bad sharded save
+        # not the empty or mis-shaped tensors of a bad sharded save
+        assert a[k].shape == b[k].shape and a[k].numel() > 0
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-3)
     assert any(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k)
 

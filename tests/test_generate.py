@@ -226,11 +226,9 @@ def crash_hook(folder, parts, rank: int, batches: int) -> str:
     batch, leaving half a line in its part file under `parts`, as a kill in the middle of a write does."""
     hook = folder / "crash_hook.py"
     hook.write_text(
-        "import os\nimport pathlib\n\n\n"
-        "def hook(rank, batches_done):\n"
-        f"    if (rank, batches_done) == ({rank}, {batches}):\n"
-        f"        (part,) = pathlib.Path({str(parts)!r}).glob(f'part-*-r{{rank}}.jsonl')\n"
-        "        with open(part, 'a', encoding='utf-8') as f:\n"
+        f"import os\nimport pathlib\n\n\ndef hook(rank, batches_done):\n    if (rank, batches_done) == ({rank}, "
+        f"{batches}):\n        (part,) = pathlib.Path({str(parts)!r}).glob(f'part-*-r{{rank}}.jsonl')\n        with "
+        "open(part, 'a', encoding='utf-8') as f:\n"
         '            f.write(\'{"id": "cut sh\')\n'
         "        os._exit(137)\n"
     )
@@ -267,9 +265,8 @@ def test_a_crashed_job_resumes_without_duplicates_or_gaps(one_process, model_dir
             ),
             progress=False,
         )
-    resumed = generate(
-        job(model_dir, prompts_file, out), processes=1, progress=False
-    )  # another number of processes is fine
+    # another number of processes is fine
+    resumed = generate(job(model_dir, prompts_file, out), processes=1, progress=False)
     assert resumed.rows == 40 and 0 < resumed.generated < 40
     assert out.read_bytes() == one_process[0].read_bytes() and not parts.exists()
 
@@ -286,9 +283,8 @@ def test_vllm_engine_greedy_matches_transformers(one_process, model_dir, prompts
     ours = [json.loads(line) for line in one_process[0].read_text().splitlines()]
     theirs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["id"] for r in theirs] == [r["id"] for r in ours]
-    assert (
-        sum(a["completion"] == b["completion"] for a, b in zip(ours, theirs)) >= 36
-    )  # kernels differ; greedy ties may break apart
+    # kernels differ; greedy ties may break apart
+    assert sum(a["completion"] == b["completion"] for a, b in zip(ours, theirs)) >= 36
 
 
 # ---------------------------------------------------------------- code in a run folder runs only when asked

@@ -98,9 +98,8 @@ def test_deepspeed_zero1_with_bf16(tmp_path):
 
 def test_dpo_with_a_precomputed_reference(tmp_path):
     """Reference log-probs computed once before training and kept in a table that GPU batches index."""
-    pairs = write_jsonl(
-        preference_records(64, seed=3), tmp_path / "pairs.jsonl"
-    )  # seen 6 times in 12 steps: margins grow fast
+    # seen 6 times in 12 steps: margins grow fast
+    pairs = write_jsonl(preference_records(64, seed=3), tmp_path / "pairs.jsonl")
     config = tmp_path / "dpo.yaml"
     config.write_text(f"""
 model: {{name: ft-tiny}}

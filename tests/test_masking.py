@@ -169,18 +169,15 @@ def test_bad_messages_are_data_errors(tok):
 # ---------------------------------------------------------------- templates that must fail loudly
 LAST_DIFFERENT = (  # the last message gets a different header
     "{% for m in messages %}{{ '<|im_start|>' + ('final' if loop.last else m.role) + '\\n' + m.content + "
-    "'<|im_end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 LAST_UNTERMINATED = (  # the end marker is written only when another message follows
-    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}"
-    "{% if not loop.last %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_end|>\\n<|im_start|>assistant\\n' }}{% endif %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content }}{% if not loop.last %}{{ '<|im_end|>\\n' "
+    "}}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_end|>\\n<|im_start|>assistant\\n' }}{% endif %}"
 )
 DROPS_PAST_REASONING = (  # Qwen3-style: reasoning is kept only in assistant turns after the last user turn
     "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m.role == 'user' %}"
-    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
-    "{% for m in messages %}{% set c = m.content %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}{% set c = m.content %}"
     "{% if m.role == 'assistant' and loop.index0 < ns.last_user %}{% set c = c.split('</think>')[-1] %}{% endif %}"
     "{{ '<|im_start|>' + m.role + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -198,8 +195,7 @@ GENERATION_PROMPT_MISMATCH = (  # the generation prompt opens an empty reasoning
 )
 DROPS_CONTENT = (
     "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role != 'assistant' %}{{ m.content }}{% "
-    "endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -249,8 +245,7 @@ def test_a_custom_jinja_file(tok, tmp_path):
     path = tmp_path / "alpaca.jinja"
     path.write_text(
         "{% for m in messages %}{% if m.role == 'assistant' %}{{ '### Response:\\n' + m.content + eos_token + "
-        "'\\n\\n' }}"
-        "{% else %}{{ '### Instruction:\\n' + m.content + '\\n\\n' }}{% endif %}{% endfor %}"
+        "'\\n\\n' }}{% else %}{{ '### Instruction:\\n' + m.content + '\\n\\n' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}"
     )
     ids, labels = tokenize_conversation(TURNS, tok, resolve(tok, str(path)))
@@ -260,9 +255,8 @@ def test_a_custom_jinja_file(tok, tmp_path):
 def test_a_token_straddling_the_start_of_a_reply_is_trained(tok):
     # "Answer: " belongs to the prompt, but " the" is one token that starts in it: it must be trained.
     jinja = (
-        "{% for m in messages %}{% if m.role == 'assistant' %}{{ 'Answer: ' + m.content + eos_token }}"
-        "{% else %}{{ m.content + '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Answer: ' }}{% "
-        "endif %}"
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ 'Answer: ' + m.content + eos_token }}{% else %}{{ "
+        "m.content + '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Answer: ' }}{% endif %}"
     )
     conv = [TURNS[0], {"role": "assistant", "content": "the model learns to add."}]
     ids, labels = tokenize_conversation(conv, tok, jinja)

@@ -80,9 +80,8 @@ def test_sharding_divides_the_right_state(sharding, divided):
 
 
 def test_offload_moves_bytes_to_host():
-    zero3 = dict(
-        adapter="full", sharding="zero3", shard_size=8, loading="partitioned"
-    )  # ZeRO-3 constructs the model partitioned
+    # ZeRO-3 constructs the model partitioned
+    zero3 = dict(adapter="full", sharding="zero3", shard_size=8, loading="partitioned")
     on_device = estimate(LLAMA8B, setup(**zero3))
     opt = estimate(LLAMA8B, setup(**zero3, offload="optimizer"), processes_per_node=8)
     assert "optimizer" not in opt.device and opt.host["offloaded optimizer"] == pytest.approx(

@@ -139,9 +139,8 @@ def test_base_without_the_target_modules(tiny, tmp_path):
 
 
 def test_base_with_more_layers(tiny, tmp_path):
-    deeper = _llama(
-        tmp_path / "deeper", hidden=128, intermediate=384, layers=6, head_dim=32
-    )  # ft-tiny's sizes, 6 layers not 4
+    # ft-tiny's sizes, 6 layers not 4
+    deeper = _llama(tmp_path / "deeper", hidden=128, intermediate=384, layers=6, head_dim=32)
     with pytest.raises(FtError, match="has no weights for .* adapter modules"):
         merge_lora(tiny["adapter"], tmp_path / "out", base=str(deeper))
 

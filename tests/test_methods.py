@@ -58,9 +58,8 @@ def test_dpo_loss_equals_trl_on_the_same_batch(models, kind, tmp_path):
         train_dataset=datasets.Dataset.from_list(preference_records(8, seed=1)),
         processing_class=tok,
     )
-    batch = trainer.data_collator(
-        [trainer.train_dataset[i] for i in range(4)]
-    )  # trl's tokenization: [chosen; rejected]
+    # trl's tokenization: [chosen; rejected]
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     policy.train()
     with torch.no_grad():
         theirs = trainer._compute_loss(trainer.model, batch, return_outputs=False)
@@ -147,9 +146,8 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
         loss_normalization=ours_kind,
     )
     method = GRPO(section, tok, 4, None, FrozenCopy(reference) if kl else None, [])
-    ours, _ = method.loss(
-        policy, batch, normaliser=float(method.tokens(batch))
-    )  # one micro-batch is the whole step here
+    # one micro-batch is the whole step here
+    ours, _ = method.loss(policy, batch, normaliser=float(method.tokens(batch)))
     ours.backward()
     our_grads = [q.grad.clone() for q in policy.parameters()]
     policy.zero_grad()
@@ -190,12 +188,13 @@ def test_rewards_receive_completions_and_columns_in_order(tmp_path, monkeypatch)
 
     call = next(m for n, m in sys.modules.items() if n.startswith("ft_user_recording")).CALLS[-1]
     assert call["completions"] == ["x", "yy", "zzz", "wwww"]
+    # each completion with its prompt's row
     assert call["answer"] == ["12", "12", "7", "7"] and call["level"] == [
         1,
         1,
         2,
         2,
-    ]  # each completion with its prompt's row
+    ]
     assert [p[0]["content"] for p in call["prompts"]] == ["a", "a", "b", "b"]
     assert call["kwargs"] == {"bonus": 1}
     assert total.tolist() == [1.0, 2.0, 3.0, 4.0] and metrics["rewards/reward"] == 2.5
@@ -296,9 +295,8 @@ def test_a_preference_row_without_rejected_is_named_by_file_and_line(tmp_path):
     )
     job = tmp_path / "dpo.yaml"
     job.write_text(
-        f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, "
-        f"cache_dir: {tmp_path / 'c'}}}\n"
-        f"method: {{name: dpo}}\nadapter: {{type: lora}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
+        f"model: {{name: ft-tiny}}\ndata: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, cache_dir: "
+        f"{tmp_path / 'c'}}}\nmethod: {{name: dpo}}\nadapter: {{type: lora}}\noutput: {{dir: {tmp_path / 'run'}}}\n"
     )
     r = subprocess.run(
         [sys.executable, "-m", "finetune", "preprocess", str(job)],

@@ -309,9 +309,8 @@ def test_added_tokens_grow_and_train_the_embeddings():
     plain = make()
     grown = make(["data.add_special_tokens=[<tool>, </tool>]"])
     assert grown.decision("embeddings").value == "+2 tokens"
-    assert (
-        grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096
-    )  # embed_tokens and lm_head (untied)
+    # embed_tokens and lm_head (untied)
+    assert grown.estimate.trainable_params == plain.estimate.trainable_params + 2 * 128256 * 4096
     with pytest.raises(StopIteration):
         plain.decision("embeddings")
 

@@ -57,9 +57,8 @@ def test_cache_is_reused_and_invalidated_by_what_changes_the_data(tmp_path, arit
 
     monkeypatch.setattr(pre, "build", lambda *a, **k: pytest.fail("rebuilt a matching cache entry"))
     assert prepare(text).path == first.path
-    assert (
-        prepare(text.replace("run'", "run2'").replace("/run}", "/run2}")).path == first.path
-    )  # output dir is not an input
+    # output dir is not an input
+    assert prepare(text.replace("run'", "run2'").replace("/run}", "/run2}")).path == first.path
     monkeypatch.undo()
     assert prepare(text.replace("seq_len: 64", "seq_len: 80")).path != first.path
     assert prepare(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]", train_on="all")).path != first.path

@@ -94,16 +94,14 @@ def test_sharded_4bit_weights_are_split_over_ranks_and_gather_bit_for_bit(result
         ref, got = results[f"single/{precision}"], results[f"{backend}/{precision}"]
         assert (got["backend"], got["world_size"], got["quant_storage"]) == (backend, 2, precision)
         assert got["sharding"] == {"fsdp": "full_shard", "deepspeed": "zero3"}[backend]
-        assert (
-            ref["weights"].keys() == got["weights"].keys() and len(ref["weights"]) == 14
-        )  # 7 linear layers × 2 blocks
+        # 7 linear layers × 2 blocks
+        assert ref["weights"].keys() == got["weights"].keys() and len(ref["weights"]) == 14
         for name, data in ref["weights"].items():
             assert torch.equal(got["weights"][name], data), name
             assert got["held"][name] <= 0.5 + 1e-3, name  # sharded, not replicated
     as_bf16 = sum(int(torch.isnan(w.view(torch.bfloat16)).sum()) for w in ref["weights"].values())
-    assert (
-        as_bf16 > 0
-    )  # packed nibbles that read as bf16 NaNs (what a NaN-canonicalizing copy would corrupt) came through
+    # packed nibbles that read as bf16 NaNs (what a NaN-canonicalizing copy would corrupt) came through
+    assert as_bf16 > 0
 
 
 @pytest.mark.slow

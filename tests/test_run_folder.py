@@ -129,9 +129,8 @@ def test_bitsandbytes_optimizers_are_refused_under_fsdp_and_avoided_by_auto():
         loads(base + "train: {optimizer: paged_adamw_8bit}\ndistributed: {backend: fsdp}")
     assert "DTensor" in str(e.value) and "distributed.backend" in str(e.value)
     plain = loads(base)
-    assert (
-        plan(plain, parse("8xH100-80GB"), model_facts(plain.model)).backend == "fsdp"
-    )  # what auto picks without the 8-bit optimizer
+    # what auto picks without the 8-bit optimizer
+    assert plan(plain, parse("8xH100-80GB"), model_facts(plain.model)).backend == "fsdp"
     config = loads(base + "train: {optimizer: adamw_8bit}")
     try:
         assert plan(config, parse("8xH100-80GB"), model_facts(config.model)).backend != "fsdp"

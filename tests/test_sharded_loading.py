@@ -96,18 +96,16 @@ def compare_weights(one: Path, two: Path) -> tuple[dict, dict]:
     assert (a["loading"], b["loading"]) == ("replica", "meta")
     assert a["weights"].keys() == b["weights"].keys()
     for name, w in a["weights"].items():
-        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), (
-            name
-        )  # base, adapter, added rows: exactly
+        # base, adapter, added rows: exactly
+        assert w.dtype == b["weights"][name].dtype and torch.equal(w, b["weights"][name]), name
     return a, b
 
 
 @pytest.mark.slow
 def test_lora_shards_loaded_on_two_ranks_equal_one_process_and_give_its_first_step(tiny_jobs):
     a, b = compare_weights(tiny_jobs["one"] / "weights-0.pt", tiny_jobs["two"] / "weights-0.pt")
-    assert any("lora_A" in n for n in a["weights"]) and any(
-        "modules_to_save" in n for n in a["weights"]
-    )  # the adapter and the grown embeddings
+    # the adapter and the grown embeddings
+    assert any("lora_A" in n for n in a["weights"]) and any("modules_to_save" in n for n in a["weights"])
     torch.testing.assert_close(b["logits"], a["logits"], atol=2e-2, rtol=2e-2)  # bf16: FSDP casts the adapter too
     losses = [r["loss"] for r in tiny_jobs["ranks"] if r["job"] == 0]
     assert losses == pytest.approx([tiny_jobs["single"][0]["loss"]] * 2, rel=1e-3)
@@ -122,9 +120,8 @@ def test_full_fine_tuning_loads_equal_fp32_weights_and_a_sharded_reference_in_co
     assert [r["reference"] for r in ranks] == ["DTensor float32"] * 2 and tiny_jobs["single"][1][
         "reference"
     ] == "Parameter float32"
-    assert [r["loss"] for r in ranks] == pytest.approx(
-        [math.log(2)] * 2, abs=1e-6
-    )  # the reference equals the policy at step 1
+    # the reference equals the policy at step 1
+    assert [r["loss"] for r in ranks] == pytest.approx([math.log(2)] * 2, abs=1e-6)
 
 
 @pytest.mark.slow
@@ -143,9 +140,8 @@ def test_a_rank_loading_a_380m_model_under_fsdp_holds_about_its_shard(tiny_jobs)
     stepped = sorted((r["stepped"] - baseline[r["rank"]]["stepped"]) / size for r in big)
     print(
         f"\nloading {params / 1e6:.0f}M parameters ({size / 2**20:.0f} MiB in bf16) on 2 ranks: peak RSS above the "
-        "tiny-model run, per rank "
-        f"{', '.join(f'{x:.3f}' for x in above)}x the bf16 size; together {sum(above):.3f}x; after a training step "
-        f"{', '.join(f'{x:.3f}' for x in stepped)}x"
+        f"tiny-model run, per rank {', '.join(f'{x:.3f}' for x in above)}x the bf16 size; together {sum(above):.3f}x; "
+        f"after a training step {', '.join(f'{x:.3f}' for x in stepped)}x"
     )
     assert all(r["loading"] == "meta" for r in big)
     assert all(x < 0.6 for x in above[:-1]) and sum(above) < 1.6
@@ -192,9 +188,8 @@ def test_new_embedding_rows_are_the_same_in_the_whole_model_and_in_shards(tmp_pa
         ("lm_head.weight", net.get_output_embeddings().weight),
     ):
         shard = torch.empty(5, w.shape[1])
-        fill_rows(
-            ckpt, key, rows - 2, shard
-        )  # the last 2 old rows and the 3 new ones, as a rank holding them reads them
+        # the last 2 old rows and the 3 new ones, as a rank holding them reads them
+        fill_rows(ckpt, key, rows - 2, shard)
         assert torch.equal(shard, w[rows - 2 :].detach())
 
 
@@ -239,16 +234,14 @@ def test_memory_estimate_counts_loading_as_its_own_peak():
         sharding="full_shard",
         shard_size=8,
     )
-    replica = estimate(
-        m, Setup(**qlora, loading="replica")
-    )  # bitsandbytes quantizes while loading: every rank loads all of it
+    # bitsandbytes quantizes while loading: every rank loads all of it
+    replica = estimate(m, Setup(**qlora, loading="replica"))
     training = sum(v for k, v in replica.device.items() if k != LOADING)
     assert replica.device[LOADING] > training and replica.device_bytes == replica.device[LOADING]
     lora = dict(qlora, adapter="lora", quantization="none")
     whole, meta = estimate(m, Setup(**lora, loading="replica")), estimate(m, Setup(**lora, loading="meta"))
-    assert (
-        whole.device[LOADING] > 2 * m.num_params and meta.device[LOADING] < whole.device[LOADING] / 6
-    )  # shard + one tensor
+    # shard + one tensor
+    assert whole.device[LOADING] > 2 * m.num_params and meta.device[LOADING] < whole.device[LOADING] / 6
     assert meta.device_bytes == sum(v for k, v in meta.device.items() if k != LOADING)  # training is the peak
     accumulating = estimate(m, Setup(**lora, loading="meta", accumulation=4))
     assert accumulating.device["unsharded gradients (accumulation)"] == 4 * accumulating.trainable_params

@@ -112,9 +112,8 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     # has landed before step 5 ends, however fast the machine.
     ctrl_c = start(config, env=step_hook(tmp_path, hang=(0, 5, 3)))
     wait_for_steps(run, 3, ctrl_c)
-    os.killpg(
-        ctrl_c.pid, signal.SIGINT
-    )  # what a terminal's Ctrl-C does: the foreground group (torchrun has a session of its own)
+    # what a terminal's Ctrl-C does: the foreground group (torchrun has a session of its own)
+    os.killpg(ctrl_c.pid, signal.SIGINT)
     first = stopped_once(ctrl_c, "SIGINT", run)
     assert 3 <= first <= 5
 

@@ -203,9 +203,8 @@ def test_output_dir_holding_a_run_is_refused_unless_resume_or_overwrite(tmp_path
     assert {p: p.stat().st_mtime_ns for p in (run / "final").iterdir()} == final
     with pytest.raises(FtError, match=r"differs from the run's.*train\.lr.*--allow-changes"):
         train(tmp_path, text.replace("max_steps: 2", "max_steps: 3").replace("lr: 0.003", "lr: 0.001"), resume=True)
-    assert (
-        train(tmp_path, text.replace("max_steps: 2", "max_steps: 3"), resume=True)["steps"] == 3
-    )  # longer: resume-safe
+    # longer: resume-safe
+    assert train(tmp_path, text.replace("max_steps: 2", "max_steps: 3"), resume=True)["steps"] == 3
     assert "starting from step 0" in capsys.readouterr().err  # no checkpoint to continue from (save_steps: 0)
     assert "train.max_steps" in (run / "resume-changes.jsonl").read_text()
     (run / "notes.txt").write_text("mine")

@@ -26,9 +26,8 @@ class Expansion:
     environ: Mapping[str, str]
     parse: Callable[[str], Any]  # reads an expanded whole-value reference as YAML (`${STEPS}` -> 100)
     problems: list[Problem] = field(default_factory=list)
-    references: dict[tuple, str] = field(
-        default_factory=dict
-    )  # key path -> text as written, for paths that read the environment
+    # key path -> text as written, for paths that read the environment
+    references: dict[tuple, str] = field(default_factory=dict)
     used: dict[tuple, dict[str, str]] = field(default_factory=dict)  # key path -> {variable: value} it read
     produced: int = 0
 

@@ -264,9 +264,8 @@ class Config(Section):
     evaluation: EvaluationSection | None = None
     """Optional task evaluation by generation (e.g. exact-match accuracy), run before training and at the end."""
 
-    _env_references: dict = PrivateAttr(
-        default_factory=dict
-    )  # key path -> text as written, for values read from ${VAR}
+    # key path -> text as written, for values read from ${VAR}
+    _env_references: dict = PrivateAttr(default_factory=dict)
     _env_variables: dict = PrivateAttr(default_factory=dict)  # variable -> value, for the ${VAR} that were read
 
     def env_references(self) -> dict[tuple, str]:

@@ -316,8 +316,7 @@ def normalize_dataset(
     if errors and len(errors) == len(out):
         raise DataError(
             f"{errors[0]}\n    source: {source}: every record is bad ({len(errors)} skipped), so nothing is left "
-            "to train on; "
-            f"others: {'; '.join(errors[1:3]) or 'none'}\n    fix: correct the records, or check that "
+            f"to train on; others: {'; '.join(errors[1:3]) or 'none'}\n    fix: correct the records, or check that "
             "data.datasets[].format matches the data"
         )
     if errors:

@@ -311,9 +311,8 @@ def _align(part: datasets.Dataset, first: datasets.Dataset, number: int) -> data
             pass
     raise DataError(
         f"cannot mix sources of different shapes: source 1 ({_name(first)}) has {_shape(first)}; source {number} "
-        f"({_name(part)}) has {_shape(part)}"
-        "\n    fix: sources mixed together must be read in compatible formats (chat and instruction both give "
-        "messages); train on the others in a separate job"
+        f"({_name(part)}) has {_shape(part)}\n    fix: sources mixed together must be read in compatible formats (chat "
+        "and instruction both give messages); train on the others in a separate job"
     )
 
 

@@ -47,25 +47,20 @@ def _alternation_check(name: str) -> str:
         "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) or message.role not in ['user', 'assistant'] -%}"
         "{{- raise_exception('the " + name + " template needs user and assistant messages that alternate, starting "
         "with user (a system message may only come first); message ' ~ (loop.index0 + offset) ~ ' has role ' "
-        "~ message.role) -}}"
-        "{%- endif -%}"
+        "~ message.role) -}}{%- endif -%}"
     )
 
 
 # A leading system message is taken out of `turns` and folded into the first user message.
 _FOLD_SYSTEM = (
     "{%- if messages[0].role == 'system' -%}"
-    "{%- set system = messages[0].content -%}{%- set turns = messages[1:] -%}{%- set offset = 1 -%}"
-    "{%- else -%}"
-    "{%- set system = '' -%}{%- set turns = messages -%}{%- set offset = 0 -%}"
-    "{%- endif -%}"
+    "{%- set system = messages[0].content -%}{%- set turns = messages[1:] -%}{%- set offset = 1 -%}{%- else -%}"
+    "{%- set system = '' -%}{%- set turns = messages -%}{%- set offset = 0 -%}{%- endif -%}"
 )
 
 _CHATML_TURNS = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 CHATML = _CHATML_TURNS
@@ -78,11 +73,9 @@ QWEN = (
 )
 
 LLAMA3 = (
-    "{{- '<|begin_of_text|>' -}}"
-    "{%- for message in messages -%}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + (message.content | trim) + '<|eot_id|>' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+    "{{- '<|begin_of_text|>' -}}{%- for message in messages -%}{{- '<|start_header_id|>' + message.role + "
+    "'<|end_header_id|>\\n\\n' + (message.content | trim) + '<|eot_id|>' -}}{%- endfor -%}{%- if add_generation_prompt "
+    "-%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
 )
 
 # [INST] style: the prompt ends with [/INST], so the generation prompt adds nothing; the reply starts with a space.
@@ -90,10 +83,7 @@ MISTRAL = (
     _FOLD_SYSTEM + "{{- '<s>' -}}"
     "{%- for message in turns -%}" + _alternation_check("mistral") + "{%- if message.role == 'user' -%}"
     "{{- '[INST] ' + (system + '\\n\\n' if loop.first and system else '') + message.content + ' [/INST]' -}}"
-    "{%- else -%}"
-    "{{- ' ' + message.content + '</s>' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
+    "{%- else -%}{{- ' ' + message.content + '</s>' -}}{%- endif -%}{%- endfor -%}"
 )
 
 GEMMA = (
@@ -102,33 +92,23 @@ GEMMA = (
     + _alternation_check("gemma")
     + "{%- set role = 'model' if message.role == 'assistant' else 'user' -%}"
     "{%- set prefix = system + '\\n\\n' if loop.first and system else '' -%}"
-    "{{- '<start_of_turn>' + role + '\\n' + prefix + (message.content | trim) + '<end_of_turn>\\n' -}}"
-    "{%- endfor -%}"
+    "{{- '<start_of_turn>' + role + '\\n' + prefix + (message.content | trim) + '<end_of_turn>\\n' -}}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}"
 )
 
 PHI3 = (
-    "{%- for message in messages -%}"
-    "{%- if message.role not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('the phi3 template knows the roles system, user and assistant; message ' ~ loop.index0 "
-    "~ ' has role ' ~ message.role) -}}"
-    "{%- endif -%}"
-    "{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}{%- if message.role not in ['system', 'user', 'assistant'] -%}{{- "
+    "raise_exception('the phi3 template knows the roles system, user and assistant; message ' ~ loop.index0 ~ ' has "
+    "role ' ~ message.role) -}}{%- endif -%}{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' -}}{%- "
+    "endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )
 
 # For base models: the tokenizer's BOS (when it has one), then each message's text; replies end with EOS.
 PLAIN = (
-    "{%- if eos_token is not defined or not eos_token -%}"
-    "{{- raise_exception('the plain template ends replies with eos_token, but this tokenizer has none; "
-    "set one on the tokenizer') -}}"
-    "{%- endif -%}"
-    "{%- if bos_token is defined and bos_token -%}{{- bos_token -}}{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if message.role == 'assistant' -%}{{- message.content + eos_token -}}"
-    "{%- else -%}{{- message.content + '\\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
+    "{%- if eos_token is not defined or not eos_token -%}{{- raise_exception('the plain template ends replies with "
+    "eos_token, but this tokenizer has none; set one on the tokenizer') -}}{%- endif -%}{%- if bos_token is defined "
+    "and bos_token -%}{{- bos_token -}}{%- endif -%}{%- for message in messages -%}{%- if message.role == 'assistant' "
+    "-%}{{- message.content + eos_token -}}{%- else -%}{{- message.content + '\\n' -}}{%- endif -%}{%- endfor -%}"
 )
 
 BUILTIN: dict[str, Template] = {

@@ -65,15 +65,13 @@ def _check_users_file(config: dict, path: Path, plan) -> None:
         other = f", or distributed.sharding: zero{stage}" if f"zero{stage}" in STAGES else ""
         raise FtError(
             f"distributed.deepspeed_config: {path} sets zero_optimization.stage {stage}, but the plan is "
-            f"{plan.sharding} "
-            f'(distributed.sharding); set "stage": {planned} in the file{other}'
+            f'{plan.sharding} (distributed.sharding); set "stage": {planned} in the file{other}'
         )
     if zero.get("overlap_comm") is True and stage < 2:
         raise FtError(
             f"distributed.deepspeed_config: {path} sets zero_optimization.overlap_comm true with stage {stage}; "
-            "DeepSpeed "
-            "overlaps communication only from stage 2 when the training loop owns gradient accumulation (ft's does): "
-            'set "overlap_comm": false, or use stage 2 or 3'
+            "DeepSpeed overlaps communication only from stage 2 when the training loop owns gradient accumulation "
+            '(ft\'s does): set "overlap_comm": false, or use stage 2 or 3'
         )
 
 
@@ -160,9 +158,8 @@ def wrap(model, plan, train, distributed, total_steps: int) -> ZeroEngine:
         )
     else:
         optimizer = build_optimizer(model, train, plan.lr)
-    scheduler = build_scheduler(
-        optimizer, train, total_steps
-    )  # ft steps it; DeepSpeed's wrapper shares its param groups
+    # ft steps it; DeepSpeed's wrapper shares its param groups
+    scheduler = build_scheduler(optimizer, train, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
     return ZeroEngine(engine, scheduler, stage_of(config), plan.generation)
 
@@ -176,9 +173,8 @@ class ZeroEngine:
         self.model, self.scheduler, self.stage = engine, scheduler, stage
         self.optimizer = engine.optimizer
         self.gathers_parameters = stage == 3
-        self.generation_mode = (
-            ("layerwise" if generation == "layerwise" else "gather") if stage == 3 else "local"
-        )  # plan.generation
+        # plan.generation
+        self.generation_mode = ("layerwise" if generation == "layerwise" else "gather") if stage == 3 else "local"
         # generate() needs synced_gpus=True only where each forward all-gathers layers (layerwise): with every parameter
         # gathered for the call, ZeRO-3's fetch hook gathers nothing (deepspeed 0.19 partitioned_param_coordinator
         # fetch_sub_module fetches only NOT_AVAILABLE parameters), so ranks may stop sampling at different lengths

@@ -69,9 +69,8 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
     text = hf_config.get_text_config()
     grown = tokenizer is not None and len(tokenizer) > text.vocab_size
     if grown:
-        text.vocab_size = len(
-            tokenizer
-        )  # constructed at the new size: no whole-table copy as resize_token_embeddings makes
+        # constructed at the new size: no whole-table copy as resize_token_embeddings makes
+        text.vocab_size = len(tokenizer)
     models.register_attention(attn)
     kwargs = {
         "dtype": zero_dtype(config),
@@ -86,15 +85,13 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
     except FtError:  # tensors transformers renames or fuses while loading (e.g. MoE experts): its own ZeRO-3 loader
         if grown:
             raise FtError(
-                f"model.name: {model_section.name} has a checkpoint layout that transformers converts while "
-                "loading, which "
-                "ZeRO-3 then reads whole on rank 0, and tokens were added: that combination is not supported; add no "
-                "tokens, or use distributed.sharding: zero2"
+                f"model.name: {model_section.name} has a checkpoint layout that transformers converts while loading, "
+                "which ZeRO-3 then reads whole on rank 0, and tokens were added: that combination is not supported; "
+                "add no tokens, or use distributed.sharding: zero2"
             ) from None
         del net
-        net = AutoModelForCausalLM.from_pretrained(
-            str(folder), **kwargs
-        )  # rank 0 reads the whole checkpoint (see module doc)
+        # rank 0 reads the whole checkpoint (see module doc)
+        net = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     else:
         fill(net, ckpt, keys)
     return models.finish_model(net, plan)

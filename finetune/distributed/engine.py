@@ -225,9 +225,8 @@ def load_replica(path: Path, model, optimizer) -> None:
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
-    optimizer.load_state_dict(
-        load_tensors(path / _OPTIMIZER)
-    )  # the optimizer casts its state to each parameter's device
+    # the optimizer casts its state to each parameter's device
+    optimizer.load_state_dict(load_tensors(path / _OPTIMIZER))
 
 
 def read_replica(path: Path, model=None) -> dict:

@@ -107,9 +107,8 @@ def full_state_dict(model, trainable_only: bool) -> dict:
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            whole = (
-                p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            )  # every rank takes part in each all-gather
+            # every rank takes part in each all-gather
+            whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
             if rank0:
                 out[name] = whole.to("cpu", copy=True)
             del whole
@@ -222,10 +221,11 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     dim = shards[0][0]
     chunk = -(-p.shape[0] // p.device_mesh.size(dim))
     start = min(p.device_mesh.get_local_rank(dim) * chunk, p.shape[0])
+    # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
     return (
         p.to_local(),
         start,
-    )  # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
+    )
 
 
 @torch.no_grad()
@@ -246,6 +246,5 @@ def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
     for name, p in params.items():
         if adapters.is_dora_magnitude(name) and p.numel():
             base, _ = local_rows(params[name.split(".lora_magnitude_vector.")[0] + ".base_layer.weight"])
-            local_rows(p)[0].copy_(
-                torch.linalg.norm(base, dim=1).to(base.dtype)
-            )  # lora_B starts at zero: ||W + s·BA|| = ||W||
+            # lora_B starts at zero: ||W + s·BA|| = ||W||
+            local_rows(p)[0].copy_(torch.linalg.norm(base, dim=1).to(base.dtype))

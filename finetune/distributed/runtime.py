@@ -96,9 +96,8 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        os.environ.setdefault(
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
-        )  # read when the NCCL backend starts: a timed-out collective fails
+        # read when the NCCL backend starts: a timed-out collective fails
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
     return Runtime(rank, local, world)

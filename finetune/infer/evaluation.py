@@ -69,9 +69,8 @@ def from_run(run: str) -> tuple[PromptSpec, tuple[Metric, ...], int]:
     section = (folder.config_dict() if path.is_file() else {}).get("evaluation")
     if not section:
         raise FtError(
-            f"{run}: no data to evaluate "
-            f"on{' (the run has no evaluation: section)' if path.is_file() else ''}.\n    fix: pass --data with "
-            "a prompt-answer file"
+            f"{run}: no data to evaluate on{' (the run has no evaluation: section)' if path.is_file() else ''}.\n    "
+            "fix: pass --data with a prompt-answer file"
         )
     try:
         e = EvaluationSection.model_validate(section)

@@ -85,8 +85,7 @@ def template_for(tokenizer, spec: str):
             raise
         raise TemplateError(
             f"the tokenizer ({tokenizer.name_or_path}) has no chat template (a base model?), and no other template "
-            "was named.\n"
-            "    fix: pass --template none to give prompts as plain text, or --template with a built-in "
+            "was named.\n    fix: pass --template none to give prompts as plain text, or --template with a built-in "
             f"({', '.join(BUILTIN)}) or a .jinja file"
         ) from None
 

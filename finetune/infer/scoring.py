@@ -93,10 +93,9 @@ class Scorer:
             missing = next((i for i, r in enumerate(references) if r is None), None)
             if missing is not None:
                 raise DataError(
-                    f"{origins[missing]}: no reference answer for {self.metric.name}: the conversation does not "
-                    "end with an assistant message, "
-                    "and the record has no answer column.\n    fix: add the answer (a final assistant message, or "
-                    "an `answer` column), or name its column with --reference-field"
+                    f"{origins[missing]}: no reference answer for {self.metric.name}: the conversation does not end "
+                    "with an assistant message, and the record has no answer column.\n    fix: add the answer (a "
+                    "final assistant message, or an `answer` column), or name its column with --reference-field"
                 )
             return [float(self._match(c, r)) for c, r in zip(completions, references)]
         if any(r is not None for r in references) and "reference" not in columns:

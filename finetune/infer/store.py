@@ -65,9 +65,8 @@ def done_rows(out: Path, id_field: str, known: set[str]) -> dict[str, str]:
             key = id_key(_parse(out, number, line).get(id_field))
             if key not in known:
                 raise FtError(
-                    f"{out}:{number}: a row with {id_field} {json.loads(key)!r}, which is not among the prompts: "
-                    f"{out} was written for other prompts.\n"
-                    "    fix: pass --overwrite to replace it, or choose another --out"
+                    f"{out}:{number}: a row with {id_field} {json.loads(key)!r}, which is not among the prompts: {out} "
+                    "was written for other prompts.\n    fix: pass --overwrite to replace it, or choose another --out"
                 )
             rows.setdefault(key, line)
     folder = parts_dir(out)

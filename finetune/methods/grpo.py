@@ -157,6 +157,7 @@ class Generator:
         model.eval()
         try:
             with self.engine.generation(), self.autocast():
+                # sharded: ranks sample different lengths
                 out = model.generate(
                     input_ids=ids,
                     attention_mask=mask,
@@ -169,7 +170,7 @@ class Generator:
                     pad_token_id=self.pad,
                     use_cache=True,
                     synced_gpus=self.engine.synced_generation,
-                )  # sharded: ranks sample different lengths
+                )
         finally:
             model.train(was_training)
         return [self._trim(row.tolist()) for row in out[:, width:]]

@@ -101,8 +101,7 @@ class Reward:
             if math.isnan(f) or math.isinf(f):
                 raise FtError(
                     f"{self.key}: reward {self.function!r} gave {v!r} for completion {i} (prompt {origins[i]}, "
-                    f"completion {completions[i][:80]!r}); "
-                    "every reward must be a finite number"
+                    f"completion {completions[i][:80]!r}); every reward must be a finite number"
                 )
             out.append(f)
         return out

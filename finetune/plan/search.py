@@ -208,9 +208,8 @@ def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
     """Every setup the config allows, in preference order; host offload (slow) only after all others."""
     from finetune.config.checks import BNB_OPTIMIZERS
 
-    bnb_optimizer = (
-        config.train.optimizer in BNB_OPTIMIZERS
-    )  # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
+    # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
+    bnb_optimizer = config.train.optimizer in BNB_OPTIMIZERS
     out = [
         Candidate(a, q, b, s, o)
         for a, q in adapter_options(config)
@@ -296,8 +295,7 @@ def fit_candidate(
     if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
         raise PlanError(
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank "
-            f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or "
-            "auto"
+            f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or auto"
         )
     for ckpt in ckpts:
         for mb in sizes:

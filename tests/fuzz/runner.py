@@ -118,9 +118,8 @@ def main() -> None:
     import resource
     import tempfile
 
-    resource.setrlimit(
-        resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30)
-    )  # an alias bomb stops with MemoryError, not the machine
+    # an alias bomb stops with MemoryError, not the machine
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     verbose = "-v" in sys.argv

@@ -202,9 +202,8 @@ def main() -> None:
         build(Path(args.model))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
-    jobs = [
-        j for j in args.jobs.split(",") if rank == 0 or not j.startswith("single/")
-    ]  # a world-1 job runs on rank 0 only
+    # a world-1 job runs on rank 0 only
+    jobs = [j for j in args.jobs.split(",") if rank == 0 or not j.startswith("single/")]
     results = {job: run_job(args, *job.split("/")) for job in jobs}
     if rank == 0:
         torch.save(results, args.out)
