@@ -314,6 +314,7 @@ def memory(args) -> int:
     problems = [] if r.returncode == 0 else [f"ft train exited with {r.returncode}:\n{r.stderr[-4000:]}"]
     plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").exists() else {}
     planned = plan.get("memory", {}).get("per_device_gib")
+    planned_allocated = plan.get("memory", {}).get("per_device_allocated_gib", planned)
     ranks = [json.loads(p.read_text()) for p in sorted(ranks_dir.glob("rank*.json"))]
     metrics = [row for row in rows_of(run / "metrics.jsonl") if "memory_gib" in row]
     if not ranks:
@@ -337,6 +338,7 @@ def memory(args) -> int:
         "plan_sharding": plan.get("sharding"),
         "plan_loading": plan.get("loading"),
         "planned_per_device_gib": planned,
+        "planned_allocated_gib": planned_allocated,
         "plan_device_capacity_gib": plan.get("memory", {}).get("device_capacity_gib"),
         "plan_breakdown_gib": plan.get("memory", {}).get("per_device_breakdown_gib"),
         "ranks": ranks,
@@ -353,12 +355,13 @@ def memory(args) -> int:
 
 
 def memory_report(m: dict) -> str:
-    planned = m.get("planned_per_device_gib")
+    planned = m.get("planned_allocated_gib") or m.get("planned_per_device_gib")
     lines = [
         f"loading memory: {m['params'] / 1e9:.2f} B-parameter Llama, LoRA, {m.get('plan_backend')} "
         f"{m.get('plan_sharding')}, "
         f"{m['world_size']} rank(s), loading={m.get('plan_loading')}; ft train took {m['seconds']:.0f} s",
-        f"  plan: {planned} GiB per device (capacity {m.get('plan_device_capacity_gib')} GiB): "
+        f"  plan: {m.get('planned_per_device_gib')} GiB per device, {planned} GiB of it allocated by tensors "
+        f"(capacity {m.get('plan_device_capacity_gib')} GiB): "
         f"{m.get('plan_breakdown_gib')}",
         f"  {'rank':>4}  {'after load':>10}  {'after step 1':>12}  {'peak alloc':>10}  {'peak reserved':>13}  "
         f"{'device':>8}  {'peak/plan':>9}",
@@ -376,7 +379,7 @@ def memory_report(m: dict) -> str:
         )
     lines.append(
         "  (GiB; torch.cuda.max_memory_allocated / max_memory_reserved since the rank started; peak/plan = peak "
-        "allocated / plan)"
+        "allocated / the plan's allocated estimate)"
     )
     if m.get("metrics_memory_gib"):
         lines.append(

@@ -30,12 +30,11 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    if plan.quantization in ("nf4", "int8"):
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=plan.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False},
-        )
+    if plan.quantization in ("nf4", "int8") and plan.precision == "fp16":
+        # fp16: peft casts the weights it does not quantize (norms, embeddings, head) to fp32 for stable training
+        # (memory.py counts them so). In bf16 they stay bf16, as the peers keep them. Checkpointing was already set
+        # up layer by layer (models.finish_model); peft would turn it back on for every layer.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     modules = list(adapter.modules_to_save)
     if plan.train_embeddings:  # tokens were added: their rows are trained in full
         modules = list(dict.fromkeys([*modules, "embed_tokens", "lm_head"]))
@@ -50,7 +49,8 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        # peft upcasts bf16/fp16 adapters to fp32 (autocast_adapter_dtype): not under pure bf16
+        model = get_peft_model(model, config, autocast_adapter_dtype=not plan.pure_bf16)
     except ValueError as e:
         if "not found" in str(e) or "Target modules" in str(e):
             raise FtError(
@@ -58,6 +58,19 @@ def apply_adapter(model, adapter: AdapterSection, plan):
                 f"layers are: {', '.join(linear_names(model))}"
             ) from None
         raise
+    if plan.pure_bf16:
+        trained_in_bf16(model)
+    return model
+
+
+def trained_in_bf16(model) -> None:
+    """Hold every trained parameter in bf16 (plan.pure_bf16). peft creates an adapter in fp32 where it cannot take the
+    base layer's dtype: on the meta device (FSDP2 builds there) and over a 4/8-bit base (an integer dtype)."""
+    import torch
+
+    for p in model.parameters():
+        if p.requires_grad and p.is_floating_point() and p.dtype != torch.bfloat16:
+            p.data = p.data.to(torch.bfloat16)  # as nn.Module.to converts a parameter in place (same Parameter)
 
 
 def linear_names(model) -> list[str]:

@@ -350,10 +350,19 @@ class ModelNotFound(Exception):
         self.reason = reason
 
     def __str__(self) -> str:
-        text = (
-            f"model.name {self.name!r} is not a local folder with config.json, not in ft's "
-            "catalog, and could not be fetched from the hub (offline?)."
-        )
+        if self.offline:
+            text = (
+                f"model.name {self.name!r} is not in ft's catalog and not a local folder, and the hub cannot be "
+                "reached from here (offline), so ft cannot read its shape. Give model.name a local folder with its "
+                "config.json (enough for ft plan; training also needs its *.safetensors), e.g. fetched on a machine "
+                f"with access by `huggingface-cli download {self.name} --local-dir "
+                f"models/{self.name.split('/')[-1]}`, or use a catalog name of the same architecture."
+            )
+        else:
+            text = (
+                f"model.name {self.name!r} is not a local folder with config.json, not in ft's "
+                "catalog, and could not be fetched from the hub."
+            )
         if self.suggestions:
             text += " Did you mean: " + ", ".join(self.suggestions) + "?"
         else:
@@ -361,9 +370,18 @@ class ModelNotFound(Exception):
                 " No catalog name is close to it; catalog names look like "
                 "'meta-llama/Llama-3.1-8B', 'Qwen/Qwen2.5-7B-Instruct' or 'ft-tiny'."
             )
-        if self.reason:
+        if self.reason and not self.offline:
             text += f" (hub: {self.reason})"
         return text
+
+    @property
+    def offline(self) -> bool:
+        """The hub was not asked or not reachable (HF_HUB_OFFLINE, no network), as opposed to answering no."""
+        import os
+
+        quiet = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        unreachable = any(s in self.reason.lower() for s in ("couldn't connect", "offline", "connection", "resolve"))
+        return quiet or unreachable
 
 
 def _local_config(folder: Path, trust_remote_code: bool) -> dict:

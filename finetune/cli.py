@@ -85,13 +85,16 @@ def plan(
     config: Path = typer.Argument(..., help="Job YAML file."),
     hardware: str | None = HardwareOption,
     json_: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    explain_candidates: bool = typer.Option(
+        False, "--explain-candidates", help="Also list the runners-up: the best of each other setup that fits."
+    ),
     set_: list[str] | None = SetOption,
 ) -> None:
     """Show what ft would run: every choice with its reason, memory per device and host, the launch command."""
     from finetune.report import print_plan
     from finetune.workflow import compile_plan
 
-    print_plan(compile_plan(config, set_ or (), hardware), as_json=json_)
+    print_plan(compile_plan(config, set_ or (), hardware), as_json=json_, candidates=explain_candidates)
 
 
 @app.command()

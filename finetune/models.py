@@ -86,9 +86,9 @@ def runtime_attention(model: ModelSection, planned: str) -> str:
 
 def load_dtype(model: ModelSection, plan) -> str:
     """The dtype the trained model's weights are held in: fp32 master weights for full fine-tuning (autocast computes
-    in plan.precision), else model.dtype or the plan's precision."""
+    in plan.precision), bf16 ones under plan.pure_bf16, else model.dtype or the plan's precision."""
     if plan.adapter == "full":
-        return "fp32"
+        return "bf16" if plan.pure_bf16 else "fp32"
     return model.dtype if model.dtype != "auto" else plan.precision
 
 
@@ -155,18 +155,22 @@ def register_attention(attn: str) -> None:
 
 def finish_model(net, plan):
     """A loaded or built model made ready to train as the plan says: no generation cache, 4-bit layers trainable on
-    the CPU, activation checkpointing where planned (every backend's loader ends here)."""
+    the CPU, activation checkpointing where planned: on plan.checkpoint_layers decoder layers, or all of them when it is
+    0 (every backend's loader ends here)."""
     net.config.use_cache = False
     if plan.quantization == "nf4":
         from finetune.compat import keep_4bit_layers_trainable_on_cpu
 
         keep_4bit_layers_trainable_on_cpu(net)
     if plan.gradient_checkpointing:
+        from finetune.activations import checkpoint_only
+
         enable = getattr(net, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_only(net, plan.checkpoint_layers)
     return net
 
 

@@ -10,7 +10,20 @@ from finetune.plan.memory import GiB
 from finetune.plan.plan import Plan
 
 
-def print_plan(plan: Plan, as_json: bool = False) -> None:
+def assumptions() -> str:
+    from finetune.plan.cost import MFU, PCIE_BPS
+    from finetune.plan.memory import FRAGMENTATION
+    from finetune.plan.search import GPU_HEADROOM
+
+    return (
+        f"every row is seq_len tokens (packed or padded); torch's caching allocator reserves about "
+        f"{FRAGMENTATION:.0%} beyond what tensors use, and the CUDA context takes about 1 GiB outside it; "
+        f"{GPU_HEADROOM:.0%} of each GPU is left free; step times assume {MFU:.0%} of the accelerator's peak, "
+        f"{PCIE_BPS / 1e9:.0f} GB/s to host RAM and the link speeds in plan/comm.py: for ranking setups, not promises"
+    )
+
+
+def print_plan(plan: Plan, as_json: bool = False, candidates: bool = False) -> None:
     if as_json:
         sys.stdout.write(json.dumps(plan.to_json(), indent=2) + "\n")
         return
@@ -56,11 +69,34 @@ def print_plan(plan: Plan, as_json: bool = False) -> None:
             f"Network per rank and step: {traffic} (about {plan.communication_seconds:.2f} s at the bandwidths "
             "assumed in plan/comm.py)"
         )
+    if plan.step_seconds:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in plan.step_seconds.items())
+        console.print(f"Estimated step time: {sum(plan.step_seconds.values()):.3g} s ({parts})")
+    if plan.device == "GPU":
+        console.print(f"Assumptions: {assumptions()}", style="dim")
+    if candidates:
+        _print_candidates(console, plan)
     console.print(
         "Launch: "
         + " ".join(shlex.quote(a) if not a.startswith("--node-rank=$") and "$" not in a else a for a in plan.launch),
         soft_wrap=True,
     )
+
+
+def _print_candidates(console, plan: Plan) -> None:
+    from rich.table import Table
+
+    if not plan.alternatives:
+        console.print("Runners-up: none (no other setup the config allows fits)")
+        return
+    table = Table(title="Runners-up (the best of each other setup that fits, fastest first)", title_justify="left")
+    for col, justify in (("setup", "left"), ("GiB per device", "right"), ("s per step", "right")):
+        table.add_column(col, justify=justify, overflow="fold")
+    chosen = sum(plan.step_seconds.values())
+    table.add_row("[bold]chosen[/]", f"{plan.estimate.device_bytes / GiB:.1f}", f"{chosen:.3g}")
+    for alt in plan.alternatives:
+        table.add_row(alt["setup"], f"{alt['gib']:.1f}", f"{alt['seconds']:.3g}")
+    console.print(table)
 
 
 def _fmt(value) -> str:

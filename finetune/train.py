@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from finetune import checkpoint
+from finetune.activations import offloading
 from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
@@ -170,7 +171,7 @@ def train_step(job: Job) -> dict:
             activity(f"forward/backward of micro-batch {i + 1} of {len(batches)}"),
             job.engine.accumulating(last=i == len(batches) - 1),
         ):
-            with autocast(job):
+            with autocast(job), offloading(job.plan.activation_offload):  # saved activations in host memory if planned
                 loss, metrics = job.method.loss(job.model, batch, normaliser)
             job.engine.backward(loss)
         loss_total += float(loss.detach())

@@ -2,7 +2,7 @@
 # ft's GPU checks in one prepared run (about 4 minutes on one H200; every section has a timeout, 8 minutes at most).
 #
 #   bash scripts/gpu-check.sh                  every section, then a summary; exit 1 if any section failed
-#   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): setup pytest memory bench
+#   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): pytest memory loss bf16pure savers bench
 #   bash scripts/gpu-check.sh --fetch-wheels   on a machine with PyPI: download into .whl/ the Python 3.12 wheels that a
 #                                              GPU machine without network lacks; carry .whl/ along (installed from there)
 # Sections:
@@ -15,6 +15,16 @@
 #           and after each step next to the plan's per-device estimate (bench/gpu_bench.py memory); $OUT/memory.json
 #   bench   tokens/s, MFU and peak memory of the same model, LoRA and full fine-tuning, bf16, 20 steps
 #           (bench/gpu_bench.py throughput); $OUT/bench.json
+#   savers  activation offload on vs off in ft's loop (full fine-tuning of a ~170M Llama, bf16, 4 x 2048 tokens):
+#           max_memory_allocated and step time; fails unless offload lowers the peak and gives plain's losses and
+#           gradient norms (bench/memory_savers_bench.py); $OUT/savers.json
+#   bf16pure full fine-tuning of the ~1B model, mixed bf16 then bf16-pure, 20 steps each: max_memory_allocated and
+#           losses; fails unless bf16-pure saves >= 6 bytes per trained parameter and its loss is within 2%;
+#           $OUT/bf16-pure.jsonl
+#   loss    the loss implementations (finetune/methods/head.py) on a Llama with a 128k vocabulary (hidden 2048, 4 layers,
+#           bf16, 2 x 4096 tokens): plain, chunked, and liger / cut_cross_entropy where installed; max_memory_allocated
+#           over the loss and its backward, time, and the loss, gradients and log-probs against plain's; fails unless
+#           they agree and every other implementation peaks below 0.6 x plain's; $OUT/loss.json
 # Environment: OUT (default gpu-check-out), FT_GPU_CHECK_WORK (default /tmp/ft-gpu-check: the model, runs; removed at
 # the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the whole script, default 460),
 # FT_GPU_CHECK_BENCH_ARGS (more options for both bench/gpu_bench.py commands), FT_GPU_CHECK_PYTHON (the Python to use),
@@ -50,13 +60,14 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit
 fi
 
-SECTIONS=${*:-pytest memory bench}
+SECTIONS=${*:-pytest memory loss bf16pure savers bench}
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 WORK=${FT_GPU_CHECK_WORK:-/tmp/ft-gpu-check}
 BUDGET=${FT_GPU_CHECK_BUDGET:-460}
 mkdir -p "$WORK"
 rm -f "$OUT"/gpu-check.log "$OUT"/pytest-gpu.log "$OUT"/pytest-gpu.xml "$OUT"/memory.json "$OUT"/bench.json "$OUT"/summary.txt
+rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # ft importable without an install
@@ -219,7 +230,151 @@ print(f"{passed} passed, {len(bad)} failed or errors, {len(skipped)} skipped")
 print("ok" if passed and not bad else "not ok")
 EOF
 }
-export -f junit run_pytest python_sees
+# bf16pure: full fine-tuning of the ~1B model in one process (ft's own setup and train_step), mixed bf16 (fp32 master
+# weights) and then bf16-pure (stochastic rounding), each in a fresh process: torch.cuda.max_memory_allocated over the
+# steps and the losses. Fails unless bf16-pure saves at least 6 bytes per trained parameter (expected ~10: fp32
+# weights, gradients and moments and autocast's bf16 weight copies, against bf16 weights, gradients and moments), both
+# losses fall, and the last losses agree to 2%. FT_BF16_PURE_SIZE=small FT_BF16_PURE_STEPS=3: a CPU dry run.
+BF16_PURE_PY=$(cat <<'EOF'
+import json, os, sys
+from pathlib import Path
+
+work, out = Path(os.environ["WORK"]) / "bf16-pure", Path(os.environ["OUT"]) / "bf16-pure.jsonl"
+steps = int(os.environ.get("FT_BF16_PURE_STEPS", "20"))
+if sys.argv[1] == "run":
+    import torch
+
+    sys.path.insert(0, os.path.join(os.environ["REPO"], "bench"))
+    from gpu_bench import build, job_yaml, write_data
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+    from finetune.hardware import probe
+    from finetune.plan import plan
+    from finetune.train import setup, train_step
+    from finetune.workflow import model_facts
+
+    precision, size = sys.argv[2], os.environ.get("FT_BF16_PURE_SIZE", "1b")
+    model = Path(os.environ["WORK"]) / f"llama-{size}"
+    build(model, size)
+    data = write_data(work / "data.jsonl", records=400)
+    text = job_yaml(model, data, work / precision, work / "cache", adapter="full", precision=precision, seq_len=512,
+                    micro=4, batch=4, steps=steps, distributed="{backend: single}")
+    (work / f"{precision}.yaml").write_text(text.replace("lr: 1.0e-5", "lr: 1.0e-4"))
+    config = load(work / f"{precision}.yaml")
+    p = plan(config, probe(), model_facts(config.model))
+    assert p.adapter == "full" and p.pure_bf16 == (precision == "bf16-pure"), (p.adapter, p.pure_bf16)
+    job = setup(config, p, prepare(config))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses = [train_step(job)["loss"] for _ in range(steps)]
+    row = {"precision": precision, "trained_params": p.estimate.trainable_params,
+           "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+           "plan_allocated_gib": p.estimate.allocated_bytes / 2**30, "first_loss": losses[0], "last_loss": losses[-1],
+           "weights": sorted({str(q.dtype) for q in job.model.parameters()})}
+    print(json.dumps(row))
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+else:
+    rows = {r["precision"]: r for r in map(json.loads, out.read_text().splitlines())}
+    mixed, pure = rows["bf16"], rows["bf16-pure"]
+    ok = pure["weights"] == ["torch.bfloat16"] and mixed["weights"] == ["torch.float32"]
+    ok &= all(r["last_loss"] < r["first_loss"] for r in (mixed, pure))
+    ok &= abs(pure["last_loss"] - mixed["last_loss"]) <= 0.02 * mixed["last_loss"]
+    for r in (mixed, pure):
+        print(f"{r['precision']:>9}: peak allocated {r['peak_allocated_gib']} GiB (plan {r['plan_allocated_gib']:.2f}), "
+              f"loss {r['first_loss']:.4f} -> {r['last_loss']:.4f} after {steps} steps")
+    if mixed["peak_allocated_gib"] is not None:
+        saved = (mixed["peak_allocated_gib"] - pure["peak_allocated_gib"]) * 2**30 / pure["trained_params"]
+        print(f"bf16-pure saves {saved:.1f} bytes per trained parameter (expected ~10, at least 6)")
+        ok &= saved >= 6
+    print("ok" if ok else "not ok")
+    sys.exit(0 if ok else 1)
+EOF
+)
+# shellcheck disable=SC2329  # run through bash -c, under the section's timeout
+run_bf16_pure() {
+  rm -f "$OUT/bf16-pure.jsonl"
+  "$PY" -c "$BF16_PURE_PY" run bf16 && "$PY" -c "$BF16_PURE_PY" run bf16-pure && "$PY" -c "$BF16_PURE_PY" compare
+}
+# loss: plain against chunked and the fused kernels installed, on one GPU (FT_LOSS_CHECK_SIZE=small: a CPU dry run).
+LOSS_PY=$(cat <<'EOF'
+import importlib.util, json, os, time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from finetune.methods.head import PACKAGES, LossHead
+
+cuda = torch.cuda.is_available()
+small = os.environ.get("FT_LOSS_CHECK_SIZE") == "small"
+V, H, I, L, B, T, CHUNK = (8000, 64, 128, 1, 2, 256, 64) if small else (128256, 2048, 5632, 4, 2, 4096, 1024)
+device = "cuda" if cuda else "cpu"
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L, num_attention_heads=16,
+                     num_key_value_heads=8, max_position_embeddings=T, tie_word_embeddings=False)
+with torch.device(device):
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+ids = torch.randint(0, V, (B, T), device=device)
+labels = ids.clone()
+labels[:, : T // 4] = -100  # prompts: untrained
+batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+trained = int((labels[:, 1:] != -100).sum())
+names = ["plain", "chunked"] + [n for n, (module, _) in PACKAGES.items() if cuda and importlib.util.find_spec(module)]
+print(f"Llama vocab {V}, hidden {H}, {L} layers, bf16, {B} x {T} tokens ({trained} trained), {device}; "
+      f"chunked: {CHUNK} tokens a chunk; fused kernels installed: {names[2:] or 'none'}")
+rows, ref = {}, None
+for name in names:
+    head = LossHead(name, CHUNK if name == "chunked" else 0)
+    model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    start = time.perf_counter()
+    loss = head.summed_nll(model, batch) / trained
+    loss.backward()
+    value = loss.item()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if cuda else None
+    checked = (model.lm_head.weight, model.model.layers[-1].mlp.down_proj.weight, model.model.embed_tokens.weight)
+    grads = torch.cat([p.grad.float().flatten() for p in checked])
+    logps = None
+    if name != "liger":  # liger serves the summed loss (sft) only
+        with torch.no_grad():
+            logps = head.token_logps(model, batch)[0]
+    if ref is None:
+        ref = (value, grads, logps)
+    row = {"loss": value, "peak_gib": peak, "seconds": round(seconds, 3), "loss_rel_diff": abs(value - ref[0]) / abs(ref[0]),
+           "grad_rel_diff": float((grads - ref[1]).norm() / ref[1].norm()),
+           "logp_max_abs_diff": float((logps - ref[2]).abs().max()) if logps is not None else None}
+    rows[name] = row
+    print(f"{name:>17}: loss {row['loss']:.5f} (rel diff {row['loss_rel_diff']:.1e}), gradient rel diff "
+          f"{row['grad_rel_diff']:.1e}, log-prob max diff {row['logp_max_abs_diff']}, peak above the model "
+          f"{'-' if peak is None else f'{peak:.2f} GiB'}, {seconds:.2f} s")
+    del loss, grads, logps
+predicted = B * (T - 1) * V * (2 + 8) / 2**30
+print(f"the plain logits' t·V·(a+8): {predicted:.2f} GiB")
+ok = all(r["loss_rel_diff"] < 2e-3 and r["grad_rel_diff"] < 3e-2 for r in rows.values())
+ok &= all(r["logp_max_abs_diff"] is None or r["logp_max_abs_diff"] < 5e-2 for r in rows.values())
+if cuda:
+    ok &= all(r["peak_gib"] < 0.6 * rows["plain"]["peak_gib"] for n, r in rows.items() if n != "plain")
+    ok &= rows["plain"]["peak_gib"] > 0.7 * predicted
+Path(os.environ.get("OUT", "."), "loss.json").write_text(json.dumps({"predicted_plain_logits_gib": predicted, **rows}, indent=1))
+print("ok" if ok else "not ok")
+raise SystemExit(0 if ok else 1)
+EOF
+)
+# shellcheck disable=SC2329  # run through bash -c, under the section's timeout
+run_loss() {
+  "$PY" -c "$LOSS_PY"
+}
+export BF16_PURE_PY LOSS_PY
+export -f junit run_pytest python_sees run_bf16_pure run_loss
 
 START=$(now)
 setup
@@ -231,7 +386,12 @@ for s in $SECTIONS; do
     pytest) section pytest 220 130 bash -c run_pytest ;;
     memory) section memory 100 110 "$PY" bench/gpu_bench.py memory --model "$WORK/llama-1b" --work "$WORK/memory" --json "$OUT/memory.json" "${EXTRA[@]}" ;;
     bench) section bench 120 5 "$PY" bench/gpu_bench.py throughput --model "$WORK/llama-1b" --work "$WORK/bench" --json "$OUT/bench.json" "${EXTRA[@]}" ;;
-    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench)" ;;
+    savers) section savers 90 0 "$PY" bench/memory_savers_bench.py --device cuda --columns "plain,activation offload" \
+      --expect-lower "activation offload" --loss-tolerance 2e-3 --hidden 1024 --layers 8 --seq-len 2048 --micro 4 \
+      --steps 5 --json "$OUT/savers.json" ;;
+    bf16pure) section bf16pure 150 0 bash -c run_bf16_pure ;;
+    loss) section loss 90 0 bash -c run_loss ;;
+    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, savers, bf16pure, loss)" ;;
   esac
 done
 

@@ -314,11 +314,13 @@ def test_resolve_unknown_name_offline(monkeypatch):
         resolve("qwen2.5-7b-instrct")
     assert time.monotonic() - start < 20
     message = str(err.value)
-    assert "model.name 'qwen2.5-7b-instrct' is not a local folder with config.json" in message
+    assert "model.name 'qwen2.5-7b-instrct' is not in ft's catalog and not a local folder" in message
     assert "Did you mean:" in message and "Qwen/Qwen2.5-7B-Instruct" in message
+    # offline: says so and how to plan without the hub (a folder with config.json), never the hub's raw error
+    assert "offline" in message and "config.json" in message and "OSError" not in message
     with pytest.raises(ModelNotFound) as err:
         resolve("not-a-model")
-    assert "could not be fetched from the hub" in str(err.value)
+    assert "the hub cannot be reached" in str(err.value)
     assert "No catalog name is close to it; catalog names look like" in str(err.value)
     assert err.value.reason  # what the hub said, kept for the curious
 

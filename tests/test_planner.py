@@ -42,7 +42,7 @@ CASES = [
         "meta-llama/Llama-3.1-8B",
         "1xA10G-24GB",
         [],
-        dict(adapter="qlora", quantization="nf4", backend="single", gradient_checkpointing=True),
+        dict(adapter="lora", quantization="none", backend="single"),
     ),
     ("meta-llama/Llama-3.1-8B", "1xT4-16GB", [], dict(adapter="qlora", precision="fp16")),
     ("meta-llama/Llama-3.1-8B", "cpu", ["data.seq_len=256"], dict(precision="fp32", backend="single")),
@@ -201,22 +201,49 @@ def test_explicit_but_impossible_choices_explain_the_fix(overrides, hardware, ne
 
 
 def test_no_fit_gives_estimate_and_options_that_really_fit():
-    overrides = ["adapter.type=full", "distributed.offload=none"]
+    overrides = ["adapter.type=full", "distributed.offload=none", "train.precision=bf16"]
     with pytest.raises(PlanError) as info:
         make(overrides, hardware="1xH100-80GB")
     msg = str(info.value)
     assert "does not fit: needs" in msg and "GiB per GPU" in msg and "usable of" in msg
-    assert "`adapter.type: lora`" in msg and "`adapter.type: qlora`" in msg and "offload: auto" in msg
-    assert "4 × H100-80GB per node with `distributed.backend: fsdp`" in msg
-    # the options are real: applying them plans
+    assert "changes that fit this hardware" in msg
+    for option in ("`train.precision: bf16-pure`", "`adapter.type: lora`", "`adapter.type: qlora`", "offload: auto"):
+        assert option in msg
+    # the options are real: applying each one plans on the same hardware
     assert make(overrides + ["adapter.type=lora"], hardware="1xH100-80GB").adapter == "lora"
+    assert make(overrides + ["train.precision=bf16-pure"], hardware="1xH100-80GB").pure_bf16
     assert make(overrides + ["distributed.offload=auto"], hardware="1xH100-80GB").offload == "all"
-    assert make(overrides + ["distributed.backend=fsdp"], hardware="4xH100-80GB").backend == "fsdp"
+
+
+def test_no_fit_advice_never_quotes_an_error_from_other_hardware():
+    """Advice re-plans on this hardware; a micro-batch that would not divide the batch on 4 GPUs is not the user's
+    problem on 2."""
+    overrides = [
+        "adapter.type=qlora",
+        "train.micro_batch_size=10",
+        "train.global_batch_size=20",
+        "data.seq_len=8192",
+        "train.gradient_checkpointing=false",
+    ]
+    with pytest.raises(PlanError) as info:
+        make(overrides, model="meta-llama/Llama-3.3-70B-Instruct", hardware="2xRTX3090-24GB")
+    msg = str(info.value)
+    assert "4 ranks" not in msg and "does not divide" not in msg
+    assert "2 × RTX3090" not in msg.split("does not fit")[0]  # the message is about this model on this hardware
+
+
+def test_bf16_pure_only_when_mixed_precision_does_not_fit():
+    small = make(["adapter.type=full"], model="meta-llama/Llama-3.2-1B", hardware="1xH100-80GB")
+    assert not small.pure_bf16 and small.decision("precision").value == "bf16"
+    big = make(["adapter.type=full", "distributed.offload=none"], hardware="1xH100-80GB")
+    assert big.pure_bf16 and big.compensation == "stochastic_rounding"
+    reason = big.decision("precision").reason
+    assert big.decision("precision").value == "bf16-pure" and "mixed precision does not fit" in reason
 
 
 def test_no_fit_on_cpu_suggests_qlora():
     with pytest.raises(
-        PlanError, match=r"per process .* options that fit: `adapter.type: qlora` \(est\. [0-9.]+ GiB\)"
+        PlanError, match=r"per process .* changes that fit this hardware: `adapter.type: qlora` \(est\. [0-9.]+ GiB\)"
     ):
         make(["adapter.type=lora"], hardware="cpu,host=24GB")
 
@@ -344,3 +371,69 @@ def test_across_nodes_the_chosen_sharding_has_the_least_estimated_communication(
             hardware="2x8xH100-80GB",
         )
         assert chosen.communication_seconds < other.communication_seconds, sharding
+
+
+def test_a_quantized_base_beats_streaming_the_base_from_host_ram():
+    """8B with an adapter on a 16 GB T4: QLoRA on the device, not a 16-bit base streamed over PCIe every micro-batch;
+    the reasons agree with each other."""
+    p = make(hardware="1xT4-16GB")
+    assert (p.adapter, p.quantization, p.offload) == ("qlora", "nf4", "none")
+    assert "does not fit" in p.decision("adapter").reason and "a full replica does not fit" not in str(p.decisions)
+    slower = [a for a in p.alternatives if "offload all" in a["setup"]]
+    assert slower and all(a["seconds"] > sum(p.step_seconds.values()) for a in slower)
+
+
+def test_candidates_are_ordered_by_estimated_step_time():
+    p = make(hardware="2x8xA100-40GB", overrides=["adapter.type=full", "distributed.backend=deepspeed"])
+    chosen = sum(p.step_seconds.values())
+    times = [a["seconds"] for a in p.alternatives]
+    assert p.alternatives and times == sorted(times) and chosen <= times[0]
+    assert p.step_seconds["compute"] > 0 and "communication" in p.step_seconds
+
+
+def test_savers_are_explained_and_pinned_values_are_kept():
+    p = make(
+        ["train.loss_implementation=chunked", "train.checkpoint_layers=8", "train.activation_offload=false"],
+        hardware="1xH100-80GB",
+    )
+    assert (p.loss_implementation, p.checkpoint_layers, p.gradient_checkpointing) == ("chunked", 8, True)
+    assert p.loss_chunk_tokens > 0 and not p.activation_offload
+    assert p.decision("loss_implementation").source == "config"
+    auto = make(
+        ["data.seq_len=16384", "train.micro_batch_size=4", "train.global_batch_size=32"], hardware="1xH100-80GB"
+    )
+    for field in ("loss_implementation", "gradient_checkpointing", "activation_offload"):
+        d = auto.decision(field)
+        assert d.source == "auto" and d.reason
+    assert auto.loss_implementation == "chunked" and "without it" in auto.decision("loss_implementation").reason
+
+
+def test_optimizer_in_backward_needs_one_process_and_no_clipping():
+    with pytest.raises(PlanError, match="optimizer_in_backward: true needs one process"):
+        make(["train.optimizer_in_backward=true", "train.max_grad_norm=0"], hardware="8xH100-80GB")
+    p = make(
+        [
+            "train.optimizer_in_backward=true",
+            "train.max_grad_norm=0",
+            "train.micro_batch_size=auto",
+            "train.global_batch_size=2",
+        ],
+        hardware="1xH100-80GB",
+    )
+    assert p.optimizer_in_backward and p.gradient_accumulation_steps == 1
+
+
+def test_config_checks_for_memory_savers():
+    from finetune.errors import ConfigError
+
+    overrides = [
+        "train.compensation=kahan",
+        "train.optimizer_in_backward=true",
+        "train.gradient_checkpointing=false",
+        "train.checkpoint_layers=4",
+    ]
+    with pytest.raises(ConfigError) as info:
+        loads(AUTO, overrides=overrides, environ={})
+    msg = str(info.value)
+    for key in ("train.compensation", "train.max_grad_norm", "train.checkpoint_layers"):
+        assert key in msg

@@ -292,6 +292,7 @@ def method_vs_adapter(c: Config) -> list[Problem]:
 @rule("train", "quantization")
 def precision_vs_compute_dtype(c: Config) -> list[Problem]:
     p, q = c.train.precision, c.quantization.compute_dtype
+    p = "bf16" if p == "bf16-pure" else p
     if "auto" in (p, q) or p == q or p == "fp32":
         return []
     return [
@@ -301,6 +302,47 @@ def precision_vs_compute_dtype(c: Config) -> list[Problem]:
             f"set quantization.compute_dtype: {p} (or auto)",
         )
     ]
+
+
+@rule("train", "distributed")
+def memory_saver_options(c: Config) -> list[Problem]:
+    t, d, out = c.train, c.distributed, []
+    if t.compensation != "auto" and t.precision != "bf16-pure":
+        out.append(
+            Problem(
+                (("train", "compensation"), ("train", "precision")),
+                f"compensation {t.compensation} applies to bf16-pure weights only, so it has no effect with precision "
+                f"{t.precision}",
+                "remove train.compensation, or set train.precision: bf16-pure",
+            )
+        )
+    if t.precision == "bf16-pure" and d.backend == "deepspeed":
+        out.append(
+            Problem(
+                (("train", "precision"), ("distributed", "backend")),
+                "DeepSpeed's bf16 mode always keeps fp32 master weights, so bf16-pure cannot be honoured",
+                "set train.precision: bf16 with deepspeed, or distributed.backend: fsdp / auto for bf16-pure",
+            )
+        )
+    if t.optimizer_in_backward is True and t.max_grad_norm > 0:
+        out.append(
+            Problem(
+                (("train", "optimizer_in_backward"), ("train", "max_grad_norm")),
+                "with the optimizer step in backward each parameter is updated before the others' gradients exist: "
+                "there is no global gradient norm to clip",
+                "set train.max_grad_norm: 0, or optimizer_in_backward: auto",
+            )
+        )
+    if t.gradient_checkpointing is False and t.checkpoint_layers not in ("auto", 0):
+        out.append(
+            Problem(
+                (("train", "checkpoint_layers"), ("train", "gradient_checkpointing")),
+                f"checkpoint_layers {t.checkpoint_layers} asks for checkpointing that gradient_checkpointing: false "
+                "turns off",
+                "remove one of the two (checkpoint_layers alone turns checkpointing on for that many layers)",
+            )
+        )
+    return out
 
 
 @rule("evaluation")

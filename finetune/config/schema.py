@@ -162,10 +162,32 @@ class TrainSection(Section):
     """Decoupled weight decay."""
     max_grad_norm: Bounded(float, ge=0, le=1e6) = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
-    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """Compute precision; `auto`: bf16 where the accelerator supports it, fp16 on older GPUs, fp32 on CPU."""
+    precision: Literal["auto", "bf16", "bf16-pure", "fp16", "fp32"] = "auto"
+    """Compute precision; `auto`: bf16 where the accelerator supports it, fp16 on older GPUs, fp32 on CPU.
+    `bf16-pure` keeps the trained weights, their gradients and the optimizer states in bf16 too (8 bytes per trained
+    parameter instead of 18 for full fine-tuning); `auto` picks it only when mixed precision does not fit."""
+    compensation: Literal["auto", "stochastic_rounding", "kahan", "none"] = "auto"
+    """With bf16-pure: how updates smaller than bf16 can hold are kept. `stochastic_rounding` rounds each new weight up
+    or down at random in proportion (no extra memory); `kahan` carries the rounding error in a bf16 buffer (2 bytes per
+    trained parameter); `none` rounds to nearest (small updates are lost). `auto`: stochastic_rounding."""
+    loss_implementation: Literal["auto", "plain", "chunked", "liger", "cut_cross_entropy"] = "auto"
+    """How the output head and the cross-entropy are computed. `plain` materialises the whole logits tensor, its fp32
+    copy and its gradient; `chunked` computes them a chunk of tokens at a time and recomputes each chunk in the backward
+    pass (pure torch, any device); `liger` / `cut_cross_entropy` use those packages' fused GPU kernels. `auto`: a fused
+    kernel on GPUs where one is installed, else chunked when the logits would be a large share of memory, else
+    plain."""
     gradient_checkpointing: Auto | bool = AUTO
     """Recompute activations in the backward pass to save memory; `auto` turns it on only when needed to fit."""
+    checkpoint_layers: Auto | Bounded(int, ge=0, le=100_000) = AUTO
+    """Selective checkpointing: how many decoder layers recompute their activations (the others keep them). `auto`:
+    every layer when gradient_checkpointing is true, the fewest that fit when it is auto."""
+    activation_offload: Auto | bool = AUTO
+    """Move the activations saved for the backward pass to host memory (pinned buffers, copied on a side stream) and
+    back when needed. GPU only; `auto` turns it on only when nothing cheaper fits."""
+    optimizer_in_backward: Auto | bool = AUTO
+    """Update each parameter as soon as its gradient is complete and free that gradient, so that the whole model's
+    gradients never exist at once. Needs one process, no gradient accumulation and max_grad_norm: 0; `auto` turns it
+    on only when needed to fit."""
     seed: Seed = 42
     """Seed for weights of new modules, dropout and data order."""
 

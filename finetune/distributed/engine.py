@@ -78,6 +78,7 @@ class TorchEngine:
         self.reshard_after_forward = True  # FSDP: false for shard_grad_op (set by `build`)
         self.generation_mode = "gather" if self.sharded else "local"  # plan.generation (set by `build`)
         self.sync_every_micro_batch = False  # FSDP full fine-tuning (set by `build`)
+        self.in_backward = False  # plan.optimizer_in_backward: an optim.OptimizerInBackward (set by `build`)
 
     @property
     def synced_generation(self) -> bool:
@@ -102,6 +103,10 @@ class TorchEngine:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self) -> float:
+        if self.in_backward:  # every parameter was updated, and its gradient freed, in the backward pass
+            self.optimizer.step()  # nothing to do; the schedule counts it
+            self.scheduler.step()
+            return self.optimizer.grad_norm()  # summed by the hooks from each gradient before it was freed
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = clip_gradients([p for p in self.model.parameters() if p.requires_grad], self.max_grad_norm)
@@ -152,8 +157,9 @@ class TorchEngine:
 def build(model, plan, train, distributed, device: torch.device, total_steps: int):
     """Wrap the model per the plan's backend and give it its optimizer and schedule (the only place that looks at
     plan.backend)."""
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.optim import build_scheduler
 
+    check_savers(plan, train)
     if plan.backend == "deepspeed":
         from finetune.distributed import deepspeed
 
@@ -170,15 +176,60 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
             device,
             offload=plan.offload == "all",
         )
-    optimizer = build_optimizer(model, train, plan.lr)  # after sharding: FSDP2 parameters are DTensors
+    optimizer = make_optimizer(model, plan, train)  # after sharding: FSDP2 parameters are DTensors
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
+    engine.in_backward = plan.optimizer_in_backward
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
     engine.generation_mode = plan.generation
     # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
     # (memory.py counts it)
     engine.sync_every_micro_batch = plan.backend == "fsdp" and plan.adapter == "full"
     return engine
+
+
+def make_optimizer(model, plan, train):
+    """The optimizer train.optimizer names, over bf16 weights under plan.pure_bf16 (optim.CompensatedAdamW, with
+    plan.compensation); under plan.optimizer_in_backward one per parameter, stepped by hooks in the backward pass
+    (optim.OptimizerInBackward)."""
+    from finetune.optim import OptimizerInBackward, optimizer_factory, param_groups
+
+    make = optimizer_factory(train, plan.lr, plan.pure_bf16, plan.compensation)
+    groups = param_groups(model, train.weight_decay)
+    return OptimizerInBackward(model, groups, make, plan.lr) if plan.optimizer_in_backward else make(groups, 0)
+
+
+def check_savers(plan, train) -> None:
+    """Refuse a plan whose memory savers this backend cannot run as asked (the planner never makes one; a plan.json
+    edited by hand could)."""
+    problems = []
+    if plan.pure_bf16 and plan.precision != "bf16":
+        problems.append(
+            f"train.precision: bf16-pure computes in bf16, but the plan's precision is {plan.precision}; plan the job "
+            "again (ft train writes plan.json) instead of editing plan.json"
+        )
+    if plan.pure_bf16 and plan.backend == "deepspeed":
+        problems.append(
+            "train.precision: bf16-pure cannot run under DeepSpeed, whose bf16 mode keeps fp32 master weights and "
+            "optimizer states by design; use distributed.backend: fsdp (or single / ddp), or train.precision: bf16"
+        )
+    if plan.optimizer_in_backward:
+        needs = {
+            "one process (distributed.backend: single)": plan.backend == "single" and plan.world_size == 1,
+            "no gradient accumulation (train.global_batch_size equal to train.micro_batch_size)": (
+                plan.gradient_accumulation_steps == 1
+            ),
+            "no clipping (train.max_grad_norm: 0)": train.max_grad_norm == 0,
+            "no fp16 loss scaling (train.precision bf16 or fp32)": plan.precision != "fp16",
+        }
+        unmet = [need for need, met in needs.items() if not met]
+        if unmet:
+            problems.append(
+                f"train.optimizer_in_backward needs {'; '.join(unmet)}; set those, or train.optimizer_in_backward: "
+                "false"
+            )
+    if problems:
+        raise FtError("this plan cannot run: " + ". ".join(problems))
 
 
 def clip_gradients(params, max_norm: float) -> float:
@@ -268,6 +319,7 @@ def create_model(
     """The model this rank trains, ready for `build`, created as plan.loading says: `replica` loads it whole (4/8-bit
     bases quantized while loading), `meta` builds it sharded (FSDP2: fsdp.create_model), `partitioned` constructs it
     partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
+    check_savers(plan, train_section)
     make = _deepspeed("create_model") if plan.loading == "partitioned" else None
     if make is not None:
         model = make(

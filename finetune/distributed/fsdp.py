@@ -39,6 +39,11 @@ def wrap(model, precision: str, sharding: str, nodes: int, per_node: int, device
     kwargs = {}
     if precision in ("bf16", "fp16"):
         half = torch.bfloat16 if precision == "bf16" else torch.float16
+        # Pure bf16 (plan.pure_bf16) uses the same policy: the sharded parameters are bf16 already, so param_dtype
+        # casts nothing, and gradients are still reduce-scattered in fp32, then cast to the parameter's bf16 (torch
+        # _fsdp_param.init_dtype_attrs, _fsdp_collectives.foreach_reduce): the sum over ranks is rounded to bf16 once
+        # instead of at every hop of the ring, for one unit's gradients transiently in fp32 and twice the
+        # reduce-scatter bytes. Nothing persistent is fp32.
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()

@@ -17,19 +17,12 @@ import torch.nn.functional as F
 
 from finetune.data.collate import collate
 from finetune.methods import Context, register
-from finetune.methods.loss import IGNORE, MODEL_INPUTS
+from finetune.methods.head import LossHead, loss_head
 
 
-def token_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(model, batch: dict, head: LossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probabilities of the next tokens (B, T-1) and the mask of trained positions."""
-    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
-    targets = batch["labels"][:, 1:].to(logits.device)
-    mask = targets != IGNORE
-    logps = -F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none"
-    ).view_as(targets)
-    return logps * mask, mask
+    return (head or LossHead()).token_logps(model, batch)
 
 
 def pair_losses(
@@ -50,15 +43,17 @@ def pair_losses(
 class DPO:
     """Batches and loss for DPO; `reference` gives the reference log-probs of a micro-batch."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, reference):
+    def __init__(self, section, pad_id: int, micro_batch_size: int, reference, head: LossHead | None = None):
         self.beta, self.kind, self.smoothing = section.beta, section.loss, section.label_smoothing
         self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, reference
         self.validates = section.validates
+        self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
 
     @classmethod
     def create(cls, section, context: Context) -> DPO:
         """With the reference the plan chose; `precomputed` scores every row once, now, with the starting model."""
-        method = cls(section, context.pad_id, context.plan.micro_batch_size, reference_model(context))
+        plan = context.plan
+        method = cls(section, context.pad_id, plan.micro_batch_size, reference_model(context), loss_head(plan, True))
         if context.plan.reference == "precomputed":
             c = context
             method.reference = precompute(c.engine.model, method, c.dataset, c.runtime, c.device, c.autocast)
@@ -92,7 +87,7 @@ class DPO:
         return len(batch["rows"])  # the step's loss is a mean over pairs
 
     def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, mask = token_logps(model, batch)
+        logps, mask = token_logps(model, batch, self.head)
         return logps.sum(-1), mask.sum(-1)
 
     def policy_score(self, model, batch: dict) -> torch.Tensor:

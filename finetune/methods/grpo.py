@@ -24,6 +24,7 @@ from finetune.data.tokenize import pad_id
 from finetune.errors import FtError
 from finetune.methods import Context, register
 from finetune.methods.dpo import reference_model, token_logps
+from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import IGNORE
 from finetune.methods.rewards import load_rewards
 
@@ -32,9 +33,12 @@ from finetune.methods.rewards import load_rewards
 class GRPO:
     """Rollout batches and loss for GRPO."""
 
-    def __init__(self, section, tokenizer, micro_batch_size: int, generate, reference, rewards):
+    def __init__(
+        self, section, tokenizer, micro_batch_size: int, generate, reference, rewards, head: LossHead | None = None
+    ):
         self.s, self.tokenizer, self.micro = section, tokenizer, micro_batch_size
         self.generate, self.reference, self.rewards = generate, reference, rewards
+        self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
         self.pad_id = pad_id(tokenizer)
         self.validates = section.validates
 
@@ -47,8 +51,9 @@ class GRPO:
                 "transformers (or auto)"
             )
         c, rewards = context, load_rewards(section.rewards)  # a bad reward stops the job before a reference loads
+        head = loss_head(c.plan, True)
         generate = Generator(c.engine, c.tokenizer, section, c.device, c.autocast)
-        return cls(section, c.tokenizer, c.plan.micro_batch_size, generate, reference_model(c), rewards)
+        return cls(section, c.tokenizer, c.plan.micro_batch_size, generate, reference_model(c), rewards, head)
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         """The rollout: generate, score, compute advantages; then the completions in micro-batches."""
@@ -103,10 +108,10 @@ class GRPO:
 
     def policy_score(self, model, batch: dict) -> torch.Tensor:
         """What the reference model is asked for: per-token log-probs."""
-        return token_logps(model, batch)[0]
+        return token_logps(model, batch, self.head)[0]
 
     def loss(self, model, batch: dict, normaliser: float):
-        logps, mask = token_logps(model, batch)
+        logps, mask = token_logps(model, batch, self.head)
         adv = batch["advantages"].to(logps.device)[:, None]
         ratio = torch.exp(logps - logps.detach())
         per_token = -torch.min(ratio * adv, ratio.clamp(1 - self.s.clip_eps, 1 + self.s.clip_eps) * adv)

@@ -33,15 +33,7 @@ def step_normaliser(local_tokens: int, world_size: int = 1, all_reduce=None) -> 
     return max(total, 1) / world_size
 
 
-def causal_lm_loss(model, batch: dict, normaliser: float) -> torch.Tensor:
-    """Sum of next-token cross-entropy over trained tokens, divided by the step's normaliser."""
-    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    out = model(**inputs, use_cache=False)
-    logits = out.logits[..., :-1, :].float()
-    targets = batch["labels"][..., 1:].to(logits.device)
-    return (
-        torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
-        )
-        / normaliser
-    )
+def causal_lm_loss(model, batch: dict, normaliser: float, head) -> torch.Tensor:
+    """Sum of next-token cross-entropy over trained tokens (computed by `head`, methods/head.py), divided by the
+    step's normaliser."""
+    return head.summed_nll(model, batch) / normaliser

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from finetune.data.collate import collate
 from finetune.methods import Context, register
+from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import causal_lm_loss, trained_tokens
 
 
@@ -11,15 +12,24 @@ from finetune.methods.loss import causal_lm_loss, trained_tokens
 class SFT:
     """Batches and loss for SFT; the training loop does the rest."""
 
-    def __init__(self, pad_id: int, attn_implementation: str, micro_batch_size: int, validates: bool = True):
+    def __init__(
+        self,
+        pad_id: int,
+        attn_implementation: str,
+        micro_batch_size: int,
+        validates: bool = True,
+        head: LossHead | None = None,
+    ):
         self.pad_id = pad_id
         self.attn = attn_implementation
         self.micro = micro_batch_size
         self.validates = validates
+        self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
 
     @classmethod
     def create(cls, section, context: Context) -> SFT:
-        return cls(context.pad_id, context.attn, context.plan.micro_batch_size, section.validates)
+        plan = context.plan
+        return cls(context.pad_id, context.attn, plan.micro_batch_size, section.validates, loss_head(plan, False))
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         """Collated micro-batches for one step's rows on this rank."""
@@ -37,4 +47,4 @@ class SFT:
         return trained_tokens(batch["labels"])
 
     def loss(self, model, batch: dict, normaliser: float):
-        return causal_lm_loss(model, batch, normaliser), {}
+        return causal_lm_loss(model, batch, normaliser, self.head), {}

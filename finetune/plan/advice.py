@@ -12,7 +12,7 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
-from finetune.plan import search
+from finetune.plan import savers, search
 from finetune.plan.memory import Estimate, GiB, estimate
 
 Relaxation = tuple[str, Callable[[Config], Config]]
@@ -28,10 +28,21 @@ def relaxations(config: Config) -> list[Relaxation]:
     out: list[Relaxation] = []
     if t.micro_batch_size != "auto":
         out.append(("`train.micro_batch_size: auto`", lambda c: _set(c, "train", micro_batch_size="auto")))
-    if t.gradient_checkpointing is False:
-        out.append(("`train.gradient_checkpointing: true`", lambda c: _set(c, "train", gradient_checkpointing=True)))
+    if t.gradient_checkpointing is False or t.checkpoint_layers != "auto":
+        out.append(
+            (
+                "`train.gradient_checkpointing: auto` (and checkpoint_layers: auto)",
+                lambda c: _set(c, "train", gradient_checkpointing="auto", checkpoint_layers="auto"),
+            )
+        )
+    if t.loss_implementation == "plain":
+        out.append(("`train.loss_implementation: auto`", lambda c: _set(c, "train", loss_implementation="auto")))
+    if t.activation_offload is False:
+        out.append(("`train.activation_offload: auto`", lambda c: _set(c, "train", activation_offload="auto")))
     if t.optimizer not in ("adamw_8bit", "paged_adamw_8bit"):
         out.append(("`train.optimizer: adamw_8bit`", lambda c: _set(c, "train", optimizer="adamw_8bit")))
+    if a.type == "full" and t.precision in ("bf16", "fp32", "fp16"):
+        out.append(("`train.precision: bf16-pure`", lambda c: _set(c, "train", precision="bf16-pure")))
     if a.type == "full":
         out.append(("`adapter.type: lora`", lambda c: _set(c, "adapter", type="lora")))
     if a.type != "qlora" and q.type in ("auto", "none"):
@@ -63,55 +74,63 @@ def _scaled(hw: Hardware) -> list[tuple[str, Hardware]]:
 
 
 def _try(config: Config, hw: Hardware, m: ModelFacts) -> Estimate | None:
+    """The estimate of what the planner would choose for `config` on `hw`, or None when that does not plan (for any
+    reason: an alternative's own errors are never shown to the user)."""
     try:
         topo = search.choose_topology(config, hw, [])
         precision = search.choose_precision(config, hw, [])
         batch = search.choose_global_batch(config, topo, [])
+        fit = search.search(config, hw, m, topo, precision, batch).chosen
     except PlanError:
         return None
-    fit = search.search(config, hw, m, topo, precision, batch)
     return fit.estimate if fit else None
 
 
 def options(config: Config, hw: Hardware, m: ModelFacts, limit: int = 4) -> list[str]:
-    """Changes that would fit, each with its per-device estimate."""
+    """Changes to the config that fit this hardware, each with the per-device estimate it would be planned with."""
     found: list[str] = []
     for label, edit in relaxations(config):
         est = _try(edit(config), hw, m)
         if est is not None:
             found.append(f"{label} (est. {est.device_bytes / GiB:.1f} GiB)")
-    for label, bigger in _scaled(hw):
-        if len(found) >= limit:
-            break
-        backend = "fsdp" if config.distributed.backend in ("auto", "single", "ddp") else config.distributed.backend
-        est = _try(
-            _set(
-                config,
-                "distributed",
-                backend=backend,
-                sharding="auto",
-                nodes="auto",
-                processes_per_node="auto",
-            ),
-            bigger,
-            m,
-        )
-        if est is not None:
-            found.append(f"{label} with `distributed.backend: {backend}` (est. {est.device_bytes / GiB:.1f} GiB)")
-            break
     return found[:limit]
 
 
+def more_hardware(config: Config, hw: Hardware, m: ModelFacts) -> str | None:
+    """The smallest step up in hardware on which the config (with a sharding backend) would fit, for when no change to
+    the config fits this hardware."""
+    backend = "fsdp" if config.distributed.backend in ("auto", "single", "ddp") else config.distributed.backend
+    edited = _set(config, "distributed", backend=backend, sharding="auto", nodes="auto", processes_per_node="auto")
+    if config.train.micro_batch_size != "auto":
+        edited = _set(edited, "train", micro_batch_size="auto")
+    for label, bigger in _scaled(hw):
+        est = _try(edited, bigger, m)
+        if est is not None:
+            return (
+                f"{label} with `distributed.backend: {backend}` would fit (est. {est.device_bytes / GiB:.1f} GiB; "
+                f"check with ft plan --hardware {spec(bigger)})"
+            )
+    return None
+
+
+def spec(hw: Hardware) -> str:
+    """The --hardware spelling of described GPU hardware, e.g. 2x8xH100-80GB."""
+    gpus = f"{hw.devices_per_node}x{hw.accelerator.name}"
+    return f"{hw.nodes}x{gpus}" if hw.nodes > 1 else gpus
+
+
 def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precision: str, batch: int) -> Estimate:
-    """The smallest per-device estimate among the setups the config allows (micro-batch 1, checkpointing if allowed)."""
+    """The smallest per-device estimate among the setups the config allows (micro-batch 1, every saver it allows)."""
     best: Estimate | None = None
     t = config.train
     mb = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
-    ckpt = True if t.gradient_checkpointing == "auto" else t.gradient_checkpointing
+    pure = search.pure_bf16_mode(config, hw) != "never"
     for cand in search.candidates(config, hw, topo):
-        est = estimate(m, search.setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
-        if best is None or est.device_bytes < best.device_bytes:
-            best = est
+        for combo in savers.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
+            s = search.setup(config, hw, topo, precision, batch, cand, mb, combo, m)
+            est = estimate(m, s, topo.processes_per_node)
+            if best is None or est.device_bytes < best.device_bytes:
+                best = est
     assert best is not None
     return best
 
@@ -132,10 +151,15 @@ def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: s
             f"{search.host_capacity(hw) / GiB:.1f} GiB usable"
         )
     opts = options(config, hw, m)
-    msg += (
-        (" — options that fit: " + "; or ".join(opts))
-        if opts
-        else " — no single change to this config fits this hardware; try a smaller model or larger hardware (ft plan "
-        "--hardware ...)"
+    if opts:
+        return PlanError(msg + " — changes that fit this hardware: " + "; or ".join(opts))
+    bigger = more_hardware(config, hw, m)
+    return PlanError(
+        msg
+        + " — no single change to this config fits this hardware; "
+        + (
+            bigger
+            if bigger
+            else "try a smaller model, a shorter data.seq_len, or larger hardware (ft plan --hardware ...)"
+        )
     )
-    return PlanError(msg)

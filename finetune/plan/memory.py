@@ -13,19 +13,30 @@ compute copy   full fine-tuning in bf16/fp16: autocast keeps a half-precision co
                casts for the whole step: a*N (replicated unless the parameters are sharded).
 adapter        LoRA: r*(in+out) per targeted linear, + out per module with DoRA, + modules_to_save;
                stored in fp32: 4*T.
-gradients      4*T (fp32, like the trained weights).
-optimizer      AdamW: 8*T (two fp32 moments); 8-bit AdamW: 2*T (paged variants may spill to host).
+gradients      4*T (fp32, like the trained weights; 2*T with pure bf16); with the optimizer step in backward
+               only the largest parameter's gradient at once. DeepSpeed bf16/fp16: half-precision gradients
+               (whole under ZeRO-1, a reduce bucket under ZeRO-2/3) and an fp32 gradient partition.
+master weights DeepSpeed bf16/fp16: fp32 copies of the trained parameters, partitioned from ZeRO-1 on; the
+               parameters themselves are half precision (`weights`).
+optimizer      AdamW: 8*T (two fp32 moments; 4*T in bf16 with pure bf16, +2*T for its Kahan buffer); 8-bit
+               AdamW: 2*T. Paged variants keep their states in CUDA unified memory, which pages out to host RAM
+               under pressure: counted in host RAM, with their paging traffic in the step time.
 activations    saved for backward, per token and layer (elements): 4h + 3q + 3kv + MLP
                (gated: 4I; plain: 2I; MoE: 4*I_moe*k + experts) + LoRA inputs after dropout;
                times a*t*L. Eager attention adds heads*seq*(2a+4) per token per layer (scores,
-               probabilities in fp32). With gradient checkpointing: a*h*t per layer (each layer's
-               input) plus two layers' full activations (one recomputed, one's gradients).
-logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss.
+               probabilities in fp32). With k of L layers checkpointed: a*h*t for each of the k (its
+               input), full activations for the other L-k, plus one layer's recomputed activations. With
+               activation offload only two layers' stored tensors are on the device (in flight); the rest wait
+               in pinned host memory.
+logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss; chunked: one chunk
+               of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
 reference      DPO/GRPO with a frozen copy as reference: the base weights again.
 generation     GRPO rollouts: KV cache 2*L*kv*a*(prompt+completion) per sequence for the whole
                per-rank batch, plus fp32 logits of the last position. Rollout and backward do not
                overlap, so the peak counts the larger of the two phases.
-overhead       GPU: 1 GiB CUDA context and library workspaces, plus 5% allocator fragmentation.
+overhead       GPU: 1 GiB CUDA context and library workspaces (outside torch's allocator), plus 5% that the
+               caching allocator reserves beyond what tensors use: max_memory_allocated ~ the rest,
+               max_memory_reserved ~ all but the context (Estimate.allocated_bytes / reserved_bytes).
 unsharded      FSDP with an adapter and gradient accumulation: gradient sync is off until the last
 gradients      micro-batch, and FSDP2 keeps each trained parameter's whole gradient in fp32 until
                then: 4*T. (Full fine-tuning syncs every micro-batch instead: 4*N would not fit.)
@@ -39,8 +50,11 @@ loading        What a rank holds while its model is created, before gradients an
 Sharding divides by S: ZeRO-1 the optimizer; ZeRO-2 and FSDP shard_grad_op also the gradients
 (shard_grad_op keeps unsharded half-precision parameters between forward and backward); ZeRO-3 and
 FSDP full/hybrid shard also the weights, plus two gathered layers (the one in use and the prefetched
-one). Offloading moves optimizer states (`optimizer`) or weights, gradients and optimizer states
-(`all`) into host RAM, which is checked per node with ~2.5 GiB per process for the runtime.
+one); FSDP's root unit (embeddings, head, final norm) stays gathered for the whole step, and with `all`
+offloaded each layer's shard is staged on the device before its all-gather. Offloading moves optimizer
+states (`optimizer`) or weights, gradients and optimizer states (`all`) into host RAM, which is checked per
+node with ~2.5 GiB per process for the runtime. ZeRO-1/2 shard the fp32 master weights with the optimizer
+states; the half-precision parameters stay whole on every rank.
 """
 
 from __future__ import annotations
@@ -58,6 +72,7 @@ OPTIMIZER_BYTES = {
     "adamw_8bit": 2,
     "paged_adamw_8bit": 2,
 }
+PAGED = ("paged_adamw_8bit", "paged_adamw_32bit")  # bitsandbytes: states in CUDA unified memory
 CUDA_CONTEXT = 1 * GiB
 FRAGMENTATION = 0.05
 PROCESS_HOST_RAM = int(2.5 * GiB)
@@ -66,6 +81,10 @@ SHARD_GRADS = SHARD_PARAMS | {"zero2", "shard_grad_op"}
 SHARD_OPTIMIZER = SHARD_GRADS | {"zero1"}
 FSDP = {"full_shard", "shard_grad_op", "hybrid_shard"}
 LOADING = "while loading (peak; not added)"  # the breakdown key of the load-time peak
+RESERVE = "allocator reserve (fragmentation)"  # reserved by torch's caching allocator beyond what tensors use
+PINNED_ACTIVATIONS = "offloaded activations (pinned)"  # the host key of activation offloading
+CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
+DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,15 @@ class Setup:
     accelerator: bool = True  # False on CPU: no CUDA context
     loading: str = "replica"  # replica | meta | partitioned: how a rank creates its model (plan.loading)
     accumulation: int = 1  # micro-batches per optimizer step on each rank
+    # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
+    # activations in host memory, optimizer step in backward
+    pure_bf16: bool = False
+    compensation: str = "none"
+    loss: str = "plain"  # plain | chunked | fused
+    loss_chunk_tokens: int = 0
+    checkpoint_layers: int | None = None  # None: all layers when gradient_checkpointing, else none
+    activation_offload: bool = False
+    optimizer_in_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -114,6 +142,16 @@ class Estimate:
         return max(sum(v for k, v in self.device.items() if k != LOADING), self.device.get(LOADING, 0))
 
     @property
+    def reserved_bytes(self) -> int:
+        """What torch's allocator reserves at the peak (torch.cuda.max_memory_reserved): all but the CUDA context."""
+        return self.device_bytes - self.device.get(CONTEXT, 0)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """What tensors occupy at the peak (torch.cuda.max_memory_allocated)."""
+        return self.reserved_bytes - self.device.get(RESERVE, 0)
+
+    @property
     def host_bytes(self) -> int:
         return sum(self.host.values())
 
@@ -122,25 +160,31 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     """Peak bytes per device for setup `s` of model `m`, and host bytes per node."""
     a = DTYPE_BYTES[s.precision]
     trainable = trainable_params(m, s)
-    weights = weight_bytes(m, s, a)
+    master = 2 if s.pure_bf16 else 4  # bytes of each trained value: weights, gradients, each optimizer moment
     state = {
-        "weights": weights,
-        "compute copy": a * m.num_params if s.adapter == "full" and a < 4 else 0,
-        "adapter": 4 * trainable if s.adapter != "full" else 0,
-        "gradients": 4 * trainable,
-        "optimizer": OPTIMIZER_BYTES[s.optimizer] * trainable,
+        "weights": weight_bytes(m, s, a),
+        "master weights": master_bytes(m, s, a, trainable),
+        "compute copy": a * m.num_params if autocast_copy(s, a) else 0,
+        "adapter": (a if deepspeed(s) else master) * trainable if s.adapter != "full" else 0,
+        "gradients": gradient_bytes(m, s, a, trainable),
+        "optimizer": optimizer_bytes(s, trainable),
         "reference model": weight_bytes(m, s, a, frozen=True) if s.reference_copy else 0,
     }
     device, host = _shard_and_offload(m, s, a, state)
-    train_peak = activation_bytes(m, s, a) + logits_bytes(m, s, a)
+    acts, logits = activation_bytes(m, s, a), logits_bytes(m, s, a)
     gen_peak = generation_bytes(m, s, a)
-    device["activations"] = activation_bytes(m, s, a) if train_peak >= gen_peak else 0
-    device["logits and loss"] = logits_bytes(m, s, a) if train_peak >= gen_peak else 0
-    device["generation (KV cache)"] = gen_peak if gen_peak > train_peak else 0
-    if s.sharding in FSDP and s.adapter != "full" and s.accumulation > 1:
+    training = gen_peak <= acts + logits
+    device["activations"] = acts if training else 0
+    device["logits and loss"] = logits if training else 0
+    device["generation (KV cache)"] = 0 if training else gen_peak
+    if s.activation_offload and training:
+        host[PINNED_ACTIVATIONS] = offloaded_activation_bytes(m, s, a)
+    if s.sharding in FSDP and s.accumulation > 1 and s.adapter != "full":
+        # FSDP2 keeps whole fp32 gradients while sync is off (full fine-tuning syncs every micro-batch instead)
         device["unsharded gradients (accumulation)"] = 4 * trainable
     if s.accelerator:
-        device["CUDA context, fragmentation"] = CUDA_CONTEXT + int(FRAGMENTATION * sum(device.values()))
+        device[RESERVE] = int(FRAGMENTATION * sum(device.values()))
+        device[CONTEXT] = CUDA_CONTEXT
     device[LOADING] = loading_bytes(m, s, a, state) + (CUDA_CONTEXT if s.accelerator else 0)
     host = {k: v * processes_per_node for k, v in host.items()}
     host["runtime per process"] = PROCESS_HOST_RAM * processes_per_node
@@ -148,32 +192,95 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)
 
 
+def deepspeed(s: Setup) -> bool:
+    return s.sharding in ("zero1", "zero2", "zero3")
+
+
+def autocast_copy(s: Setup, a: int) -> bool:
+    """Full fine-tuning with fp32 weights under autocast: each weight's half-precision cast is cached for the step
+    (replicated, or sharded with the parameters). DeepSpeed's bf16/fp16 modes hold the parameters in half precision
+    themselves (`weights`), pure bf16 has nothing to cast, and FSDP2 casts while gathering (`gathered layers`)."""
+    if s.adapter != "full" or a == 4 or s.pure_bf16 or deepspeed(s):
+        return False
+    return s.sharding not in FSDP or s.sharding == "shard_grad_op"
+
+
+def master_bytes(m: ModelFacts, s: Setup, a: int, trainable: int) -> float:
+    """DeepSpeed in bf16/fp16 trains half-precision parameters against an fp32 master copy of the trained ones,
+    partitioned over the ranks from ZeRO-1 on (deepspeed runtime/zero/stage_1_and_2.py:
+    single_partition_of_fp32_groups)."""
+    if deepspeed(s) and a < 4:
+        return 4 * trainable
+    return 0
+
+
+def gradient_bytes(m: ModelFacts, s: Setup, a: int, trainable: int) -> float:
+    """Gradients of the trained parameters as they are held until the optimizer step. With the step in backward only
+    the largest parameter's gradient exists at once."""
+    per_value = 2 if s.pure_bf16 else 4
+    if s.optimizer_in_backward:
+        largest = max(m.embedding_params, m.lm_head_params, max(lin.params for lin in m.layer_linears()))
+        return per_value * min(trainable, largest)
+    if deepspeed(s) and a < 4:
+        # half-precision gradients, reduced in buckets into fp32 partitions (counted with the optimizer's shard);
+        # ZeRO-1 keeps the whole half-precision gradient, ZeRO-2/3 only its bucket
+        return a * trainable if s.sharding == "zero1" else DS_BUCKET_BYTES
+    return per_value * trainable
+
+
+def optimizer_bytes(s: Setup, trainable: int) -> float:
+    """Optimizer state per trained parameter: AdamW's two moments (fp32, or bf16 with pure bf16), 8-bit moments, the
+    Kahan compensation buffer, and DeepSpeed's fp32 gradient partition."""
+    per = OPTIMIZER_BYTES[s.optimizer]
+    if s.pure_bf16 and per == 8:
+        per = 4
+    if s.pure_bf16 and s.compensation == "kahan":
+        per += 2
+    if deepspeed(s) and s.precision != "fp32":
+        per += 4  # the fp32 gradient partition the optimizer steps from
+    return per * trainable
+
+
 def _shard_and_offload(
-    m: ModelFacts, s: Setup, a: int, state: dict[str, int]
+    m: ModelFacts, s: Setup, a: int, state: dict[str, float]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Divide state by the shard group, then move offloaded parts to the host."""
     n = max(1, s.shard_size)
+    params_sharded = s.sharding in SHARD_PARAMS
     sharded = {
-        "weights": s.sharding in SHARD_PARAMS or (s.sharding == "shard_grad_op" and s.adapter == "full"),
-        "compute copy": s.sharding in SHARD_PARAMS,
-        "adapter": s.sharding in SHARD_PARAMS,
-        "gradients": s.sharding in SHARD_GRADS,
+        "weights": params_sharded or (s.sharding == "shard_grad_op" and s.adapter == "full"),
+        "master weights": s.sharding in SHARD_OPTIMIZER,
+        "compute copy": params_sharded,
+        "adapter": params_sharded,
+        "gradients": s.sharding in SHARD_GRADS and not deepspeed(s),
         "optimizer": s.sharding in SHARD_OPTIMIZER,
-        "reference model": s.sharding in SHARD_PARAMS,
+        "reference model": params_sharded,
     }
     device = {k: v / n if sharded[k] else v for k, v in state.items()}
     host: dict[str, float] = {}
-    moved = {"optimizer"} if s.offload == "optimizer" else set(state) if s.offload == "all" else set()
+    if s.optimizer in PAGED and s.offload == "none":  # unified memory: pages move to host RAM under pressure
+        host["paged optimizer states"] = device.pop("optimizer")
+    if s.offload == "optimizer":
+        moved = {"optimizer", "master weights"}
+    elif s.offload == "all":
+        moved = set(state) - {"compute copy"}
+    else:
+        moved = set()
     for k in moved:
         host[f"offloaded {k}"] = device.pop(k)
-    if s.sharding in SHARD_PARAMS:
-        device["gathered layers"] = 2 * m.layer_params * (a if s.quantization == "none" else 0.5)
+    if params_sharded:
+        stored = a if s.quantization == "none" else 0.5 + 2 / 64
+        device["gathered layers"] = 2 * m.layer_params * (a if s.adapter == "full" else stored)
+        if s.sharding in FSDP:  # the root unit (embeddings, head, final norm) stays gathered for the whole step
+            device["gathered layers"] += a * (m.num_params - m.num_layers * m.layer_params)
+        if s.offload == "all":  # each layer's shard is copied to the device before it is gathered
+            device["offload staging (host to device)"] = 2 * m.layer_params * stored / n
     if s.sharding == "shard_grad_op" and s.adapter == "full":
         device["compute copy"] = a * m.num_params  # kept unsharded between forward and backward
     return device, host
 
 
-def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, int]) -> float:
+def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> float:
     """What one rank holds on its device while creating the model (see the module docstring)."""
     held = state["weights"] + state["adapter"] + state["reference model"]
     if s.loading == "replica":
@@ -210,10 +317,12 @@ def targeted_linears(m: ModelFacts, targets: str | tuple[str, ...]):
 
 def weight_bytes(m: ModelFacts, s: Setup, a: int, frozen: bool = False) -> float:
     """Bytes of the model's weights as stored (the trained fp32 master for full fine-tuning)."""
-    if s.adapter == "full" and not frozen:
-        return 4 * m.num_params
+    if s.adapter == "full" and not frozen:  # the trained weights: fp32 masters, unless bf16 or DeepSpeed's half copy
+        return (2 if s.pure_bf16 else a if deepspeed(s) else 4) * m.num_params
     quantizable = m.linear_params + m.expert_params
     rest = m.num_params - quantizable
+    if s.quantization != "none" and s.precision == "fp16":
+        a = 4  # fp16 training keeps the weights it does not quantize in fp32 (adapters.py)
     if s.quantization == "nf4":
         constants = (1 / 64 + 4 / (64 * 256)) if s.double_quant else 4 / 64
         return quantizable * (0.5 + constants) + rest * a
@@ -240,19 +349,56 @@ def layer_activation_elements(m: ModelFacts, s: Setup) -> float:
     return elems
 
 
-def activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """Activations held for the backward pass of one micro-batch."""
+def checkpointed_layers(m: ModelFacts, s: Setup) -> int:
+    """Decoder layers that recompute their activations in the backward pass."""
+    if s.checkpoint_layers is not None:
+        return min(s.checkpoint_layers, m.num_layers)
+    return m.num_layers if s.gradient_checkpointing else 0
+
+
+def layer_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
+    """One decoder layer's saved activations for one micro-batch (no checkpointing)."""
     t = tokens_per_micro_batch(s)
     per_layer = a * t * layer_activation_elements(m, s)
     if s.attention == "eager":
         per_layer += t * m.num_attention_heads * s.seq_len * (2 * a + 4)
-    if s.gradient_checkpointing:
-        return a * t * m.hidden_size * m.num_layers + 2 * per_layer
-    return per_layer * m.num_layers + a * t * m.hidden_size * 3  # + embeddings out, final norm in/out
+    return per_layer
+
+
+def stored_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
+    """What the forward pass leaves for the backward pass: each checkpointed layer's input, every other layer's
+    activations, and the embedding output and final norm around them."""
+    t, k = tokens_per_micro_batch(s), checkpointed_layers(m, s)
+    return a * t * m.hidden_size * (k + 3) + (m.num_layers - k) * layer_activation_bytes(m, s, a)
+
+
+def activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
+    """Activations on the device at the peak of one micro-batch's backward pass: the stored activations (or, when they
+    are offloaded, the two layers' worth in flight), plus a checkpointed layer's recomputed activations and their
+    gradients."""
+    per_layer, k = layer_activation_bytes(m, s, a), checkpointed_layers(m, s)
+    working = per_layer if k else 0  # the layer being recomputed (its gradients are transient, layer by layer)
+    if s.activation_offload:  # two layers' stored tensors in flight: a checkpointed layer stores only its input
+        stored = a * tokens_per_micro_batch(s) * m.hidden_size if k == m.num_layers else per_layer
+        return 2 * stored + working
+    return stored_activation_bytes(m, s, a) + working
+
+
+def offloaded_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
+    """Host memory for offloaded activations: one micro-batch's stored activations, in pinned buffers."""
+    return stored_activation_bytes(m, s, a)
 
 
 def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    return tokens_per_micro_batch(s) * m.vocab_size * (a + 8)
+    """The output head and loss: plain materialises t·V logits, their fp32 copy and its fp32 gradient; chunked holds one
+    chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states' fp32
+    gradient."""
+    t, h, v = tokens_per_micro_batch(s), m.hidden_size, m.vocab_size
+    if s.loss == "chunked":
+        return min(t, s.loss_chunk_tokens or t) * v * (a + 8) + t * h * (a + 4)
+    if s.loss == "fused":
+        return t * h * (a + 8)
+    return t * v * (a + 8)
 
 
 def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from finetune.plan.memory import Estimate, GiB
+
+SAVERS = (
+    "pure_bf16",
+    "compensation",
+    "loss_implementation",
+    "loss_chunk_tokens",
+    "checkpoint_layers",
+    "activation_offload",
+    "optimizer_in_backward",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,16 @@ class Plan:
     # | partitioned: ZeRO-3 constructs the model partitioned
     # local: unsharded model | gather: whole model gathered for generate() | layerwise: per-layer gathers, synced ranks
     generation: str = "local"
+    # Memory savers (each a Decision with its reason):
+    pure_bf16: bool = False  # precision bf16-pure: trained weights, gradients and optimizer states in bf16
+    compensation: str = "none"  # with pure_bf16: none | stochastic_rounding | kahan
+    loss_implementation: str = "plain"  # plain | chunked | liger | cut_cross_entropy
+    loss_chunk_tokens: int = 0  # chunked: tokens whose logits exist at once
+    checkpoint_layers: int = 0  # decoder layers that recompute their activations (0: none; gradient_checkpointing)
+    activation_offload: bool = False  # saved activations moved to host memory until the backward pass
+    optimizer_in_backward: bool = False  # each parameter stepped (and its gradient freed) as soon as it is complete
+    step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
+    alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -99,6 +119,9 @@ class Plan:
             "params": {"total": e.total_params, "trainable": e.trainable_params},
             "memory": {
                 "per_device_gib": round(e.device_bytes / GiB, 2),
+                # what torch.cuda.max_memory_allocated / max_memory_reserved should show (no CUDA context, no reserve)
+                "per_device_allocated_gib": round(e.allocated_bytes / GiB, 2),
+                "per_device_reserved_gib": round(e.reserved_bytes / GiB, 2),
                 "device_capacity_gib": round(self.device_capacity_bytes / GiB, 2),
                 "host_gib": round(e.host_bytes / GiB, 2),
                 "host_capacity_gib": round(self.host_capacity_bytes / GiB, 2),
@@ -119,6 +142,15 @@ class Plan:
             "process_group": self.process_group,
             "loading": self.loading,
             "generation": self.generation,
+            "pure_bf16": self.pure_bf16,
+            "compensation": self.compensation,
+            "loss_implementation": self.loss_implementation,
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "checkpoint_layers": self.checkpoint_layers,
+            "activation_offload": self.activation_offload,
+            "optimizer_in_backward": self.optimizer_in_backward,
+            "step_seconds_estimate": self.step_seconds,
+            "alternatives": list(self.alternatives),
             # exact values, for from_json (the rounded figures above are for people)
             "exact": {
                 "estimate": {
@@ -171,8 +203,12 @@ class Plan:
                 "generation",
             )
         }
+        savers = {k: data[k] for k in SAVERS if k in data}  # absent from plans written before they existed
+        savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
+        savers["alternatives"] = tuple(data.get("alternatives", ()))
         return cls(
             **simple,
+            **savers,
             offload=exact["offload"],
             estimate=Estimate(
                 dict(e["device"]), dict(e["host"]), e["total_params"], e["trainable_params"], tuple(e["notes"])

@@ -17,8 +17,10 @@ from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.hardware import Hardware
 from finetune.plan.advice import no_fit_error
 from finetune.plan.comm import seconds
+from finetune.plan.explain import alternatives, record_savers
 from finetune.plan.memory import GiB
 from finetune.plan.plan import Decision, Plan
+from finetune.plan.savers import chunk_tokens
 from finetune.plan.search import (
     Candidate,
     Fit,
@@ -26,6 +28,7 @@ from finetune.plan.search import (
     choose_global_batch,
     choose_precision,
     choose_topology,
+    compensation,
     device_capacity,
     host_capacity,
     loading,
@@ -50,10 +53,12 @@ def plan(
     topo = choose_topology(config, hardware, decisions)
     precision = choose_precision(config, hardware, decisions)
     batch = choose_global_batch(config, topo, decisions)
-    fit = search(config, hardware, model, topo, precision, batch)
+    outcome = search(config, hardware, model, topo, precision, batch)
+    fit = outcome.chosen
     if fit is None:
         raise no_fit_error(config, hardware, model, topo, precision, batch)
-    _record_fit(config, fit, topo, batch, precision, decisions)
+    _record_fit(config, fit, topo, batch, precision, decisions, outcome.why)
+    record_savers(config, fit, model, hardware, topo, precision, batch, decisions)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -111,6 +116,15 @@ def plan(
         process_group=needs_launcher(c.backend, topo.world),
         loading=loading(c),
         generation=generation(fit, model, hardware, precision),
+        pure_bf16=fit.savers.pure_bf16,
+        compensation=compensation(config) if fit.savers.pure_bf16 else "none",
+        loss_implementation=fit.savers.loss,
+        loss_chunk_tokens=chunk_tokens(model) if fit.savers.loss == "chunked" else 0,
+        checkpoint_layers=fit.savers.checkpoint_layers,
+        activation_offload=fit.savers.activation_offload,
+        optimizer_in_backward=fit.savers.optimizer_in_backward,
+        step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
+        alternatives=alternatives(outcome.others, model),
     )
 
 
@@ -126,7 +140,9 @@ def generation(fit: Fit, m: ModelFacts, hw: Hardware, precision: str) -> str:
 
 
 # ---------------------------------------------------------------- recording the choices
-def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision: str, out: list[Decision]) -> None:
+def _record_fit(
+    config: Config, fit: Fit, topo: Topology, batch: int, precision: str, out: list[Decision], why: str = ""
+) -> None:
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
     out.append(
@@ -134,7 +150,8 @@ def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision:
             "adapter",
             c.adapter,
             a.type,
-            {
+            why
+            or {
                 "lora": f"LoRA fits ({gib}): trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} "
                 "parameters, base kept in full precision",
                 "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
@@ -148,7 +165,7 @@ def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision:
             q.type,
             {
                 "nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""),
-                "none": "the base fits unquantized",
+                "none": "the base fits unquantized" + (" (streamed from host RAM)" if c.offload == "all" else ""),
             }.get(c.quantization, ""),
         )
     )
@@ -179,16 +196,6 @@ def _record_fit(config: Config, fit: Fit, topo: Topology, batch: int, precision:
             per_rank // fit.micro_batch_size,
             f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × "
             f"{topo.world} ranks",
-        )
-    )
-    out.append(
-        _choice(
-            "gradient_checkpointing",
-            fit.checkpointing,
-            t.gradient_checkpointing,
-            "on: without it even micro-batch 1 does not fit (costs ~30% more compute)"
-            if fit.checkpointing
-            else "off: activations fit without recomputation",
         )
     )
     if c.quantization == "nf4" and (c.backend == "fsdp" or c.sharding == "zero3"):

@@ -7,19 +7,23 @@ relaxed configs when nothing fits. Both use this module; neither is imported her
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.plan import savers as saver_options
 from finetune.plan.comm import seconds, step_traffic
-from finetune.plan.memory import Estimate, Setup, estimate
+from finetune.plan.cost import step_seconds
+from finetune.plan.memory import PINNED_ACTIVATIONS, Estimate, Setup, estimate
 from finetune.plan.plan import Decision
+from finetune.plan.savers import Savers, chunk_tokens
 
-GPU_HEADROOM = 0.10  # keep 10% of each GPU free: estimator error, allocator spikes, other processes
+GPU_HEADROOM = 0.04  # keep 4% of each GPU free (the estimate already counts the allocator's reserve and the context)
 CPU_HEADROOM = 0.20  # the OS, page cache and the tokenizer also live in host RAM
 HOST_HEADROOM = 0.10
+PINNED_SHARE = 0.25  # of a node's usable RAM, at most, pinned for offloaded activations
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,26 @@ class Candidate:
 class Fit:
     candidate: Candidate
     micro_batch_size: int
-    checkpointing: bool
+    savers: Savers
     estimate: Estimate
+    seconds: dict[str, float] = field(default_factory=dict)  # estimated step time by cause (plan/cost.py)
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.savers.checkpoint_layers > 0
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The chosen fit, and the best fit of every other candidate (`ft plan --explain-candidates`), fastest first."""
+
+    chosen: Fit | None
+    others: tuple[Fit, ...] = ()
+    why: str = ""  # why the chosen adapter/quantization group won, when it is not the least compromise
 
 
 def sharded_params(c: Candidate) -> bool:
@@ -100,14 +122,25 @@ def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topolo
     return Topology(nodes, ppn)
 
 
+def pure_bf16_mode(config: Config, hw: Hardware) -> str:
+    """`always` (precision bf16-pure), `fallback` (auto on an accelerator with bf16: only when mixed precision does not
+    fit) or `never`."""
+    p = config.train.precision
+    if p == "bf16-pure":
+        return "always"
+    return "fallback" if p == "auto" and hw.accelerator is not None and hw.accelerator.bf16 else "never"
+
+
 def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
+    """The compute precision (bf16-pure computes in bf16; whether the trained state is bf16 too is a saver)."""
     p = config.train.precision
     acc = hw.accelerator
     if p != "auto":
-        if acc is not None and p == "bf16" and not acc.bf16:
-            raise PlanError(
-                f"train.precision: bf16 is not supported by {acc.name}; set train.precision: fp16 (or auto)"
-            )
+        if acc is not None and p in ("bf16", "bf16-pure") and not acc.bf16:
+            raise PlanError(f"train.precision: {p} is not supported by {acc.name}; set train.precision: fp16 (or auto)")
+        if p == "bf16-pure":
+            out.append(Decision("precision", p, "as set in the config", "config"))
+            return "bf16"
         if acc is None and p == "fp16":
             raise PlanError(
                 "train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 "
@@ -166,26 +199,53 @@ def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> 
 
 
 # ---------------------------------------------------------------- the search
-def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Fit | None:
-    """In the most preferred group of candidates (same adapter and quantization, with or without host offload)
-    where something fits: DDP before sharding, then the least estimated communication per step (ties: the
-    order of `candidates`). Each candidate's own fit already avoids checkpointing where it can."""
-    from itertools import groupby
+def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Outcome:
+    """The fastest setup that fits (plan/cost.py), among the candidates of the least compromising adapter and
+    quantization unless another is at least SPEEDUP_TO_COMPROMISE times faster (a 4-bit base beats a 16-bit one
+    streamed from host RAM). Pure bf16 only when nothing fits in mixed precision (unless the config asks for it)."""
+    saver_options.check_in_backward(config, topo.world)
+    mode = pure_bf16_mode(config, hw)
+    outcome = _search(config, hw, m, topo, precision, batch, pure=mode == "always")
+    if outcome.chosen is None and mode == "fallback":
+        return _search(config, hw, m, topo, precision, batch, pure=True)
+    return outcome
 
-    backends = {"single": 0, "ddp": 0}
-    for _, group in groupby(
-        candidates(config, hw, topo), key=lambda c: (c.offload != "none", c.adapter, c.quantization)
-    ):
-        fits = [f for f in (fit_candidate(config, hw, m, topo, precision, batch, c) for c in group) if f is not None]
-        if fits:
-            return min(
-                fits,
-                key=lambda f: (
-                    backends.get(f.candidate.backend, 1),
-                    seconds(traffic(f, topo, m, precision, batch), topo.nodes, f.candidate.sharding),
-                ),
-            )
-    return None
+
+SPEEDUP_TO_COMPROMISE = 2.0
+
+
+def _search(
+    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, pure: bool
+) -> Outcome:
+    fits = []
+    for cand in candidates(config, hw, topo):
+        fit = fit_candidate(config, hw, m, topo, precision, batch, cand, pure)
+        if fit is not None:
+            fits.append(fit)
+    if not fits:
+        return Outcome(None)
+    ranked = sorted(fits, key=lambda f: f.step_seconds)  # stable: ties keep the order of `candidates`
+    groups = list(dict.fromkeys((f.candidate.adapter, f.candidate.quantization) for f in fits))
+    fastest, why = ranked[0], ""
+    chosen = next(f for f in ranked if (f.candidate.adapter, f.candidate.quantization) == groups[0])
+    if chosen.step_seconds > SPEEDUP_TO_COMPROMISE * fastest.step_seconds:
+        why = (
+            f"{chosen.candidate.adapter} with quantization {chosen.candidate.quantization} only fits as "
+            f"{describe(chosen, m)} (est. {chosen.step_seconds:.3g} s/step); {describe(fastest, m)} is "
+            f"{chosen.step_seconds / fastest.step_seconds:.1f}× faster (est. {fastest.step_seconds:.3g} s/step)"
+        )
+        chosen = fastest
+    return Outcome(chosen, tuple(f for f in ranked if f is not chosen), why)
+
+
+def describe(fit: Fit, m: ModelFacts) -> str:
+    """One line for a setup: adapter, backend, micro-batch and savers."""
+    c = fit.candidate
+    adapter = c.adapter + (f" ({c.quantization})" if c.quantization != "none" else "")
+    backend = (
+        c.backend + (f" {c.sharding}" if c.sharding else "") + (f", offload {c.offload}" if c.offload != "none" else "")
+    )
+    return f"{adapter}, {backend}, micro-batch {fit.micro_batch_size}, {fit.savers.describe(m.num_layers)}"
 
 
 def traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int) -> dict[str, float]:
@@ -201,6 +261,7 @@ def traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int)
         m.num_params,
         stored,
         accumulation,
+        grad_bytes=2 if fit.savers.pure_bf16 or (c.backend == "deepspeed" and precision != "fp32") else 4,
     )
 
 
@@ -246,13 +307,13 @@ def backend_options(config: Config, hw: Hardware, topo: Topology) -> list[tuple[
     backends = ["ddp", "fsdp"] if d.backend == "auto" else [d.backend]
     out = []
     for b in backends:
-        for s in _shardings(b, d.sharding, topo):
+        for s in _shardings(b, d.sharding, topo, d.deepspeed_config):
             for o in _offloads(b, s, d.offload, hw):
                 out.append((b, s, o))
     return out
 
 
-def _shardings(backend: str, asked: str, topo: Topology) -> list[str | None]:
+def _shardings(backend: str, asked: str, topo: Topology, deepspeed_file: str | None = None) -> list[str | None]:
     if backend in ("ddp", "single"):
         return [None]
     if asked != "auto":
@@ -263,8 +324,24 @@ def _shardings(backend: str, asked: str, topo: Topology) -> list[str | None]:
             )
         return [asked]
     if backend == "deepspeed":
-        return ["zero1", "zero2", "zero3"]
+        stage = users_stage(deepspeed_file)
+        return [f"zero{stage}"] if stage else ["zero1", "zero2", "zero3"]
     return ["shard_grad_op"] + (["hybrid_shard"] if topo.nodes > 1 else []) + ["full_shard"]
+
+
+def users_stage(path: str | None) -> int | None:
+    """The ZeRO stage a user's DeepSpeed file sets (1-3), which `sharding: auto` follows; None when there is no file
+    or it does not say (an unreadable file is reported where it is used: distributed/deepspeed.py)."""
+    import json
+    from pathlib import Path
+
+    if path is None:
+        return None
+    try:
+        stage = json.loads(Path(path).expanduser().read_text()).get("zero_optimization", {}).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return stage if stage in (1, 2, 3) else None
 
 
 def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> list[str]:
@@ -285,24 +362,68 @@ def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> l
 
 
 def fit_candidate(
-    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, cand: Candidate
+    config: Config,
+    hw: Hardware,
+    m: ModelFacts,
+    topo: Topology,
+    precision: str,
+    batch: int,
+    cand: Candidate,
+    pure: bool = False,
 ) -> Fit | None:
-    """Largest micro-batch without checkpointing; checkpointing only when even that does not fit."""
+    """The fastest combination of micro-batch and savers that fits this candidate: for each combination the config
+    allows, the largest micro-batch that fits (memory grows with it), then the least estimated step time."""
     per_rank = batch // topo.world
     t = config.train
-    ckpts = [False, True] if t.gradient_checkpointing == "auto" else [t.gradient_checkpointing]
-    sizes = divisors(per_rank)[::-1] if t.micro_batch_size == "auto" else [t.micro_batch_size]
+    sizes = divisors(per_rank) if t.micro_batch_size == "auto" else [t.micro_batch_size]
     if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
         raise PlanError(
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank "
             f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or auto"
         )
-    for ckpt in ckpts:
-        for mb in sizes:
-            est = estimate(m, setup(config, hw, topo, precision, batch, cand, mb, ckpt), topo.processes_per_node)
-            if fits(est, hw):
-                return Fit(cand, mb, ckpt, est)
-    return None
+    if t.optimizer_in_backward is True and per_rank not in sizes:
+        raise PlanError(
+            f"train.optimizer_in_backward: true steps after every backward pass, so a step must be one micro-batch, "
+            f"but micro_batch_size {t.micro_batch_size} is less than the {per_rank} sequences each rank gets per step; "
+            f"set train.micro_batch_size: {per_rank} (or auto), or train.global_batch_size: "
+            f"{t.micro_batch_size * topo.world}"
+        )
+    best: Fit | None = None
+    for combo in saver_options.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
+        allowed = [per_rank] if combo.optimizer_in_backward else sizes  # no accumulation with the step in backward
+        if combo.optimizer_in_backward and per_rank not in sizes:
+            continue
+        fit = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed)
+        if fit is not None and (best is None or fit.step_seconds < best.step_seconds):
+            best = fit
+        if best is not None and best.micro_batch_size == sizes[-1] and best.savers == combo and _free(combo):
+            break  # the largest micro-batch without any saver: nothing can be faster
+    return best
+
+
+def _free(combo: Savers) -> bool:
+    return combo.loss not in ("chunked",) and not combo.checkpoint_layers and not combo.activation_offload
+
+
+def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes) -> Fit | None:
+    """Binary search over ascending `sizes` for the largest micro-batch whose estimate fits."""
+    lo, hi, found = 0, len(sizes) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        est = estimate(
+            m, setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m), topo.processes_per_node
+        )
+        if fits(est, hw):
+            found, lo = (sizes[mid], est), mid + 1
+        else:
+            hi = mid - 1
+    if found is None:
+        return None
+    mb, est = found
+    s = setup(config, hw, topo, precision, batch, cand, mb, combo, m)
+    fit = Fit(cand, mb, combo, est)
+    comm = seconds(traffic(fit, topo, m, precision, batch), topo.nodes, cand.sharding)
+    return Fit(cand, mb, combo, est, step_seconds(m, s, hw, batch // topo.world // mb, comm))
 
 
 def divisors(n: int) -> list[int]:
@@ -314,7 +435,15 @@ def divisors(n: int) -> list[int]:
 
 
 def setup(
-    config: Config, hw: Hardware, topo: Topology, precision: str, batch: int, cand: Candidate, mb: int, ckpt: bool
+    config: Config,
+    hw: Hardware,
+    topo: Topology,
+    precision: str,
+    batch: int,
+    cand: Candidate,
+    mb: int,
+    savers: Savers,
+    m: ModelFacts | None = None,
 ) -> Setup:
     """The memory estimator's view of one candidate."""
     a, method = config.adapter, config.method
@@ -329,7 +458,14 @@ def setup(
         optimizer=config.train.optimizer,
         micro_batch_size=mb,
         seq_len=config.data.seq_len,
-        gradient_checkpointing=ckpt,
+        gradient_checkpointing=savers.checkpoint_layers > 0,
+        checkpoint_layers=savers.checkpoint_layers,
+        pure_bf16=savers.pure_bf16,
+        compensation=compensation(config) if savers.pure_bf16 else "none",
+        loss=savers.estimator_loss,
+        loss_chunk_tokens=chunk_tokens(m) if m is not None and savers.loss == "chunked" else 0,
+        activation_offload=savers.activation_offload,
+        optimizer_in_backward=savers.optimizer_in_backward,
         sharding=cand.sharding,
         shard_size=shard_size if cand.sharding else 1,
         offload=cand.offload,
@@ -350,6 +486,11 @@ def setup(
     )
 
 
+def compensation(config: Config) -> str:
+    c = config.train.compensation
+    return "stochastic_rounding" if c == "auto" else c
+
+
 def device_capacity(hw: Hardware) -> int:
     return int(hw.device_memory_bytes * (1 - (CPU_HEADROOM if hw.is_cpu else GPU_HEADROOM)))
 
@@ -361,7 +502,20 @@ def host_capacity(hw: Hardware) -> int:
 def fits(est: Estimate, hw: Hardware) -> bool:
     if est.device_bytes > device_capacity(hw):
         return False
+    if est.host.get(PINNED_ACTIVATIONS, 0) > PINNED_SHARE * host_capacity(hw):
+        return False  # page-locked memory the OS cannot swap: a bounded share of the node's RAM
     return hw.is_cpu or est.host_bytes <= host_capacity(hw)
+
+
+def host_shortfall(est: Estimate, hw: Hardware) -> str:
+    """Why an estimate that fits the device does not fit host RAM, in words."""
+    pinned = est.host.get(PINNED_ACTIVATIONS, 0)
+    if pinned > PINNED_SHARE * host_capacity(hw):
+        return (
+            f"{pinned / 2**30:.1f} GiB of pinned activations per node, more than the {PINNED_SHARE:.0%} of its "
+            f"{host_capacity(hw) / 2**30:.1f} GiB usable RAM that may be pinned"
+        )
+    return f"{est.host_bytes / 2**30:.1f} GiB per node, {host_capacity(hw) / 2**30:.1f} GiB usable"
 
 
 def with_hardware(hw: Hardware, nodes: int | None = None, devices_per_node: int | None = None) -> Hardware:

@@ -1,0 +1,264 @@
+"""Next-token losses and log-probabilities of a batch: the output head and the cross-entropy, as the plan says.
+
+`plain` runs the model's own head over every position: the logits (tokens × vocabulary) in the compute dtype, their
+fp32 copy and the gradients of both exist at once, about t·V·(a+8) bytes. The others ask the model for the logits
+of one position only (`logits_to_keep=1`) and take the final hidden states from its decoder's output (a forward
+hook, removed after the call); untrained positions (labels IGNORE) contribute nothing and are dropped first.
+- `chunked` (pure torch, any device) runs the head MODULE and the fp32 cross-entropy over `chunk_tokens` trained
+  tokens at a time inside activation checkpointing: one chunk's logits exist at a time, in the forward pass and
+  again when the backward pass recomputes them. Calling the module (not its weight) keeps FSDP2 / ZeRO-3 hooks working.
+- `liger` (liger-kernel) and `cut_cross_entropy` (Apple's cut-cross-entropy) hand the hidden states and the head's
+  weight to fused GPU kernels; they need the weight whole on the rank (one process, DDP, FSDP2; not ZeRO-3). Liger's
+  kernel computes its gradients during the forward pass for a summed loss, so ft uses it for a summed loss (SFT) only.
+Every implementation agrees with `plain` (tests/test_chunked_loss.py); a model whose logits are not the plain head of
+the final hidden state (a scale after the head, say) is refused on its first batch rather than trained wrongly; a
+logit softcap (config.final_logit_softcapping: Gemma 2) is applied as the model applies it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from finetune.errors import FtError
+from finetune.methods.loss import IGNORE, MODEL_INPUTS
+
+PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cut_cross_entropy": ("cut_cross_entropy", "cut-cross-entropy")}
+IMPLEMENTATIONS = ("plain", "chunked", *PACKAGES)
+_KEY = "train.loss_implementation"
+
+
+@dataclass(frozen=True)
+class Head:
+    """The model's output head (the module, so that FSDP2 / ZeRO-3 hooks run) and its logit softcap, if any."""
+
+    module: torch.nn.Module
+    softcap: float | None = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of `hidden`, softcapped as the model does (cap · tanh(logits / cap))."""
+        logits = self.module(hidden).float()
+        return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
+
+
+class LossHead:
+    """Computes what the methods need from the logits, never holding more of them than `implementation` allows."""
+
+    def __init__(self, implementation: str = "plain", chunk_tokens: int = 0):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"unknown loss implementation {implementation!r} (known: {', '.join(IMPLEMENTATIONS)})")
+        if implementation == "chunked" and chunk_tokens < 1:
+            raise ValueError("a chunked loss needs chunk_tokens >= 1 (plan.loss_chunk_tokens)")
+        self.implementation, self.chunk_tokens = implementation, chunk_tokens
+        self._checked = weakref.WeakSet()  # models whose logits were compared with head(hidden) once
+
+    def summed_nll(self, model, batch: dict) -> torch.Tensor:
+        """Sum of the next-token cross-entropy (fp32) over the trained tokens of the batch."""
+        if self.implementation == "plain":
+            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+            logits = model(**inputs, use_cache=False).logits[..., :-1, :].float()
+            targets = batch["labels"][..., 1:].to(logits.device)
+            return F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            )
+        with self._hidden(model, batch) as (hidden, targets, mask, head):
+            if self.implementation == "chunked":
+                return sum(self._chunks(_chunk_nll, head, hidden[mask], targets[mask]))
+            return fused_nll(self.implementation, head, hidden, targets, "sum")
+
+    def token_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probabilities (fp32) of the next tokens, (B, T-1), 0 where untrained, and the mask of trained ones."""
+        if self.implementation == "plain":
+            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+            logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
+            targets = batch["labels"][:, 1:].to(logits.device)
+            mask = targets != IGNORE
+            logps = -F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none"
+            ).view_as(targets)
+            return logps * mask, mask
+        with self._hidden(model, batch) as (hidden, targets, mask, head):
+            if self.implementation == "chunked":
+                values = torch.cat(self._chunks(_chunk_logps, head, hidden[mask], targets[mask]))
+                return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(
+                    mask, values
+                ), mask
+            return -fused_nll(self.implementation, head, hidden, targets, "none").view_as(targets) * mask, mask
+
+    @contextlib.contextmanager
+    def _hidden(self, model, batch: dict):
+        """The final hidden states of the positions that predict a next token (B, T-1, H), their targets, the mask
+        of trained ones and the output head, with the head's parameters whole on this rank while the block runs."""
+        lm = causal_lm(model)
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        hidden, logits = final_hidden(model, lm, inputs)
+        head = Head(lm.get_output_embeddings(), getattr(lm.config, "final_logit_softcapping", None))
+        targets = batch["labels"][:, 1:].to(hidden.device)
+        with whole_head(lm, head.module):
+            if lm not in self._checked:
+                check_head(self.implementation, head, hidden, logits)
+                self._checked.add(lm)
+            yield hidden[:, :-1], targets, targets != IGNORE, head
+
+    def _chunks(self, fn, head, hidden: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """fn(head, hidden, targets) over `chunk_tokens` rows at a time (at least once, so that an empty batch still
+        reaches every parameter), each recomputed in the backward pass instead of keeping its logits."""
+        out = []
+        for i in range(chunk_count(head, len(targets), self.chunk_tokens)):
+            rows = slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)  # past the end: empty, still one call
+            if torch.is_grad_enabled():
+                out.append(
+                    checkpoint(fn, head, hidden[rows], targets[rows], use_reentrant=False, preserve_rng_state=False)
+                )
+            else:
+                out.append(fn(head, hidden[rows], targets[rows]))
+        return out
+
+
+def chunk_count(head: Head, rows: int, chunk_tokens: int) -> int:
+    """How many chunks: enough for `rows`, at least one; under ZeRO-3, the most any rank needs, since DeepSpeed
+    all-gathers the head's partitioned parameters at every call of the module, and again where the backward pass
+    recomputes it (deepspeed 0.19 runtime/zero/parameter_offload.py, pre_sub_module_forward_function): every rank
+    must call it as often. The agreement is one all-reduce of a CPU scalar (ft's process group: cpu:gloo,cuda:nccl)."""
+    count = max(-(-rows // chunk_tokens), 1)
+    if any(hasattr(p, "ds_id") for p in head.module.parameters()) and torch.distributed.is_initialized():
+        agreed = torch.tensor([count])
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
+        count = int(agreed)
+    return count
+
+
+def _chunk_nll(head: Head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head.logits(hidden), targets, reduction="sum")
+
+
+def _chunk_logps(head: Head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return -F.cross_entropy(head.logits(hidden), targets, reduction="none")
+
+
+def loss_head(plan, per_token: bool) -> LossHead:
+    """The head for the plan's loss implementation; refuses, before any training, one that cannot serve the method
+    (`per_token`: it needs per-token log-probabilities with their gradients) or this job."""
+    implementation = plan.loss_implementation
+    if implementation in PACKAGES:
+        module, package = PACKAGES[implementation]
+        fix = f"or set {_KEY}: chunked (pure torch, any device)"
+        if plan.device != "GPU":
+            raise FtError(f"{_KEY}: {implementation} runs fused CUDA kernels, and this job runs on CPUs; {fix}")
+        if importlib.util.find_spec(module) is None:
+            raise FtError(
+                f"{_KEY}: {implementation} needs the {package} package, not installed: pip install {package}, {fix}"
+            )
+        if plan.backend == "deepspeed" and plan.sharding == "zero3":
+            raise FtError(
+                f"{_KEY}: {implementation} needs the output head's weight whole on each rank, and DeepSpeed ZeRO-3 "
+                f"partitions it; {fix}, or use distributed.sharding: zero2 or distributed.backend: fsdp"
+            )
+        if implementation == "liger" and per_token:
+            raise FtError(
+                f"{_KEY}: ft uses liger's fused kernel for a summed loss (sft) only; this method needs per-token "
+                f"log-probabilities with their gradients: set {_KEY}: cut_cross_entropy or chunked"
+            )
+    return LossHead(implementation, plan.loss_chunk_tokens)
+
+
+def causal_lm(model):
+    """The transformers model inside its data-parallel (DDP, DeepSpeed: `.module`) and peft wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def final_hidden(model, lm, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass through the (wrapped) model, its head run on the last position only; returns the decoder's
+    output (the final normed hidden states, what the head reads) and those logits. The forward goes through the
+    outermost wrapper so that DDP, FSDP2 and DeepSpeed see it as they see any forward."""
+    seen = []
+    hook = lm.get_decoder().register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    try:
+        logits = model(**inputs, use_cache=False, logits_to_keep=1).logits
+    finally:
+        hook.remove()
+    if len(seen) != 1 or logits.shape[-2] != 1:
+        raise FtError(
+            f"{_KEY}: {type(lm).__name__} does not compute its logits from one pass of its decoder with "
+            f"logits_to_keep, which ft's {_KEY} other than plain need; set {_KEY}: plain"
+        )
+    return seen[0], logits
+
+
+def check_head(implementation: str, head: Head, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    """The model's own logits of the last position must be its output head (and softcap) applied to the hidden state:
+    otherwise something (a scale, say) follows the head, which computing the head here would leave out."""
+    with torch.no_grad():
+        ours = head.logits(hidden[:, -1:])
+    if ours.shape != logits.shape or not torch.allclose(ours, logits.float(), rtol=1e-2, atol=1e-2):
+        raise FtError(
+            f"{_KEY}: {implementation} computes the logits as the model's output head applied to the final hidden "
+            f"state, but this model transforms them further (a scale, say); set {_KEY}: plain"
+        )
+
+
+@contextlib.contextmanager
+def whole_head(lm, head):
+    """Keep the head's parameters whole while the head runs outside the model's forward. FSDP2 (`fully_shard` on
+    the transformers model, distributed/fsdp.py) reshards its root unit, which holds the head, after the forward
+    when reshard_after_forward is true: it is all-gathered again here (FSDPModule.unshard), and stays whole through
+    the backward pass, whose recomputed chunks read it, until the root's post-backward reduce-scatters its gradients
+    and reshards it (torch 2.13 distributed/fsdp/_fully_shard/_fsdp_state.py, _root_post_backward_final_callback).
+    Without a backward pass to come (no grad) it is resharded here. Other models: nothing to do. On GPUs unshard()
+    waits for its all-gather (async_op false) before the head runs on the compute stream."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = isinstance(lm, FSDPModule) and any(isinstance(p, DTensor) for p in head.parameters())
+    if sharded:
+        lm.unshard()
+    try:
+        yield
+    finally:
+        if sharded and not torch.is_grad_enabled():
+            lm.reshard()
+
+
+def fused_nll(implementation: str, head: Head, hidden: torch.Tensor, targets: torch.Tensor, reduction: str):
+    """Next-token cross-entropy from a fused kernel: summed ("sum") or per position ("none", 0 where untrained)."""
+    if type(head.module) is not torch.nn.Linear:
+        raise FtError(
+            f"{_KEY}: {implementation} needs the output head to be a plain linear layer, but it is "
+            f"{type(head.module).__name__} (an adapter or a wrapper on it); set {_KEY}: chunked"
+        )
+    weight, bias, cap = head.module.weight, head.module.bias, head.softcap
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(weight, "ds_id") or isinstance(weight, DTensor):  # a ZeRO-3 partition, an FSDP2 shard
+        raise FtError(
+            f"{_KEY}: {implementation} needs the output head's weight whole on this rank; set {_KEY}: chunked"
+        )
+    flat, goal = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    if implementation == "liger":
+        if reduction != "sum":  # its gradients are computed in the forward pass, for a summed loss (see loss_head)
+            raise ValueError("ft uses liger's fused linear cross-entropy for a summed loss only")
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        # GPU only. Its autograd Function runs under the caller's autocast (liger ops/utils.py amp_custom_fwd): the
+        # matmuls in the autocast dtype, the weight's gradient accumulated in the weight's own dtype.
+
+        return liger_fused_linear_cross_entropy(
+            flat, weight, goal, bias=bias, ignore_index=IGNORE, reduction=reduction, softcap=cap
+        )
+    from cut_cross_entropy import linear_cross_entropy
+
+    if torch.is_autocast_enabled(flat.device.type):  # the kernel multiplies operands of one dtype, as autocast would
+        dtype = torch.get_autocast_dtype(flat.device.type)
+        flat, weight = flat.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    else:
+        weight = weight.to(flat.dtype)
+    return linear_cross_entropy(flat, weight, goal, bias=bias, ignore_index=IGNORE, softcap=cap, reduction=reduction)

@@ -1,0 +1,119 @@
+"""Estimated seconds per optimizer step, by cause: what the planner minimises among the setups that fit.
+
+The figures are orders of magnitude for ranking setups on one piece of hardware, not promises:
+  compute         6·N·t for full fine-tuning (forward 2·N·t, backward 4·N·t), 4·N·t with an adapter (the frozen
+                  weights need no weight gradients), plus causal attention 2·seq·q per token per layer and pass;
+                  at 40% of the accelerator's dense half-precision peak (fp32: a quarter of it)
+  recompute       the forward pass of each checkpointed layer again; the chunked loss recomputes the output head
+  quantization    4-bit / 8-bit bases dequantize every linear weight in forward and backward: memory-bound reads and
+                  writes of the weights at the accelerator's memory bandwidth, per micro-batch
+  launches        a fixed cost per layer and micro-batch (kernel launches, Python): many tiny micro-batches are slow
+  communication   plan/comm.py's bytes per step at its link speeds
+  host transfers  offloaded weights, gradients and optimizer states over PCIe, the optimizer step on the CPU, and
+                  offloaded activations (a quarter of the compute hides them)
+"""
+
+from __future__ import annotations
+
+from finetune.catalog import ModelFacts
+from finetune.hardware import Hardware
+from finetune.plan.memory import (
+    Setup,
+    checkpointed_layers,
+    stored_activation_bytes,
+    tokens_per_micro_batch,
+    trainable_params,
+)
+
+MFU = 0.4  # share of the peak a well-fed training step reaches
+PCIE_BPS = 25e9  # host <-> device per GPU (PCIe 4/5 x16, in practice)
+CPU_ADAM_PARAMS_PER_S = 3e8  # parameters one process's share of the CPU updates per second (AdamW)
+LAUNCH_SECONDS_PER_LAYER = 3e-4  # per micro-batch, forward and backward
+CPU_FLOPS = 2e11  # a CPU process, bf16/fp32, for ranking only
+OVERLAP = 0.25  # share of a micro-batch's compute that activation copies hide behind (they share PCIe both ways)
+
+# Dense bf16/fp16 tensor throughput (FLOP/s) and memory bandwidth (B/s) per accelerator family.
+ACCELERATORS: dict[str, tuple[float, float]] = {
+    "B200": (2250e12, 8e12),
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),
+    "MI300X": (1307e12, 5.3e12),
+    "MI250": (181e12, 1.6e12),
+    "A100": (312e12, 2.0e12),
+    "L40S": (362e12, 0.86e12),
+    "A6000": (155e12, 0.77e12),
+    "RTX4090": (165e12, 1.0e12),
+    "RTX3090": (71e12, 0.94e12),
+    "L4": (121e12, 0.3e12),
+    "A10G": (70e12, 0.6e12),
+    "A10": (125e12, 0.6e12),
+    "V100": (125e12, 0.9e12),
+    "T4": (65e12, 0.32e12),
+}
+BY_CAPABILITY = {(10, 0): "B200", (9, 0): "H100", (8, 0): "A100", (8, 9): "L40S", (8, 6): "A10", (7, 5): "T4"}
+
+
+def accelerator_speed(hw: Hardware) -> tuple[float, float]:
+    """(FLOP/s, memory B/s) of one device."""
+    acc = hw.accelerator
+    if acc is None:
+        return CPU_FLOPS, 2e10
+    key = acc.name.upper().replace(" ", "")
+    for family in sorted(ACCELERATORS, key=len, reverse=True):
+        if family in key:
+            return ACCELERATORS[family]
+    return ACCELERATORS.get(BY_CAPABILITY.get(acc.compute_capability or (0, 0), "T4"), ACCELERATORS["T4"])
+
+
+def forward_flops_per_token(m: ModelFacts, seq_len: int) -> float:
+    matmul = 2 * (m.num_params - m.embedding_params)  # the embedding lookup is not a matmul (a tied head is)
+    if not m.lm_head_params:
+        matmul += 2 * m.embedding_params
+    if m.num_experts:
+        inactive = m.expert_params * (1 - m.experts_per_token / m.num_experts)
+        matmul -= 2 * inactive
+    return matmul + 2 * seq_len * m.q_dim * m.num_layers
+
+
+def step_seconds(
+    m: ModelFacts, s: Setup, hw: Hardware, micro_batches: int, communication_seconds: float
+) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by cause (see the module docstring)."""
+    flops, bandwidth = accelerator_speed(hw)
+    if s.precision == "fp32":
+        flops /= 4
+    speed = flops * MFU
+    t = tokens_per_micro_batch(s)
+    forward = forward_flops_per_token(m, s.seq_len) * t
+    backward = (2 if s.adapter == "full" else 1) * forward
+    recompute = forward * checkpointed_layers(m, s) / m.num_layers
+    if s.loss == "chunked":
+        recompute += 2 * t * m.hidden_size * m.vocab_size
+    out = {
+        "compute": micro_batches * (forward + backward) / speed,
+        "recompute": micro_batches * recompute / speed,
+        "launches": micro_batches * LAUNCH_SECONDS_PER_LAYER * m.num_layers,
+        "communication": communication_seconds,
+    }
+    if s.quantization != "none":
+        quantized = m.linear_params + m.expert_params
+        out["quantization"] = micro_batches * 3 * quantized * 2.5 / bandwidth  # forward, backward, recompute-ish
+    out["host transfers"] = host_seconds(m, s, micro_batches, out["compute"] / max(micro_batches, 1))
+    return {k: v for k, v in out.items() if v}
+
+
+def host_seconds(m: ModelFacts, s: Setup, micro_batches: int, compute_per_micro_batch: float) -> float:
+    """Time spent moving offloaded state and activations over PCIe, and stepping an offloaded optimizer on the CPU."""
+    shard = max(1, s.shard_size)
+    trained = trainable_params(m, s)
+    seconds = 0.0
+    if s.offload == "all":  # weights up for forward and backward of every micro-batch, gradients down once per step
+        stored = 2 if s.quantization == "none" else 0.55
+        seconds += micro_batches * 2 * m.num_params * stored / shard / PCIE_BPS
+    if s.offload in ("all", "optimizer"):  # gradients down, updated parameters up, the optimizer on the CPU
+        seconds += 2 * 2 * trained / shard / PCIE_BPS + trained / shard / CPU_ADAM_PARAMS_PER_S
+    if s.activation_offload:
+        a = 4 if s.precision == "fp32" else 2
+        moved = 2 * stored_activation_bytes(m, s, a) / PCIE_BPS
+        seconds += micro_batches * max(0.0, moved - OVERLAP * compute_per_micro_batch)
+    return seconds
