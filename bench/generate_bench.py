@@ -26,6 +26,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["OMP_NUM_THREADS"] = "1"  # one thread per process: 2 processes use the 2 cores, 1 process one of them
 
 import torch  # noqa: E402
+from common import build_llama  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -38,28 +39,7 @@ CONFIGS = [
 
 
 def build_model(folder: Path) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    return build_llama(folder)
 
 
 def write_prompts(path: Path, n: int) -> None:

@@ -39,6 +39,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
+from common import build_llama  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -79,28 +80,7 @@ OFF = {
 def build_model(folder: Path, vocab: int, hidden: int, layers: int) -> int:
     """A Llama with ft-tiny's tokenizer and a `vocab`-row output head (the rows past the tokenizer's are never
     targets, but their logits are computed like any other); returns its parameter count."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=max(vocab, len(tok)),
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
+    return build_llama(folder, vocab, hidden, layers, tied=False, max_positions=4096)
 
 
 def write_data(path: Path, rows: int) -> Path:

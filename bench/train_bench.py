@@ -22,6 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
+from common import build_llama  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -40,27 +41,7 @@ def chat_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def build_model(folder: Path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from finetune.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    return build_llama(folder, max_positions=1024)
 
 
 def job(tmp: Path, data: Path, packing: bool, micro: int, seq_len: int, steps: int, batch: int) -> str:

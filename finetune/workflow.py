@@ -128,7 +128,7 @@ def run_train(
     config = load(config_path, overrides)
     hw = hardware_for(hardware)
     if role.nnodes and role.nnodes != hw.nodes:
-        from finetune.plan.planner import with_hardware
+        from finetune.plan.topology import with_hardware
 
         hw = with_hardware(hw, nodes=role.nnodes)
     facts = model_facts(config.model)

@@ -12,7 +12,7 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
-from finetune.plan import savers, search
+from finetune.plan import candidates, savers, search, topology
 from finetune.plan.memory import Estimate, GiB, estimate
 
 Relaxation = tuple[str, Callable[[Config], Config]]
@@ -66,10 +66,10 @@ def _scaled(hw: Hardware) -> list[tuple[str, Hardware]]:
     out = []
     for n in (2, 4, 8):
         if hw.devices_per_node < n:
-            out.append((f"{n} × {hw.accelerator.name} per node", search.with_hardware(hw, devices_per_node=n)))
+            out.append((f"{n} × {hw.accelerator.name} per node", topology.with_hardware(hw, devices_per_node=n)))
     for n in (2, 4, 8):
         if hw.nodes < n and hw.devices_per_node * n >= 2:
-            out.append((f"{n} nodes", search.with_hardware(hw, nodes=n)))
+            out.append((f"{n} nodes", topology.with_hardware(hw, nodes=n)))
     return out
 
 
@@ -77,9 +77,9 @@ def _try(config: Config, hw: Hardware, m: ModelFacts) -> Estimate | None:
     """The estimate of what the planner would choose for `config` on `hw`, or None when that does not plan (for any
     reason: an alternative's own errors are never shown to the user)."""
     try:
-        topo = search.choose_topology(config, hw, [])
-        precision = search.choose_precision(config, hw, [])
-        batch = search.choose_global_batch(config, topo, [])
+        topo = topology.choose_topology(config, hw, [])
+        precision = topology.choose_precision(config, hw, [])
+        batch = topology.choose_global_batch(config, topo, [])
         fit = search.search(config, hw, m, topo, precision, batch).chosen
     except PlanError:
         return None
@@ -124,8 +124,8 @@ def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precisi
     best: Estimate | None = None
     t = config.train
     mb = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
-    pure = search.pure_bf16_mode(config, hw) != "never"
-    for cand in search.candidates(config, hw, topo):
+    pure = topology.pure_bf16_mode(config, hw) != "never"
+    for cand in candidates.candidates(config, hw, topo):
         for combo in savers.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
             s = search.setup(config, hw, topo, precision, batch, cand, mb, combo, m)
             est = estimate(m, s, topo.processes_per_node)

@@ -1,12 +1,12 @@
 """plan(config, hardware, model) -> Plan: a pure function; every `auto` becomes a Decision with a reason.
 
-Order of choices: topology (nodes, processes) -> precision -> global batch -> the first setup that fits,
-searching adapter/quantization (least compromise first: LoRA before QLoRA; host offload only when nothing
-else fits), then gradient checkpointing (only when needed) and the largest micro-batch that divides the
-per-rank batch, then the backend: DDP where a replica fits, else the sharding with the least estimated
-communication per step (plan/comm.py; across nodes, hybrid_shard keeps the all-gathers inside nodes).
-Explicit choices are kept and checked. When nothing fits, PlanError gives the estimate and the
-concrete changes that would fit (see `finetune.plan.advice`).
+Order of choices: topology (nodes, processes) -> precision -> global batch (plan/topology.py) -> the setup to run
+(plan/search.py): every candidate the config allows (adapter and quantization, backend, sharding, host offload:
+plan/candidates.py) with every combination of memory savers it allows (plan/savers.py), each at the largest
+micro-batch that fits (plan/memory.py); the least estimated step time wins (plan/cost.py), within the least
+compromising adapter and quantization unless another is much faster. Pure bf16 only when mixed precision does not
+fit. Explicit choices are kept and checked. When nothing fits, PlanError gives the estimate and the concrete changes
+that would fit this hardware (see `finetune.plan.advice`).
 """
 
 from __future__ import annotations
@@ -16,27 +16,14 @@ from finetune.config.schema import Config
 from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.hardware import Hardware
 from finetune.plan.advice import no_fit_error
+from finetune.plan.candidates import Candidate, loading, sharded_params
 from finetune.plan.comm import seconds
 from finetune.plan.explain import alternatives, record_savers
 from finetune.plan.memory import GiB
 from finetune.plan.plan import Decision, Plan
 from finetune.plan.savers import chunk_tokens
-from finetune.plan.search import (
-    Candidate,
-    Fit,
-    Topology,
-    choose_global_batch,
-    choose_precision,
-    choose_topology,
-    compensation,
-    device_capacity,
-    host_capacity,
-    loading,
-    search,
-    sharded_params,
-    traffic,
-)
-from finetune.plan.search import with_hardware as with_hardware  # re-exported: `ft plan` lists larger hardware
+from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, traffic
+from finetune.plan.topology import Topology, choose_global_batch, choose_precision, choose_topology
 
 
 def plan(

@@ -1,5 +1,6 @@
-"""The search for a setup that fits: topology, precision and global batch, then every candidate setup the config
-allows, each with the largest micro-batch (and checkpointing only when needed) that fits the hardware.
+"""The search for the setup to run: for every candidate (plan/candidates.py) and every combination of memory savers
+the config allows (plan/savers.py), the largest micro-batch whose estimate fits the hardware (plan/memory.py); then
+the one with the least estimated step time (plan/cost.py).
 
 `finetune.plan.planner` records the result as Decisions; `finetune.plan.advice` reruns the same search on
 relaxed configs when nothing fits. Both use this module; neither is imported here.
@@ -7,42 +8,24 @@ relaxed configs when nothing fits. Both use this module; neither is imported her
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import savers as saver_options
+from finetune.plan.candidates import Candidate, candidates, loading
 from finetune.plan.comm import seconds, step_traffic
 from finetune.plan.cost import step_seconds
 from finetune.plan.memory import PINNED_ACTIVATIONS, Estimate, Setup, estimate
-from finetune.plan.plan import Decision
 from finetune.plan.savers import Savers, chunk_tokens
+from finetune.plan.topology import Topology, pure_bf16_mode
 
 GPU_HEADROOM = 0.04  # keep 4% of each GPU free (the estimate already counts the allocator's reserve and the context)
 CPU_HEADROOM = 0.20  # the OS, page cache and the tokenizer also live in host RAM
 HOST_HEADROOM = 0.10
 PINNED_SHARE = 0.25  # of a node's usable RAM, at most, pinned for offloaded activations
-
-
-@dataclass(frozen=True)
-class Topology:
-    nodes: int
-    processes_per_node: int
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.processes_per_node
-
-
-@dataclass(frozen=True)
-class Candidate:
-    adapter: str
-    quantization: str
-    backend: str
-    sharding: str | None
-    offload: str
 
 
 @dataclass(frozen=True)
@@ -69,133 +52,6 @@ class Outcome:
     chosen: Fit | None
     others: tuple[Fit, ...] = ()
     why: str = ""  # why the chosen adapter/quantization group won, when it is not the least compromise
-
-
-def sharded_params(c: Candidate) -> bool:
-    """Parameters themselves are split over ranks (FSDP2, ZeRO-3): a forward pass needs every rank."""
-    return c.backend == "fsdp" or c.sharding == "zero3"
-
-
-def loading(c: Candidate) -> str:
-    """How ranks load the weights. FSDP2 and ZeRO-3 never hold a whole 16/32-bit copy per rank; a 4-bit base is loaded
-    quantized by each rank (bitsandbytes quantizes while loading, so it cannot be filled into meta-device shards)."""
-    if c.quantization != "none":
-        return "replica"
-    if c.backend == "fsdp":
-        return "meta"
-    return "partitioned" if c.sharding == "zero3" else "replica"
-
-
-# ---------------------------------------------------------------- topology, precision, batch
-def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topology:
-    d = config.distributed
-    unit = "process" if hw.is_cpu else "GPU"
-    if d.backend == "single":
-        idle = "" if hw.world_size == 1 else f" ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)"
-        out.append(
-            Decision(
-                "world_size",
-                1,
-                "backend single runs one process" + idle,
-                "config",
-            )
-        )
-        return Topology(1, 1)
-    nodes = hw.nodes if d.nodes == "auto" else d.nodes
-    if nodes > hw.nodes:
-        raise PlanError(
-            f"distributed.nodes: {nodes} asks for more nodes than the hardware has ({hw.describe()}); set "
-            f"distributed.nodes: {hw.nodes} or auto, or plan for the hardware you will run on (--hardware "
-            f"{nodes}x{hw.devices_per_node}x...)"
-        )
-    ppn = hw.devices_per_node if d.processes_per_node == "auto" else d.processes_per_node
-    if not hw.is_cpu and ppn > hw.devices_per_node:
-        raise PlanError(
-            f"distributed.processes_per_node: {ppn} is more than the {hw.devices_per_node} GPUs per node; set it "
-            f"to {hw.devices_per_node} or auto"
-        )
-    source = "auto" if d.nodes == "auto" and d.processes_per_node == "auto" else "config"
-    why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {unit}{'s' if ppn > 1 else ''}"
-    out.append(
-        Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source)
-    )
-    return Topology(nodes, ppn)
-
-
-def pure_bf16_mode(config: Config, hw: Hardware) -> str:
-    """`always` (precision bf16-pure), `fallback` (auto on an accelerator with bf16: only when mixed precision does not
-    fit) or `never`."""
-    p = config.train.precision
-    if p == "bf16-pure":
-        return "always"
-    return "fallback" if p == "auto" and hw.accelerator is not None and hw.accelerator.bf16 else "never"
-
-
-def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
-    """The compute precision (bf16-pure computes in bf16; whether the trained state is bf16 too is a saver)."""
-    p = config.train.precision
-    acc = hw.accelerator
-    if p != "auto":
-        if acc is not None and p in ("bf16", "bf16-pure") and not acc.bf16:
-            raise PlanError(f"train.precision: {p} is not supported by {acc.name}; set train.precision: fp16 (or auto)")
-        if p == "bf16-pure":
-            out.append(Decision("precision", p, "as set in the config", "config"))
-            return "bf16"
-        if acc is None and p == "fp16":
-            raise PlanError(
-                "train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 "
-                "(or auto)"
-            )
-        out.append(Decision("precision", p, "as set in the config", "config"))
-        return p
-    if acc is None:
-        out.append(
-            Decision(
-                "precision",
-                "fp32",
-                "CPU: fp32 is exact and supported everywhere (set bf16 to use AMX/AVX-512 bf16 units where the "
-                "CPU has them)",
-            )
-        )
-        return "fp32"
-    if acc.bf16:
-        out.append(
-            Decision("precision", "bf16", f"{acc.name} supports bf16: half the memory of fp32, no loss scaling needed")
-        )
-        return "bf16"
-    out.append(Decision("precision", "fp16", f"{acc.name} has no bf16; fp16 with dynamic loss scaling"))
-    return "fp16"
-
-
-def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> int:
-    t, world = config.train, topo.world
-    if t.global_batch_tokens is not None:
-        seqs = max(world, round(t.global_batch_tokens / config.data.seq_len / world) * world)
-        out.append(
-            Decision(
-                "global_batch_size",
-                seqs,
-                f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world "
-                f"size {world}: {seqs * config.data.seq_len} tokens per step",
-            )
-        )
-        return seqs
-    if t.global_batch_size % world:
-        lower, upper = (t.global_batch_size // world) * world, (t.global_batch_size // world + 1) * world
-        options = " or ".join(str(n) for n in (lower, upper) if n)
-        raise PlanError(
-            f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} "
-            f"ranks; set it to {options}, or change distributed.processes_per_node / nodes"
-        )
-    out.append(
-        Decision(
-            "global_batch_size",
-            t.global_batch_size,
-            f"{t.global_batch_size // world} sequences per rank × {world} ranks",
-            "config" if t.explicit("global_batch_size") else "auto",
-        )
-    )
-    return t.global_batch_size
 
 
 # ---------------------------------------------------------------- the search
@@ -263,102 +119,6 @@ def traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int)
         accumulation,
         grad_bytes=2 if fit.savers.pure_bf16 or (c.backend == "deepspeed" and precision != "fp32") else 4,
     )
-
-
-def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
-    """Every setup the config allows, in preference order; host offload (slow) only after all others."""
-    from finetune.config.checks import BNB_OPTIMIZERS
-
-    # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
-    bnb_optimizer = config.train.optimizer in BNB_OPTIMIZERS
-    out = [
-        Candidate(a, q, b, s, o)
-        for a, q in adapter_options(config)
-        for b, s, o in backend_options(config, hw, topo)
-        if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
-    ]
-    return sorted(out, key=lambda c: c.offload != "none")
-
-
-def adapter_options(config: Config) -> list[tuple[str, str]]:
-    """(adapter, quantization) pairs to try, least compromise first."""
-    a, q = config.adapter.type, config.quantization.type
-    if a == "full":
-        return [("full", "none")]
-    if a == "qlora" or (a == "lora" and q == "nf4"):
-        return [("qlora", "nf4")]
-    if q == "int8":
-        return [("lora", "int8")]
-    if q == "nf4":
-        return [("qlora", "nf4")]
-    if a == "lora" or q == "none":
-        return [("lora", "none")]
-    return [("lora", "none"), ("qlora", "nf4")]
-
-
-def backend_options(config: Config, hw: Hardware, topo: Topology) -> list[tuple[str, str | None, str]]:
-    """(backend, sharding, offload) triples to try, least communication and host traffic first."""
-    d = config.distributed
-    if topo.world == 1 and d.backend in ("auto", "single"):
-        opts = [("single", None, "none")]
-        if d.backend == "auto" and not hw.is_cpu and d.offload in ("auto", "all"):
-            opts.append(("fsdp", "full_shard", "all"))
-        return opts
-    backends = ["ddp", "fsdp"] if d.backend == "auto" else [d.backend]
-    out = []
-    for b in backends:
-        for s in _shardings(b, d.sharding, topo, d.deepspeed_config):
-            for o in _offloads(b, s, d.offload, hw):
-                out.append((b, s, o))
-    return out
-
-
-def _shardings(backend: str, asked: str, topo: Topology, deepspeed_file: str | None = None) -> list[str | None]:
-    if backend in ("ddp", "single"):
-        return [None]
-    if asked != "auto":
-        if asked == "hybrid_shard" and topo.nodes == 1:
-            raise PlanError(
-                "distributed.sharding: hybrid_shard shards inside a node and replicates across nodes, but the "
-                "job has 1 node; set sharding: full_shard (or auto)"
-            )
-        return [asked]
-    if backend == "deepspeed":
-        stage = users_stage(deepspeed_file)
-        return [f"zero{stage}"] if stage else ["zero1", "zero2", "zero3"]
-    return ["shard_grad_op"] + (["hybrid_shard"] if topo.nodes > 1 else []) + ["full_shard"]
-
-
-def users_stage(path: str | None) -> int | None:
-    """The ZeRO stage a user's DeepSpeed file sets (1-3), which `sharding: auto` follows; None when there is no file
-    or it does not say (an unreadable file is reported where it is used: distributed/deepspeed.py)."""
-    import json
-    from pathlib import Path
-
-    if path is None:
-        return None
-    try:
-        stage = json.loads(Path(path).expanduser().read_text()).get("zero_optimization", {}).get("stage")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return stage if stage in (1, 2, 3) else None
-
-
-def _offloads(backend: str, sharding: str | None, asked: str, hw: Hardware) -> list[str]:
-    if backend in ("ddp", "single"):
-        return ["none"]
-    if asked != "auto":
-        if asked != "none" and hw.is_cpu:
-            raise PlanError(
-                f"distributed.offload: {asked} moves memory from GPUs to host RAM, but this hardware has no GPU; "
-                "set offload: none (or auto)"
-            )
-        return [asked]
-    if hw.is_cpu:
-        return ["none"]
-    if backend == "deepspeed":
-        return ["none", "optimizer", "all"] if sharding == "zero3" else ["none", "optimizer"]
-    return ["none", "all"] if sharding == "full_shard" else ["none"]
 
 
 def fit_candidate(
@@ -516,8 +276,3 @@ def host_shortfall(est: Estimate, hw: Hardware) -> str:
             f"{host_capacity(hw) / 2**30:.1f} GiB usable RAM that may be pinned"
         )
     return f"{est.host_bytes / 2**30:.1f} GiB per node, {host_capacity(hw) / 2**30:.1f} GiB usable"
-
-
-def with_hardware(hw: Hardware, nodes: int | None = None, devices_per_node: int | None = None) -> Hardware:
-    """The same hardware with another node or device count (for 'what would fit' advice)."""
-    return replace(hw, nodes=nodes or hw.nodes, devices_per_node=devices_per_node or hw.devices_per_node)
