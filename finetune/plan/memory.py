@@ -28,7 +28,8 @@ activations    saved for backward, per token and layer (elements): 4h + 3q + 3kv
                input), full activations for the other L-k, plus one layer's recomputed activations. With
                activation offload only two layers' stored tensors are on the device (in flight); the rest wait
                in pinned host memory.
-logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss; chunked: one chunk
+logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
+               logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
 reference      DPO/GRPO with a frozen copy as reference: the base weights again.
 generation     GRPO rollouts: KV cache 2*L*kv*a*(prompt+completion) per sequence for the whole
@@ -394,11 +395,12 @@ def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states' fp32
     gradient."""
     t, h, v = tokens_per_micro_batch(s), m.hidden_size, m.vocab_size
+    per_logit = 8 + (a if a < 4 else 0)  # fp32 logits and their gradient, plus the half-precision logits they came from
     if s.loss == "chunked":
-        return min(t, s.loss_chunk_tokens or t) * v * (a + 8) + t * h * (a + 4)
+        return min(t, s.loss_chunk_tokens or t) * v * per_logit + t * h * (a + 4)
     if s.loss == "fused":
         return t * h * (a + 8)
-    return t * v * (a + 8)
+    return t * v * per_logit
 
 
 def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:

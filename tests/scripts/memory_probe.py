@@ -1,6 +1,8 @@
 """Measure the peak host memory that training adds, next to the planner's estimate (run in a fresh process).
 
-python tests/scripts/memory_probe.py full|lora  -> prints one JSON line: measured, estimated, breakdown
+python tests/scripts/memory_probe.py full|lora [TRAIN_KEYS]  -> prints one JSON line: measured, estimated, breakdown
+
+TRAIN_KEYS: more `train:` keys in YAML flow style, e.g. "loss_implementation: chunked" (the memory savers).
 """
 
 import json
@@ -24,7 +26,7 @@ from finetune.workflow import model_facts
 tmp = Path(tempfile.mkdtemp())
 tok = build_tokenizer()
 cfg = LlamaConfig(
-    vocab_size=8192,
+    vocab_size=32768,  # logits matter, and the chunked loss's chunk (256 MiB of fp32 logits) is half a micro-batch
     hidden_size=512,
     intermediate_size=1536,
     num_hidden_layers=4,
@@ -48,11 +50,14 @@ long = [
 ]
 data = write_jsonl(long, tmp / "d.jsonl")
 adapter = sys.argv[1]  # full | lora
+extra = f", {sys.argv[2]}" if len(sys.argv) > 2 and sys.argv[2] else ""
+if "checkpoint" not in extra:
+    extra = ", gradient_checkpointing: false" + extra
 text = f"""
 model: {{name: {tmp / "model"}}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / "cache"}, packing: true}}
 adapter: {{type: {adapter}}}
-train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2, gradient_checkpointing: false}}
+train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2{extra}}}
 output: {{dir: {tmp / "run"}}}
 """
 config = loads(text)
