@@ -271,6 +271,11 @@ def test_the_optimizer_step_in_backward_with_pure_bf16_resumes_exactly(tmp_path)
 
     norms = [r["grad_norm"] for r in metric_rows(tmp_path / "stopped") if "loss" in r]
     assert len(norms) == 6 and all(isinstance(g, float) and g > 0 for g in norms)
+    # the same checkpoint under a step after backward would restart its moments from zero: refused, with the key
+    other = tiny_job(tmp_path / "other", "max_grad_norm: 0, precision: bf16-pure", steps=6, batch=4)
+    assert not other[1].optimizer_in_backward
+    with pytest.raises(FtError, match="optimizer_in_backward"):
+        run(other[3], tmp_path / "stopped", resume_from=checkpoint.latest(tmp_path / "stopped"))
 
 
 # ---------------------------------------------------------------- FSDP2: DTensor shards, DCP checkpoints

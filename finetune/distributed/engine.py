@@ -276,8 +276,15 @@ def load_replica(path: Path, model, optimizer) -> None:
     with torch.no_grad():
         for name, value in weights.items():
             params[name].copy_(value)
+    state = load_tensors(path / _OPTIMIZER)
+    if "per_parameter" in state and not hasattr(optimizer, "optimizers"):  # optim.OptimizerInBackward wrote it
+        raise FtError(
+            f"checkpoint {path} holds the optimizer state of a step in backward (train.optimizer_in_backward) but "
+            "this job steps after the backward pass: its moments would start from zero; resume with the "
+            "optimizer_in_backward setting the run was written with"
+        )
     # the optimizer casts its state to each parameter's device
-    optimizer.load_state_dict(load_tensors(path / _OPTIMIZER))
+    optimizer.load_state_dict(state)
 
 
 def read_replica(path: Path, model=None) -> dict:
