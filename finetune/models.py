@@ -109,11 +109,13 @@ def load_model(
     }
     if plan.quantization in ("nf4", "int8"):
         kwargs["quantization_config"] = quantization_config(plan)
-    if torch.cuda.is_available() and plan.loading != "partitioned":
+    if torch.cuda.is_available() and plan.loading not in ("partitioned", "host"):
         # GPU: load straight onto this rank's device. Not under ZeRO-3: from_pretrained then constructs the model
         # partitioned
         # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ...
         # device_map")
+        # `host` (a 4-bit base under FSDP2 that does not fit whole on the GPU): quantized in host memory; fully_shard
+        # then moves each layer to the GPU as it shards it (plan/candidates.py loading)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     register_attention(attn)
     path = model_path(model)

@@ -11,14 +11,10 @@ from finetune.plan import plan
 from tests import calibration
 
 ROWS = calibration.rows()
-# ft loads a 4-bit base as a whole quantized copy on each GPU (bitsandbytes quantizes while loading); these runs load
-# it shard by shard (torchao NF4 under FSDP2, or Answer.AI's layer-by-layer loading), which ft cannot yet do, so the
-# planner rightly refuses them: the load alone does not fit. strict: this fails once ft can load them.
-NEEDS_SHARDED_4BIT_LOADING = {
-    "torchtune-llama31-405b-qlora-8xa100",
-    "fsdpqlora-llama2-70b-qlora-offload-bs2-2x3090",
-    "peft-llama2-70b-qlora-fsdp-offload-2x24gb",
-}
+# Each rank quantizes a 4-bit base in its own host RAM (or on its GPU) while loading; torchtune loads 405B as NF4
+# shards (torchao under FSDP2), which ft cannot yet do: eight 203 GiB copies do not fit the node's RAM, so the planner
+# rightly refuses it. strict: this fails once ft can load it.
+NEEDS_SHARDED_4BIT_LOADING = {"torchtune-llama31-405b-qlora-8xa100"}
 
 
 def test_estimate_error_on_published_runs_is_within_bounds():

@@ -437,3 +437,46 @@ def test_config_checks_for_memory_savers():
     msg = str(info.value)
     for key in ("train.compensation", "train.max_grad_norm", "train.checkpoint_layers"):
         assert key in msg
+
+
+def test_a_4bit_base_that_does_not_fit_whole_on_each_gpu_is_loaded_through_host_memory():
+    """70B QLoRA on two 24 GB cards (the FSDP-QLoRA showcase): the quantized model (~36 GiB) cannot be loaded whole on
+    each GPU, so each rank quantizes it in host RAM and FSDP2 moves it to the GPU layer by layer."""
+    from finetune.plan.memory import LOADING
+
+    p = make(["adapter.type=qlora"], model="meta-llama/Llama-3.3-70B-Instruct", hardware="2xRTX3090-24GB")
+    assert (p.backend, p.loading) == ("fsdp", "host")
+    assert p.estimate.device[LOADING] < p.device_capacity_bytes < 30 * 2**30
+    assert p.estimate.host[LOADING] > 2 * 30 * 2**30  # two processes, each with the whole 4-bit model
+    assert "host RAM" in p.decision("loading").reason
+    # where the whole 4-bit model fits on each GPU, it is loaded there as before
+    assert make(["adapter.type=qlora", "distributed.backend=fsdp"], hardware="2xH100-80GB").loading == "replica"
+
+
+def test_host_loading_gives_the_gpu_nothing_until_fsdp_moves_it(monkeypatch):
+    """models.load_model under `host` loading: no device_map even where CUDA is available (the model is quantized in
+    host memory); every other loading puts it on this rank's GPU."""
+    import dataclasses
+
+    import torch
+    import transformers
+
+    from finetune.models import load_model
+
+    seen = {}
+
+    def fake(path, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
+    p = make(["adapter.type=qlora"], model="meta-llama/Llama-3.3-70B-Instruct", hardware="2xRTX3090-24GB")
+    cfg = loads(AUTO, overrides=["model.name=meta-llama/Llama-3.3-70B-Instruct"], environ={})
+    for loading, placed in (("host", False), ("replica", True)):
+        seen.clear()
+        with pytest.raises(Exception, match="stop here"):
+            load_model(cfg.model, dataclasses.replace(p, loading=loading), attn_implementation="sdpa")
+        assert ("device_map" in seen) is placed
+        assert "quantization_config" in seen

@@ -146,8 +146,9 @@ def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: s
         f"{hw.device_memory_bytes / GiB:.1f} GiB"
     )
     if need <= have and not hw.is_cpu:
+        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(est.host.items(), key=lambda kv: -kv[1])[:3])
         msg = (
-            f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node for offloading, "
+            f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node ({parts}), "
             f"{search.host_capacity(hw) / GiB:.1f} GiB usable"
         )
     opts = options(config, hw, m)

@@ -3,7 +3,7 @@ lists least compromise first; and how each candidate loads its weights."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from finetune.config.schema import Config
 from finetune.errors import PlanError
@@ -18,6 +18,7 @@ class Candidate:
     backend: str
     sharding: str | None
     offload: str
+    host_load: bool = False  # a 4-bit base under FSDP2 quantized in host memory, then moved to the GPU shard by shard
 
 
 def sharded_params(c: Candidate) -> bool:
@@ -26,10 +27,13 @@ def sharded_params(c: Candidate) -> bool:
 
 
 def loading(c: Candidate) -> str:
-    """How ranks load the weights. FSDP2 and ZeRO-3 never hold a whole 16/32-bit copy per rank; a 4-bit base is loaded
-    quantized by each rank (bitsandbytes quantizes while loading, so it cannot be filled into meta-device shards)."""
+    """How ranks load the weights. FSDP2 and ZeRO-3 never hold a whole 16/32-bit copy per rank. A 4-bit base is loaded
+    quantized by each rank (bitsandbytes quantizes while loading, so it cannot be filled into meta-device shards):
+    onto its GPU (`replica`), or, under FSDP2 where that does not fit, into host memory (`host`), from where
+    fully_shard moves it to the GPU one layer at a time as it shards it (torch _fsdp_init._move_states_to_device;
+    bitsandbytes' Params4bit.to moves the quantization state along)."""
     if c.quantization != "none":
-        return "replica"
+        return "host" if c.host_load else "replica"
     if c.backend == "fsdp":
         return "meta"
     return "partitioned" if c.sharding == "zero3" else "replica"
@@ -47,7 +51,13 @@ def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
         for b, s, o in backend_options(config, hw, topo)
         if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
     ]
+    out = [v for c in out for v in ([c, replace(c, host_load=True)] if host_loadable(c) else [c])]
     return sorted(out, key=lambda c: c.offload != "none")
+
+
+def host_loadable(c: Candidate) -> bool:
+    """A 4-bit base that FSDP2 shards can be loaded in host memory instead of whole on each GPU."""
+    return c.quantization == "nf4" and c.backend == "fsdp"
 
 
 def adapter_options(config: Config) -> list[tuple[str, str]]:

@@ -43,10 +43,12 @@ gradients      micro-batch, and FSDP2 keeps each trained parameter's whole gradi
                then: 4*T. (Full fine-tuning syncs every micro-batch instead: 4*N would not fit.)
 loading        What a rank holds while its model is created, before gradients and optimizer states
                exist: with `replica` loading the whole model (weights, adapter, a reference copy) in
-               its load dtype; with `meta` (FSDP2) or `partitioned` (ZeRO-3) loading its shard of
-               them plus the largest tensor or layer in flight. The device peak is the larger of
-               this and the training peak (the sum of the other terms); the breakdown shows it
-               under its own key, not added to the others.
+               its load dtype; with `meta` (FSDP2), `partitioned` (ZeRO-3) or `host` (a 4-bit base
+               quantized in host RAM, then moved to the GPU layer by layer as FSDP2 shards it) loading
+               its shard of them plus the largest tensor or layer in flight. `host` loading holds the
+               whole quantized model in each process's host RAM meanwhile (the host's own loading term).
+               The device peak is the larger of this and the training peak (the sum of the other
+               terms); the breakdown shows it under its own key, not added to the others.
 
 Sharding divides by S: ZeRO-1 the optimizer; ZeRO-2 and FSDP shard_grad_op also the gradients
 (shard_grad_op keeps unsharded half-precision parameters between forward and backward); ZeRO-3 and
@@ -154,7 +156,8 @@ class Estimate:
 
     @property
     def host_bytes(self) -> int:
-        return sum(self.host.values())
+        """Host RAM per node at its peak: training (the sum of the terms) or loading (its own term)."""
+        return max(sum(v for k, v in self.host.items() if k != LOADING), self.host.get(LOADING, 0))
 
 
 def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
@@ -189,6 +192,7 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     device[LOADING] = loading_bytes(m, s, a, state) + (CUDA_CONTEXT if s.accelerator else 0)
     host = {k: v * processes_per_node for k, v in host.items()}
     host["runtime per process"] = PROCESS_HOST_RAM * processes_per_node
+    host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
     return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)
 
@@ -290,6 +294,13 @@ def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> f
         held = 0
     largest = max(m.layer_params, m.embedding_params, m.lm_head_params) * (4 if s.adapter == "full" else a)
     return held / max(1, s.shard_size) + largest
+
+
+def host_loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> float:
+    """Host RAM of one process while it loads: the whole quantized model with `host` loading."""
+    if s.loading != "host":
+        return 0
+    return state["weights"] + state["adapter"] + state["reference model"]
 
 
 def trainable_params(m: ModelFacts, s: Setup) -> int:

@@ -68,6 +68,7 @@ class Plan:
     reference: str = "none"
     process_group: bool = False  # the ranks join a process group (several ranks, or FSDP2/DeepSpeed even for one)
     # replica: each rank loads the whole model | meta: FSDP2 builds on meta, shards, then fills from safetensors
+    # | host: a 4-bit base quantized in host memory, moved to the GPU layer by layer as FSDP2 shards it
     loading: str = "replica"
     # | partitioned: ZeRO-3 constructs the model partitioned
     # local: unsharded model | gather: whole model gathered for generate() | layerwise: per-layer gathers, synced ranks

@@ -19,7 +19,7 @@ from finetune.plan.advice import no_fit_error
 from finetune.plan.candidates import Candidate, loading, sharded_params
 from finetune.plan.comm import seconds
 from finetune.plan.explain import alternatives, record_savers
-from finetune.plan.memory import GiB
+from finetune.plan.memory import LOADING, GiB
 from finetune.plan.plan import Decision, Plan
 from finetune.plan.savers import chunk_tokens
 from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, traffic
@@ -185,6 +185,17 @@ def _record_fit(
             f"{topo.world} ranks",
         )
     )
+    if c.host_load:
+        whole = fit.estimate.host.get(LOADING, 0) / max(1, topo.processes_per_node) / GiB
+        out.append(
+            Decision(
+                "loading",
+                "host",
+                f"the 4-bit model does not fit whole on each GPU while it loads; each rank quantizes it in host RAM "
+                f"(about {whole:.1f} GiB per process) and FSDP2 moves it to the GPU one layer at a time as it "
+                "shards it",
+            )
+        )
     if c.quantization == "nf4" and (c.backend == "fsdp" or c.sharding == "zero3"):
         out.append(
             Decision(
