@@ -43,6 +43,11 @@ class MethodSection(Section):
         """Dataset rows one optimizer step consumes, for a global batch of `global_batch` sequences."""
         return global_batch
 
+    def steps_per_batch(self) -> int:
+        """Optimizer steps taken on each batch of rows (GRPO's num_iterations): the data stream deals a new batch every
+        this many steps."""
+        return 1
+
     def problems(self) -> list[Problem]:
         """Conflicts between this method's own keys."""
         return []
@@ -129,6 +134,30 @@ class RewardSpec(Section):
     """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
 
 
+class RolloutSection(Section):
+    """Where a vLLM rollout engine runs and how it receives the trainer's weights."""
+
+    placement: Literal["auto", "colocated", "server"] = "auto"
+    """`colocated`: a vLLM engine inside each training process, sharing its GPU (its memory share planned, asleep
+    during the backward pass on GPUs); `server`: a separate pool of GPUs runs `ft rollout-server` and the trainer sends
+    it prompts and weights; `auto`: the planner chooses (see `ft plan`)."""
+    gpus: Literal["auto"] | Bounded(int, ge=1, le=100_000) = "auto"
+    """GPUs of the server pool (placement: server), taken from the job's GPUs; `auto`: the planner chooses."""
+    tensor_parallel: Literal["auto"] | Bounded(int, ge=1, le=64) = "auto"
+    """GPUs each vLLM engine splits the model over; `auto`: the fewest that hold the weights and the KV cache."""
+    memory_share: Literal["auto"] | Bounded(float, gt=0, lt=1) = "auto"
+    """Share of each GPU's memory given to vLLM (its gpu_memory_utilization); `auto`: what the plan computes."""
+    sync_every: Bounded(int, ge=1, le=100_000) = 1
+    """Send the trainer's weights to the engine every this many optimizer steps."""
+    asynchronous: bool = False
+    """Generate the next rollout while the current one trains (one step off-policy; the lag is logged as
+    `rollout_lag`). Needs `engine: vllm`."""
+    url: str | None = None
+    """An `ft rollout-server` already running (http://host:port), e.g. started on other nodes; ft then starts none."""
+    kv_cache_gib: Bounded(float, gt=0, le=100_000) | None = None
+    """KV cache for a vLLM engine on CPU, in GiB (GPUs size it from memory_share); null: 1 GiB."""
+
+
 class GRPOMethod(MethodSection):
     """Group relative policy optimisation: sample several completions per prompt, score them, push up the better
     ones."""
@@ -157,7 +186,18 @@ class GRPOMethod(MethodSection):
     """`sequence`: mean over each completion, then over the group (GRPO paper); `token`: mean over all tokens (DAPO);
     `dr_grpo`: sum over tokens divided by a constant (Dr. GRPO)."""
     engine: Literal["auto", "transformers", "vllm"] = "auto"
-    """Generation engine: `auto` uses vLLM on GPUs where installed, transformers otherwise."""
+    """Rollout engine: `vllm` samples with vLLM (colocated in each training process or on a separate pool, see
+    `rollout`) and receives the trainer's weights after each update; `transformers` samples with `generate` on the
+    training model; `auto` is vLLM on GPUs where it is installed, transformers otherwise."""
+    num_iterations: Bounded(int, ge=1, le=64) = 1
+    """Optimizer steps taken on each rollout (PPO/GRPO's μ): the rollout's policy is the old policy of the ratio, so
+    `clip_eps` acts from the second step on."""
+    importance_sampling_cap: Bounded(float, ge=1, le=1e6) | None = 2.0
+    """Truncated importance sampling between the rollout engine and the trainer: each completion token's loss is
+    weighted by min(π_trainer/π_engine, cap), which corrects for the engine's numerics (and, with async rollouts, its
+    older weights). null: no correction. Has an effect only when an engine other than the training model samples."""
+    rollout: RolloutSection = RolloutSection()
+    """Where and how a vLLM engine samples (ignored with `engine: transformers`)."""
 
     def reference_kind(self, adapter: str) -> str:
         return "none" if self.kl_coef == 0 else _adapter_or_copy(adapter)
@@ -167,6 +207,38 @@ class GRPOMethod(MethodSection):
 
     def rows_per_step(self, global_batch: int) -> int:
         return global_batch // self.num_generations  # the batch counts completions; a row is a prompt
+
+    def steps_per_batch(self) -> int:
+        return self.num_iterations
+
+    def problems(self) -> list[Problem]:
+        found = []
+        if self.rollout.asynchronous and self.engine == "transformers":
+            found.append(
+                Problem(
+                    (("method", "rollout", "asynchronous"), ("method", "engine")),
+                    "asynchronous rollouts need a separate rollout engine: transformers samples with the training "
+                    "model itself, which cannot generate while it trains",
+                    "set method.engine: vllm, or method.rollout.asynchronous: false",
+                )
+            )
+        if self.rollout.url is not None and self.rollout.placement == "colocated":
+            found.append(
+                Problem(
+                    (("method", "rollout", "url"), ("method", "rollout", "placement")),
+                    "a rollout server URL was given with placement colocated",
+                    "remove method.rollout.url, or set method.rollout.placement: server (or auto)",
+                )
+            )
+        if self.rollout.url is not None and not self.rollout.url.startswith(("http://", "https://")):
+            found.append(
+                Problem(
+                    (("method", "rollout", "url"),),
+                    f"{self.rollout.url!r} is not an http(s) URL",
+                    "give the address ft rollout-server printed, e.g. http://node7:8420",
+                )
+            )
+        return found
 
     def train_problems(self, train: Section) -> list[Problem]:
         if train.global_batch_tokens is not None or train.global_batch_size % self.num_generations == 0:

@@ -73,11 +73,13 @@ def _scaled(hw: Hardware) -> list[tuple[str, Hardware]]:
     return out
 
 
-def _try(config: Config, hw: Hardware, m: ModelFacts) -> Estimate | None:
+def _try(config: Config, hw: Hardware, m: ModelFacts, like: topology.Topology | None = None) -> Estimate | None:
     """The estimate of what the planner would choose for `config` on `hw`, or None when that does not plan (for any
-    reason: an alternative's own errors are never shown to the user)."""
+    reason: an alternative's own errors are never shown to the user). `like`: the refused plan's topology, whose
+    rollout pool and engine share the alternative keeps."""
+    pool, engine = (like.rollout_gpus, like.engine) if like else (0, topology.EngineShare())
     try:
-        topo = topology.choose_topology(config, hw, [])
+        topo = topology.choose_topology(config, hw, [], pool, engine)
         precision = topology.choose_precision(config, hw, [])
         batch = topology.choose_global_batch(config, topo, [])
         fit = search.search(config, hw, m, topo, precision, batch).chosen
@@ -86,11 +88,11 @@ def _try(config: Config, hw: Hardware, m: ModelFacts) -> Estimate | None:
     return fit.estimate if fit else None
 
 
-def options(config: Config, hw: Hardware, m: ModelFacts, limit: int = 4) -> list[str]:
+def options(config: Config, hw: Hardware, m: ModelFacts, limit: int = 4, like=None) -> list[str]:
     """Changes to the config that fit this hardware, each with the per-device estimate it would be planned with."""
     found: list[str] = []
     for label, edit in relaxations(config):
-        est = _try(edit(config), hw, m)
+        est = _try(edit(config), hw, m, like)
         if est is not None:
             found.append(f"{label} (est. {est.device_bytes / GiB:.1f} GiB)")
     return found[:limit]
@@ -151,7 +153,7 @@ def no_fit_error(config: Config, hw: Hardware, m: ModelFacts, topo, precision: s
             f"{m.name} does not fit: host RAM needs {est.host_bytes / GiB:.1f} GiB per node ({parts}), "
             f"{search.host_capacity(hw) / GiB:.1f} GiB usable"
         )
-    opts = options(config, hw, m)
+    opts = options(config, hw, m, like=topo)
     if opts:
         return PlanError(msg + " — changes that fit this hardware: " + "; or ".join(opts))
     bigger = more_hardware(config, hw, m)

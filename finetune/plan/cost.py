@@ -11,6 +11,9 @@ The figures are orders of magnitude for ranking setups on one piece of hardware,
   communication   plan/comm.py's bytes per step at its link speeds
   host transfers  offloaded weights, gradients and optimizer states over PCIe, the optimizer step on the CPU, and
                   offloaded activations (a quarter of the compute hides them)
+  generation      (rollouts, plan/rollout.py) each decode step reads the engine's weights (/ tensor parallel) and the
+                  batch's KV cache at DECODE_EFFICIENCY of the memory bandwidth, or computes, whichever is slower;
+                  the prompts are prefilled first at MFU
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from __future__ import annotations
 from finetune.catalog import ModelFacts
 from finetune.hardware import Hardware
 from finetune.plan.memory import (
+    DTYPE_BYTES,
     Setup,
     checkpointed_layers,
+    kv_cache_bytes,
     stored_activation_bytes,
     tokens_per_micro_batch,
     trainable_params,
@@ -31,16 +36,24 @@ CPU_ADAM_PARAMS_PER_S = 3e8  # parameters one process's share of the CPU updates
 LAUNCH_SECONDS_PER_LAYER = 3e-4  # per micro-batch, forward and backward
 CPU_FLOPS = 2e11  # a CPU process, bf16/fp32, for ranking only
 OVERLAP = 0.25  # share of a micro-batch's compute that activation copies hide behind (they share PCIe both ways)
+DECODE_EFFICIENCY = 0.6  # share of the memory bandwidth a decode step reaches (weights and KV cache reads)
+GENERATE_LAUNCHES_PER_LAYER = LAUNCH_SECONDS_PER_LAYER / 3  # transformers' generate: one forward's launches a token
 
-# Dense bf16/fp16 tensor throughput (FLOP/s) and memory bandwidth (B/s) per accelerator family.
+# Dense bf16/fp16 tensor throughput (FLOP/s) and HBM/GDDR memory bandwidth (B/s) per accelerator family: the vendors'
+# datasheet figures (NVIDIA H100 SXM 3.35 TB/s, H100 NVL 3.9, H200 4.8, A100 80GB SXM 2.0, A100 40GB 1.555, L40S 0.864,
+# ...; AMD MI300X 5.3, MI250 3.2 per card = 1.6 per GCD). The longest name that matches wins.
 ACCELERATORS: dict[str, tuple[float, float]] = {
     "B200": (2250e12, 8e12),
     "H200": (989e12, 4.8e12),
     "H100": (989e12, 3.35e12),
+    "H100-94GB": (989e12, 3.9e12),
     "MI300X": (1307e12, 5.3e12),
     "MI250": (181e12, 1.6e12),
     "A100": (312e12, 2.0e12),
-    "L40S": (362e12, 0.86e12),
+    "A100-40GB": (312e12, 1.555e12),
+    "A100-SXM4-40GB": (312e12, 1.555e12),
+    "A100-PCIE-40GB": (312e12, 1.555e12),
+    "L40S": (362e12, 0.864e12),
     "A6000": (155e12, 0.77e12),
     "RTX4090": (165e12, 1.0e12),
     "RTX3090": (71e12, 0.94e12),
@@ -117,3 +130,28 @@ def host_seconds(m: ModelFacts, s: Setup, micro_batches: int, compute_per_micro_
         moved = 2 * stored_activation_bytes(m, s, a) / PCIE_BPS
         seconds += micro_batches * max(0.0, moved - OVERLAP * compute_per_micro_batch)
     return seconds
+
+
+def generation_seconds(
+    m: ModelFacts,
+    hw: Hardware,
+    precision: str,
+    weight_bytes: float,
+    prompt: int,
+    completion: int,
+    sequences: int,
+    tensor_parallel: int = 1,
+    generate: bool = False,
+) -> float:
+    """Seconds one engine takes to sample `sequences` completions of `completion` tokens after `prompt`-token prompts:
+    each decode step reads its weights and the batch's KV cache once (memory-bound) or computes the batch's tokens
+    (compute-bound), whichever is slower, over its `tensor_parallel` GPUs; the prompts are prefilled first.
+    `generate`: transformers' generate on the training model, which also pays one forward's launches per token."""
+    flops, bandwidth = accelerator_speed(hw)
+    speed = flops * (0.25 if precision == "fp32" else 1) * MFU * tensor_parallel
+    kv = kv_cache_bytes(m, DTYPE_BYTES[precision], prompt + completion / 2, sequences)  # what an average step reads
+    read = (weight_bytes + kv) / tensor_parallel / (bandwidth * DECODE_EFFICIENCY)
+    compute = forward_flops_per_token(m, prompt + completion // 2) * sequences / speed
+    step = max(read, compute) + (GENERATE_LAUNCHES_PER_LAYER * m.num_layers if generate else 0)
+    prefill = forward_flops_per_token(m, prompt) * prompt * sequences / speed
+    return completion * step + prefill

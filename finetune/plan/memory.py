@@ -32,9 +32,13 @@ logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient 
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
 reference      DPO/GRPO with a frozen copy as reference: the base weights again.
-generation     GRPO rollouts: KV cache 2*L*kv*a*(prompt+completion) per sequence for the whole
-               per-rank batch, plus fp32 logits of the last position. Rollout and backward do not
-               overlap, so the peak counts the larger of the two phases.
+generation     GRPO rollouts by the training model (transformers): KV cache 2*L*kv*a*(prompt+completion)
+               per sequence for the whole per-rank batch, plus fp32 logits of the last position. Rollout
+               and backward do not overlap, so the peak counts the larger of the two phases.
+rollout engine A colocated vLLM engine's memory share (plan/rollout.py). Asleep during the backward pass (GPUs,
+               sleep level 1: weights to host RAM) it shares the device with the resident state only (the
+               larger phase counts); awake all along (CPU, asynchronous rollouts, or where that is faster)
+               it is added. No allocator reserve on it (vLLM allocates its KV cache as one block).
 overhead       GPU: 1 GiB CUDA context and library workspaces (outside torch's allocator), plus 5% that the
                caching allocator reserves beyond what tensors use: max_memory_allocated ~ the rest,
                max_memory_reserved ~ all but the context (Estimate.allocated_bytes / reserved_bytes).
@@ -86,6 +90,9 @@ FSDP = {"full_shard", "shard_grad_op", "hybrid_shard"}
 LOADING = "while loading (peak; not added)"  # the breakdown key of the load-time peak
 RESERVE = "allocator reserve (fragmentation)"  # reserved by torch's caching allocator beyond what tensors use
 PINNED_ACTIVATIONS = "offloaded activations (pinned)"  # the host key of activation offloading
+ROLLOUT = "rollout engine (vLLM)"  # a colocated rollout engine's memory share (plan/rollout.py)
+ROLLOUT_HOST = "rollout engine weights (asleep)"  # its weights in host RAM while it sleeps
+TRANSIENT = ("activations", "logits and loss", "generation (KV cache)")  # freed between the steps' phases
 CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
 DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
 
@@ -118,6 +125,9 @@ class Setup:
     accelerator: bool = True  # False on CPU: no CUDA context
     loading: str = "replica"  # replica | meta | partitioned: how a rank creates its model (plan.loading)
     accumulation: int = 1  # micro-batches per optimizer step on each rank
+    rollout_bytes: int = 0  # a colocated rollout engine's device memory while awake (topology.EngineShare)
+    rollout_sleeps: bool = False  # it sleeps during the backward pass: it only shares the device with resident state
+    rollout_host_bytes: int = 0  # per process: its weights in host RAM while asleep
     # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
     # activations in host memory, optimizer step in backward
     pure_bf16: bool = False
@@ -177,7 +187,8 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     device, host = _shard_and_offload(m, s, a, state)
     acts, logits = activation_bytes(m, s, a), logits_bytes(m, s, a)
     gen_peak = generation_bytes(m, s, a)
-    training = gen_peak <= acts + logits
+    engine = s.rollout_bytes / (1 + FRAGMENTATION) if s.accelerator else s.rollout_bytes  # no reserve counts on it
+    training = max(gen_peak, engine if s.rollout_sleeps else 0) <= acts + logits
     device["activations"] = acts if training else 0
     device["logits and loss"] = logits if training else 0
     device["generation (KV cache)"] = 0 if training else gen_peak
@@ -189,7 +200,9 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     if s.accelerator:
         device[RESERVE] = int(FRAGMENTATION * sum(device.values()))
         device[CONTEXT] = CUDA_CONTEXT
+    device[ROLLOUT] = s.rollout_bytes if not (s.rollout_sleeps and training) else 0  # the rollout phase, or all along
     device[LOADING] = loading_bytes(m, s, a, state) + (CUDA_CONTEXT if s.accelerator else 0)
+    host[ROLLOUT_HOST] = s.rollout_host_bytes
     host = {k: v * processes_per_node for k, v in host.items()}
     host["runtime per process"] = PROCESS_HOST_RAM * processes_per_node
     host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
@@ -418,5 +431,9 @@ def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     """GRPO rollout: KV cache of the per-rank batch plus fp32 logits of the last position."""
     if not s.generation_tokens:
         return 0
-    kv_cache = 2 * m.num_layers * m.kv_dim * a * s.generation_tokens * s.generation_batch
-    return kv_cache + s.generation_batch * m.vocab_size * 4
+    return kv_cache_bytes(m, a, s.generation_tokens, s.generation_batch) + s.generation_batch * m.vocab_size * 4
+
+
+def kv_cache_bytes(m: ModelFacts, a: float, tokens: float, sequences: float) -> float:
+    """Keys and values of every layer for `sequences` sequences of `tokens` tokens each, in a-byte elements."""
+    return 2 * m.num_layers * m.kv_dim * a * tokens * sequences

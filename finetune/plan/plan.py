@@ -83,6 +83,8 @@ class Plan:
     optimizer_in_backward: bool = False  # each parameter stepped (and its gradient freed) as soon as it is complete
     step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
+    # where a sampling method's rollouts run (plan/rollout.py: engine, placement, GPUs, memory, seconds); {}: none
+    rollout: dict = field(default_factory=dict)
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -152,6 +154,7 @@ class Plan:
             "optimizer_in_backward": self.optimizer_in_backward,
             "step_seconds_estimate": self.step_seconds,
             "alternatives": list(self.alternatives),
+            "rollout": dict(self.rollout),
             # exact values, for from_json (the rounded figures above are for people)
             "exact": {
                 "estimate": {
@@ -207,6 +210,7 @@ class Plan:
         savers = {k: data[k] for k in SAVERS if k in data}  # absent from plans written before they existed
         savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
         savers["alternatives"] = tuple(data.get("alternatives", ()))
+        savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
         return cls(
             **simple,
             **savers,

@@ -1,6 +1,8 @@
 """plan(config, hardware, model) -> Plan: a pure function; every `auto` becomes a Decision with a reason.
 
-Order of choices: topology (nodes, processes) -> precision -> global batch (plan/topology.py) -> the setup to run
+Order of choices: where a sampling method's rollouts run (plan/rollout.py: the engine, a GPU pool taken from the
+trainer, the memory a colocated engine takes on each GPU) -> topology (nodes, processes) -> precision -> global batch
+(plan/topology.py) -> the setup to run
 (plan/search.py): every candidate the config allows (adapter and quantization, backend, sharding, host offload:
 plan/candidates.py) with every combination of memory savers it allows (plan/savers.py), each at the largest
 micro-batch that fits (plan/memory.py); the least estimated step time wins (plan/cost.py), within the least
@@ -21,6 +23,7 @@ from finetune.plan.comm import seconds
 from finetune.plan.explain import alternatives, record_savers
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.plan import Decision, Plan
+from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
 from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, traffic
 from finetune.plan.topology import Topology, choose_global_batch, choose_precision, choose_topology
@@ -37,7 +40,12 @@ def plan(
     if new_tokens or config.data.add_special_tokens:
         config = _train_embeddings(config)
     decisions: list[Decision] = []
-    topo = choose_topology(config, hardware, decisions)
+    placed = choose_rollout(config, hardware, model)
+    if placed is None:
+        topo = choose_topology(config, hardware, decisions)
+    else:
+        topo = choose_topology(config, hardware, decisions, placed.server_gpus, placed.share)
+        decisions.extend(placed.decisions)
     precision = choose_precision(config, hardware, decisions)
     batch = choose_global_batch(config, topo, decisions)
     outcome = search(config, hardware, model, topo, precision, batch)
@@ -112,6 +120,7 @@ def plan(
         optimizer_in_backward=fit.savers.optimizer_in_backward,
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(outcome.others, model),
+        rollout=placed.to_plan(hardware, topo, fit) if placed else {},
     )
 
 

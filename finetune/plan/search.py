@@ -209,7 +209,7 @@ def setup(
     a, method = config.adapter, config.method
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
     attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
-    gen_tokens = method.generation_tokens(config.data.seq_len)
+    gen_tokens = method.generation_tokens(config.data.seq_len) if topo.engine.samples else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
         adapter=cand.adapter,
@@ -243,6 +243,9 @@ def setup(
         accelerator=not hw.is_cpu,
         loading=loading(cand),
         accumulation=batch // topo.world // mb,
+        rollout_bytes=topo.engine.device_bytes,
+        rollout_sleeps=topo.engine.sleeps,
+        rollout_host_bytes=topo.engine.host_bytes,
     )
 
 

@@ -11,16 +11,59 @@ from finetune.plan.plan import Decision
 
 
 @dataclass(frozen=True)
+class EngineShare:
+    """What a rollout engine other than the training model takes on each trainer device (plan/rollout.py)."""
+
+    samples: bool = True  # the training model samples itself (transformers' generate): its KV cache is the trainer's
+    device_bytes: int = 0  # a colocated engine's memory on the device while it is awake
+    sleeps: bool = False  # asleep during the backward pass: counted against the trainer's resident state only
+    host_bytes: int = 0  # per process: the engine's weights kept in host RAM while it sleeps
+
+
+@dataclass(frozen=True)
 class Topology:
     nodes: int
     processes_per_node: int
+    rollout_gpus: int = 0  # GPUs taken from the hardware for a rollout server pool (the trainer runs on the rest)
+    engine: EngineShare = EngineShare()
 
     @property
     def world(self) -> int:
         return self.nodes * self.processes_per_node
 
 
-def choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topology:
+def trainer_hardware(hw: Hardware, rollout_gpus: int) -> Hardware:
+    """The hardware left to the trainer once a rollout pool of `rollout_gpus` GPUs is taken: whole nodes across
+    nodes, GPUs of the one node otherwise (plan/rollout.py only proposes such pools)."""
+    if not rollout_gpus:
+        return hw
+    if hw.nodes > 1:
+        return with_hardware(hw, nodes=hw.nodes - rollout_gpus // hw.devices_per_node)
+    return with_hardware(hw, devices_per_node=hw.devices_per_node - rollout_gpus)
+
+
+def choose_topology(
+    config: Config, hw: Hardware, out: list[Decision], rollout_gpus: int = 0, engine: EngineShare = EngineShare()
+) -> Topology:
+    """Nodes and processes of the trainer: all the hardware has, less a rollout pool's `rollout_gpus`."""
+    try:
+        topo = _choose_topology(config, trainer_hardware(hw, rollout_gpus), out)
+    except PlanError as e:
+        if not rollout_gpus:
+            raise
+        raise PlanError(
+            f"{e} (the trainer gets the {hw.world_size - rollout_gpus} GPUs left after the rollout pool's "
+            f"{rollout_gpus}: see method.rollout.placement and method.rollout.gpus)"
+        ) from e
+    if rollout_gpus:
+        last = out[-1] if out else None
+        if last is not None and last.field == "world_size":
+            pool = f" (the {hw.world_size} GPUs less the rollout pool's {rollout_gpus})"
+            out[-1] = replace(last, reason=last.reason.replace(" (all the hardware has)", "") + pool)
+    return replace(topo, rollout_gpus=rollout_gpus, engine=engine)
+
+
+def _choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topology:
     d = config.distributed
     unit = "process" if hw.is_cpu else "GPU"
     if d.backend == "single":

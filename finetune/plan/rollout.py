@@ -1,0 +1,415 @@
+"""Where a method's rollouts run (GRPO): the engine that samples, its place on the hardware, its tensor parallelism and
+memory share, and the step split between generation, training and weight sync (`Plan.rollout`).
+
+engine          auto: vLLM where there are GPUs, it is installed and it can serve the adapter; else transformers'
+                generate on the training model (placement `inline`).
+placement       colocated: a vLLM engine in each training process, sharing its GPU; on GPUs it sleeps during the
+                backward pass (sleep level 1: weights to host RAM, KV cache freed) unless rollouts are asynchronous.
+                server: a pool of GPUs taken from the job (whole nodes across nodes, a power of two of the node's GPUs
+                on one node), or a server already running at method.rollout.url. `auto` takes the least estimated
+                step time among the placements that fit:
+                  colocated        generation + training + sync (each GPU does both, in turn)
+                  pool of g GPUs   generation(g) + training(n - g) + sync; asynchronous: max(generation, training)
+                                   + sync
+tensor_parallel the smallest power of two (dividing the attention and KV heads and the GPUs of a node) at which the
+                engine's weights / TP + its KV cache for one rollout / TP + a workspace fit its memory share.
+memory_share    colocated: the usable memory less the trainer's resident state (its whole peak when the engine
+                stays awake), over the GPU's memory, at most 0.9; a pool GPU: 0.9.
+Seconds are per optimizer step: a rollout serves method.num_iterations steps, weights go out every sync_every steps
+(plan/cost.py's generation model; comm.py's links; waking a sleeping engine moves its weights over PCIe twice).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, replace
+
+from finetune.catalog import ModelFacts
+from finetune.config.schema import Config
+from finetune.errors import PlanError
+from finetune.hardware import Hardware
+from finetune.plan.comm import INTER_NODE_BPS, INTRA_NODE_BPS
+from finetune.plan.cost import generation_seconds
+from finetune.plan.memory import (
+    GiB,
+)
+from finetune.plan.plan import Decision
+from finetune.plan.rollout_options import (
+    MAX_SHARE,
+    Job,
+    Option,
+    colocated,
+    first,
+    fit_trainer,
+    layout,
+    pool_sizes,
+    resident_bytes,
+    seconds,
+    server,
+    sync_seconds,
+    tp_options,
+)
+from finetune.plan.search import Fit, device_capacity
+from finetune.plan.topology import EngineShare, Topology, choose_global_batch, choose_precision, choose_topology
+
+CPU_KV_CACHE_GIB = 1.0  # method.rollout.kv_cache_gib: null
+KEYS = (
+    "engine",
+    "placement",
+    "server_gpus",
+    "train_gpus",
+    "tensor_parallel",
+    "memory_share",
+    "kv_cache_bytes",
+    "sleep",
+    "sync_every",
+    "asynchronous",
+    "url",
+    "generation_seconds",
+    "training_seconds",
+    "sync_seconds",
+)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The rollout part of a Plan: the trainer's topology takes `server_gpus` and `share` from it."""
+
+    engine: str
+    placement: str
+    decisions: tuple[Decision, ...]
+    server_gpus: int = 0
+    tensor_parallel: int = 1
+    memory_share: float = 0.0
+    kv_cache_bytes: int = 0
+    sleep: bool = False
+    share: EngineShare = EngineShare()
+    generation_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    sync_every: int = 1
+    asynchronous: bool = False
+    url: str | None = None
+
+    def to_plan(self, hw: Hardware, topo: Topology, fit: Fit) -> dict:
+        """Plan.rollout: what the runtime reads (finetune/rollout/)."""
+        values = {k: getattr(self, k) for k in KEYS if hasattr(self, k)}
+        values["train_gpus"] = 0 if hw.is_cpu else topo.world
+        values["generation_seconds"] = round(self.generation_seconds, 6)
+        values["training_seconds"] = round(fit.step_seconds, 6)
+        values["sync_seconds"] = round(self.sync_seconds, 6)
+        return {k: values[k] for k in KEYS}
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+# ---------------------------------------------------------------- the choice
+def choose_rollout(config: Config, hw: Hardware, m: ModelFacts) -> Placement | None:
+    """The engine and its placement; None when the method samples nothing."""
+    seq = config.data.seq_len
+    if not config.method.generation_tokens(seq):
+        return None
+    choose_global_batch(config, choose_topology(config, hw, []), [])  # the planner's own errors come first
+    out: list[Decision] = []
+    engine = choose_engine(config, hw, out)
+    completion = min(config.method.max_new_tokens, seq)
+    job = Job(config, hw, m, choose_precision(config, hw, []), seq - completion, completion)
+    if engine == "transformers":
+        return _inline(job, out)
+    if hw.is_cpu:
+        return _on_cpu(job, out)
+    try:
+        return _on_gpus(job, out)
+    except EngineDoesNotFit as e:
+        if not e.fallback:
+            raise
+        why = f"vLLM does not fit next to the trainer ({e.need}): the training model samples with generate"
+        return _inline(job, [replace(out[0], value="transformers", reason=why)])
+
+
+class EngineDoesNotFit(PlanError):
+    """No placement of the vLLM engine fits, though the trainer alone does."""
+
+    def __init__(self, message: str, need: str, fallback: bool) -> None:
+        super().__init__(message)
+        self.need, self.fallback = need, fallback  # fallback: nothing pinned the engine, transformers may sample
+
+
+def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
+    method = config.method
+    if method.engine != "auto":
+        missing = method.engine == "vllm" and not vllm_installed()
+        why = "as set in the config" + (" (vLLM is not installed where this plan was made)" if missing else "")
+        out.append(Decision("engine", method.engine, why, "config"))
+        return method.engine
+    unservable = _unservable(config)
+    if hw.is_cpu:
+        engine, why = "transformers", "no GPU: the training model samples with generate (method.engine: vllm runs "
+        why += "vLLM's CPU build)"
+    elif not vllm_installed():
+        engine, why = "transformers", "vLLM is not installed: the training model samples with generate"
+    elif unservable:
+        engine, why = "transformers", f"vLLM cannot serve {unservable}: the training model samples with generate"
+    else:
+        engine = "vllm"
+        why = "GPUs and vLLM installed: vLLM samples with a paged KV cache and receives the trainer's weights"
+    if engine == "transformers" and method.rollout.asynchronous:
+        raise PlanError(
+            f"method.rollout.asynchronous: true needs a vLLM rollout engine, but method.engine: auto chose "
+            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
+            "method.rollout.asynchronous: false"
+        )
+    out.append(Decision("engine", engine, why))
+    return engine
+
+
+def _unservable(config: Config) -> str:
+    """What of the trained model vLLM cannot load (finetune/rollout/factory.py refuses the same)."""
+    a = config.adapter
+    if a.type != "full" and a.dora:
+        return "a DoRA adapter (adapter.dora)"
+    if a.modules_to_save:
+        return "modules trained in full (adapter.modules_to_save, or tokens added to the vocabulary)"
+    return ""
+
+
+def _inline(job: Job, out: list[Decision]) -> Placement:
+    topo, batch = layout(job, 0)
+    per_rank = batch // topo.world
+    gen = generation_seconds(
+        job.m, job.hw, job.precision, job.weight_bytes, job.prompt, job.completion, per_rank, generate=True
+    )
+    out.append(
+        Decision(
+            "rollout.placement",
+            "inline",
+            "transformers: each rank samples its share of the rollout with the training model between steps (no "
+            "weights to send)",
+        )
+    )
+    return _placement(job, "transformers", "inline", out, generation_seconds=gen, kv_cache_bytes=job.kv_bytes(per_rank))
+
+
+def _on_cpu(job: Job, out: list[Decision]) -> Placement:
+    """vLLM's CPU build: an engine in each training process, or one server process; no GPU memory to share."""
+    r = job.section
+    if r.tensor_parallel not in ("auto", 1):
+        raise PlanError(
+            f"method.rollout.tensor_parallel: {r.tensor_parallel}: on CPU a vLLM engine runs in one process; set it "
+            "to 1 or auto"
+        )
+    server = r.url is not None or r.placement == "server"
+    kv = int((r.kv_cache_gib or CPU_KV_CACHE_GIB) * GiB)
+    share = EngineShare(samples=False) if server else EngineShare(samples=False, device_bytes=job.weight_bytes + kv)
+    topo, batch = layout(job, 0, share)
+    engines = 1 if server else topo.world
+    fit = fit_trainer(job, topo, batch)
+    gen = generation_seconds(
+        job.m, job.hw, job.precision, job.weight_bytes, job.prompt, job.completion, math.ceil(batch / engines)
+    )
+    where = "server" if server else "colocated"
+    why = (
+        "one vLLM server process next to the trainer's ranks, which keep all the processes"
+        if server
+        else "a vLLM engine in each training process (its weights and KV cache in the process's memory)"
+    )
+    out.append(Decision("rollout.placement", where, why, "auto" if r.placement == "auto" and not r.url else "config"))
+    out.append(
+        Decision(
+            "rollout.kv_cache",
+            f"{kv / GiB:g} GiB",
+            "method.rollout.kv_cache_gib (null: 1 GiB): on CPU vLLM's KV cache is set in GiB, not as a memory share",
+            "auto" if r.kv_cache_gib is None else "config",
+        )
+    )
+    return _placement(
+        job,
+        "vllm",
+        where,
+        out,
+        share=share,
+        kv_cache_bytes=kv,
+        generation_seconds=gen,
+        sync_seconds=sync_seconds(job, fit, INTRA_NODE_BPS) if fit else 0.0,
+    )
+
+
+def _on_gpus(job: Job, out: list[Decision]) -> Placement:
+    r = job.section
+    if r.url is not None:
+        return _external(job, out)
+    asked = "server" if r.gpus != "auto" else r.placement
+    if asked == "server" and job.hw.world_size == 1:
+        raise PlanError(
+            "method.rollout.placement: server needs GPUs of its own for the rollout pool, but this hardware has 1 GPU; "
+            "set method.rollout.placement: colocated (or auto), or give method.rollout.url of an ft rollout-server "
+            "running elsewhere"
+        )
+    options: list[Option] = []
+    if asked in ("auto", "colocated"):
+        # an asynchronous engine generates while the trainer steps: it cannot sleep
+        for sleeps in (False,) if r.asynchronous else (False, True):
+            options += first(colocated(job, tp, sleeps) for tp in tp_options(job))
+    if asked in ("auto", "server"):
+        for g in pool_sizes(job):
+            options += first(server(job, g, tp) for tp in tp_options(job) if g % tp == 0)
+    if not options:
+        return _refuse(job, asked, out)
+    best = min(options, key=lambda o: o.step)  # ties: colocated, then the smaller pool
+    _record(job, best, options, asked, out)
+    return _placement(
+        job,
+        "vllm",
+        best.placement,
+        out,
+        server_gpus=best.server_gpus,
+        tensor_parallel=best.tensor_parallel,
+        memory_share=best.memory_share,
+        kv_cache_bytes=job.kv_bytes(best.sequences),
+        sleep=best.share.sleeps,
+        share=best.share,
+        generation_seconds=best.seconds[0],
+        sync_seconds=best.seconds[2],
+    )
+
+
+def _placement(job: Job, engine: str, where: str, out: list[Decision], **values) -> Placement:
+    r = job.section
+    return Placement(
+        engine,
+        where,
+        tuple(out),
+        sync_every=r.sync_every,
+        asynchronous=r.asynchronous,
+        url=r.url,
+        **values,
+    )
+
+
+def _external(job: Job, out: list[Decision]) -> Placement:
+    """A server at method.rollout.url: ft starts none, the trainer keeps every GPU. Its size is unknown: the estimate
+    takes one engine of tensor_parallel GPUs."""
+    r = job.section
+    tp = 1 if r.tensor_parallel == "auto" else r.tensor_parallel
+    topo, batch = layout(job, 0, EngineShare(samples=False))
+    fit = fit_trainer(job, topo, batch)
+    share_of = MAX_SHARE if r.memory_share == "auto" else r.memory_share
+    option = Option("server", 0, tp, share_of, topo.engine, fit, 1, batch, overlap=r.asynchronous) if fit else None
+    split = seconds(job, option, INTER_NODE_BPS) if option else (0.0, 0.0, 0.0)
+    out.append(
+        Decision(
+            "rollout.placement",
+            "server",
+            f"method.rollout.url: the rollout server at {r.url} samples; ft starts none and the trainer keeps all "
+            f"{job.hw.world_size} GPUs (its step estimate assumes one engine of {tp} GPU{'s' if tp > 1 else ''})",
+            "config",
+        )
+    )
+    return _placement(
+        job,
+        "vllm",
+        "server",
+        out,
+        tensor_parallel=tp,
+        memory_share=share_of,
+        kv_cache_bytes=job.kv_bytes(batch),
+        share=topo.engine,
+        generation_seconds=split[0],
+        sync_seconds=split[2],
+    )
+
+
+# ---------------------------------------------------------------- reasons and refusals
+def _describe(o: Option) -> str:
+    gen, train, sync = o.seconds
+    where = f"a pool of {o.server_gpus} GPU{'s' if o.server_gpus > 1 else ''}"
+    if o.placement == "colocated":
+        where = "colocated, asleep during the backward pass" if o.share.sleeps else "colocated, awake"
+    how = "max(generation, training)" if o.overlap else "generation + training"
+    return f"{where}: est. {o.step:.3g} s/step ({how} + sync: {gen:.3g}, {train:.3g}, {sync:.3g})"
+
+
+def _record(job: Job, best: Option, options: list[Option], asked: str, out: list[Decision]) -> None:
+    r, gib = job.section, lambda b: f"{b / GiB:.1f} GiB"
+    others = [_describe(o) for o in options if o is not best]
+    why = "the least estimated step time: " if asked == "auto" else "as set in the config: "
+    why += _describe(best) + (f"; {'; '.join(others)}" if others else "")
+    if asked == "auto" and not any(o.placement == "colocated" for o in options):
+        why += "; colocated does not fit next to the trainer"
+    out.append(Decision("rollout.placement", best.placement, why, _source(asked)))
+    if best.placement == "server":
+        out.append(
+            Decision(
+                "rollout.gpus",
+                best.server_gpus,
+                f"{best.server_gpus} GPUs generate ({best.engines} engine{'s' if best.engines > 1 else ''}), the "
+                f"other {job.hw.world_size - best.server_gpus} train",
+                _source(r.gpus),
+            )
+        )
+    tp, seqs = best.tensor_parallel, best.sequences
+    out.append(
+        Decision(
+            "rollout.tensor_parallel",
+            tp,
+            f"the fewest GPUs per engine that hold its weights ({gib(job.weight_bytes / tp)} per GPU) and the KV cache "
+            f"of its {seqs} sequences ({gib(job.kv_bytes(seqs) / tp)} per GPU) in its memory share",
+            _source(r.tensor_parallel),
+        )
+    )
+    out.append(Decision("rollout.memory_share", best.memory_share, _share_reason(job, best), _source(r.memory_share)))
+
+
+def _share_reason(job: Job, o: Option) -> str:
+    total, usable = job.hw.device_memory_bytes / GiB, device_capacity(job.hw) / GiB
+    if o.placement == "server":
+        return "a pool GPU holds only its engine: vLLM's default 0.9"
+    if o.share.sleeps:
+        return (
+            f"{usable:.1f} GiB usable less the trainer's {o.held / GiB:.1f} GiB resident state, of {total:.1f} GiB "
+            f"(at most {MAX_SHARE}): the engine sleeps during the backward pass (level 1: its weights wait in host RAM)"
+        )
+    why = (
+        "asynchronous rollouts keep the engine awake while the trainer steps"
+        if job.section.asynchronous
+        else "the engine stays awake next to it (no sleep and wake transfers)"
+    )
+    return (
+        f"{usable:.1f} GiB usable less the trainer's whole {o.held / GiB:.1f} GiB peak, of {total:.1f} GiB (at most "
+        f"{MAX_SHARE}): {why}"
+    )
+
+
+def _source(asked) -> str:
+    return "auto" if asked == "auto" else "config"
+
+
+def _refuse(job: Job, asked: str, out: list[Decision]) -> Placement:
+    """No placement fits. When the trainer alone does not fit either, the planner's own refusal (with its advice)
+    says so: this returns a placement without an engine for it to plan. Otherwise the engine is what does not fit."""
+    topo, batch = layout(job, 0, EngineShare(samples=False))
+    alone = fit_trainer(job, topo, batch)
+    if alone is None:
+        return _placement(job, "vllm", "colocated", out, share=EngineShare(samples=False))
+    r = job.section
+    pinned = (("memory_share", r.memory_share), ("tensor_parallel", r.tensor_parallel), ("gpus", r.gpus))
+    key = next((k for k, v in pinned if v != "auto"), "placement" if asked != "auto" else None)
+    tp = max(tp_options(job))
+    sequences = math.ceil(batch / max(1, topo.world // tp))
+    need, held = job.need(tp, sequences) / GiB, resident_bytes(alone.estimate) / GiB
+    what = f"method.rollout.{key}: {getattr(r, key)}" if key else "method.engine: vllm"
+    short = (
+        f"at tensor_parallel {tp} it needs {need:.1f} GiB per GPU next to the trainer's {held:.1f} GiB resident "
+        f"state, {device_capacity(job.hw) / GiB:.1f} GiB usable"
+    )
+    raise EngineDoesNotFit(
+        f"{what}: the vLLM rollout engine does not fit: {short} (weights, the KV cache of {sequences} sequences of "
+        f"{job.prompt + job.completion} tokens, workspace)"
+        + ("" if job.hw.world_size > 1 else "; one GPU leaves no room for a separate rollout pool")
+        + "; set method.engine: transformers, or lower train.global_batch_size, data.seq_len or "
+        "method.max_new_tokens" + (", or leave method.rollout's keys on auto" if key else ""),
+        short,
+        fallback=key is None and job.config.method.engine == "auto" and not r.asynchronous,
+    )
