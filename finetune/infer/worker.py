@@ -42,9 +42,9 @@ def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, o
     plan = json.loads((parts / f"plan-{attempt}.json").read_text())
     mine = deal(plan["todo"], rank, world)
     if job.engine == "vllm" and world > 1:
-        _own_gpus(local_rank, job.tensor_parallel)
+        _own_devices(local_rank, world, job.tensor_parallel, plan["gpus"])
     prompts, tokenizer, jinja = _inputs(job, plan["keys"])
-    engine = _engine(job, tokenizer, local_rank) if mine else None
+    engine = _engine(job, tokenizer, local_rank, plan) if mine else None
     skip, writer = set(plan["skip"]), PartWriter(parts, attempt, rank)
     start, rows, tokens = time.time(), 0, 0
     try:
@@ -92,13 +92,15 @@ def _row(job, prompt, text: str) -> str:
     return row_text(prompt.fields, job.prompts.id_field, prompt.id, job.output_field, text)
 
 
-def _engine(job, tokenizer, local_rank: int):
+def _engine(job, tokenizer, local_rank: int, plan: dict):
     import torch
 
     from finetune.infer import engines
 
     if job.engine == "vllm":
-        return engines.VllmEngine(job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype)
+        return engines.VllmEngine(
+            job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype, plan["longest"], plan["gpus"] > 0
+        )
     from transformers.utils import logging
 
     from finetune.artifacts import load_model
@@ -109,29 +111,31 @@ def _engine(job, tokenizer, local_rank: int):
     return engines.TransformersEngine(model, tokenizer, job.sampling, device)
 
 
-def _own_gpus(local_rank: int, tensor_parallel: int) -> None:
-    """Give this process its own group of GPUs for vLLM, and hide torchrun's variables from vLLM's own workers."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(_gpu_count())]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
-        ids[local_rank * tensor_parallel : (local_rank + 1) * tensor_parallel]
-    )
+def _own_devices(local_rank: int, local_world: int, tensor_parallel: int, gpus: int) -> None:
+    """Give this process's vLLM engine its own devices, and hide torchrun's variables from vLLM (each engine is a
+    model of its own, not a rank of one). GPUs: its group of `tensor_parallel` GPUs, set before CUDA starts here
+    (`gpus`, counted by the launcher, stands in for asking CUDA). CPU: its share of the cores for vLLM's thread
+    binding, where the user has not set one (vLLM binds where its engine runs in a process of its own,
+    VLLM_ENABLE_V1_MULTIPROCESSING=1, and would bind every engine to the same cores)."""
+    if gpus:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+            ids[local_rank * tensor_parallel : (local_rank + 1) * tensor_parallel]
+        )
+    else:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, core_share(local_rank, local_world))))
     for name in _LAUNCHER_VARS + tuple(k for k in os.environ if k.startswith("TORCHELASTIC_")):
         os.environ.pop(name, None)
 
 
-def _gpu_count() -> int:
-    """GPUs on the machine, counted without initialising CUDA in this process (so CUDA_VISIBLE_DEVICES still
-    applies)."""
-    import subprocess
-
-    try:
-        listed = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        raise FtError(
-            "cannot count the GPUs (nvidia-smi failed).\n    fix: set CUDA_VISIBLE_DEVICES to the GPUs to use"
-        ) from None
-    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
+def core_share(local_rank: int, local_world: int) -> list[int]:
+    """The cores of process `local_rank` of `local_world` on this machine: an equal share of those this process may
+    use, one each (shared round) where there are more processes than cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    share = max(1, len(cores) // local_world)
+    first = (local_rank * share) % len(cores)
+    return cores[first : first + share]
 
 
 def batch_hooks() -> tuple:

@@ -1,0 +1,191 @@
+"""`ft generate` and `ft eval` with `--engine vllm` on CPU (vLLM's CPU build): greedy output equal to transformers' (an
+adapter included), byte-identical at 1 and 2 processes, resumable, and scored alike.
+
+Runs in an environment with vLLM (the main one has none, and this file skips there):
+    OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_generate.py
+vLLM is imported once into this process (about 10 s) and each engine starts in about 3 s, so most tests generate here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from finetune.artifacts import resolve  # noqa: E402
+from finetune.errors import FtError  # noqa: E402
+from finetune.infer.engines import Sampling  # noqa: E402
+from finetune.infer.generate import generate  # noqa: E402
+from finetune.infer.job import GenerateJob  # noqa: E402
+from finetune.infer.prompts import PromptSpec  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MAX_NEW = 8
+PROMPTS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model with larger random weights than its initialisation (std 0.1): its greedy completions differ from
+    prompt to prompt (the freshly initialised model answers every prompt alike)."""
+    import torch
+
+    from finetune.tiny import build_model
+
+    folder = tmp_path_factory.mktemp("vllm-model")
+    model, _ = build_model(folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(model_dir, tmp_path_factory):
+    """A LoRA adapter on the model, its B matrices random (peft starts them at zero), so that it changes the output."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("vllm-adapter")
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    """Chat prompts of varied lengths, with ids and an extra field."""
+    from finetune.tiny import arithmetic_records, write_jsonl
+
+    records = [
+        {
+            "id": f"q{i:03d}",
+            "messages": [{"role": "user", "content": r["messages"][0]["content"] + " please" * (i % 5)}],
+        }
+        for i, r in enumerate(arithmetic_records(PROMPTS, seed=3))
+    ]
+    return write_jsonl(records, tmp_path_factory.mktemp("vllm-prompts") / "prompts.jsonl")
+
+
+def job(source: str, prompts, out, engine: str) -> GenerateJob:
+    return GenerateJob(
+        resolve(source),
+        PromptSpec(str(prompts)),
+        str(out),
+        Sampling(max_new_tokens=MAX_NEW),
+        batch_size=4,
+        engine=engine,
+    )
+
+
+def completions(path) -> list[str]:
+    return [json.loads(line)["completion"] for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def outputs(model_dir, adapter_dir, prompts_file, tmp_path_factory):
+    """{(source, engine): output file} for the model and the adapter, by transformers and by vLLM, in this process."""
+    folder, found = tmp_path_factory.mktemp("vllm-outputs"), {}
+    for source in ("model", "adapter"):
+        for engine in ("transformers", "vllm"):
+            out = folder / f"{source}-{engine}.jsonl"
+            where = str(model_dir if source == "model" else adapter_dir)
+            result = generate(job(where, prompts_file, out, engine), processes=1, progress=False)
+            assert result.engine == engine and result.rows == PROMPTS and result.processes == 1
+            found[source, engine] = out
+    return found
+
+
+def test_vllm_greedy_output_equals_transformers(outputs):
+    base = completions(outputs["model", "transformers"])
+    assert len(set(base)) > PROMPTS // 2, base  # the prompts get different answers: the comparison can fail
+    assert outputs["model", "vllm"].read_bytes() == outputs["model", "transformers"].read_bytes()
+
+
+def test_an_adapter_served_as_a_lora_request_equals_transformers_and_peft(outputs):
+    tuned = completions(outputs["adapter", "transformers"])
+    assert sum(a != b for a, b in zip(tuned, completions(outputs["model", "transformers"]))) > PROMPTS // 2
+    assert outputs["adapter", "vllm"].read_bytes() == outputs["adapter", "transformers"].read_bytes()
+
+
+def test_two_processes_write_the_same_bytes_as_one(outputs, model_dir, prompts_file, tmp_path):
+    out = tmp_path / "two.jsonl"
+    result = generate(job(str(model_dir), prompts_file, out, "vllm"), processes=2, progress=False)
+    assert result.processes == 2 and result.engine == "vllm" and result.generated == PROMPTS
+    assert out.read_bytes() == outputs["model", "vllm"].read_bytes()
+
+
+def test_an_interrupted_run_resumes_to_the_same_file(outputs, model_dir, prompts_file, tmp_path, monkeypatch):
+    out = tmp_path / "resumed.jsonl"
+    parts = out.with_name("resumed.jsonl.parts")
+    hook = tmp_path / "stop_hook.py"  # after its third batch, the process stops with that batch's last row cut short
+    hook.write_text(
+        "import pathlib\n\n\ndef hook(rank, batches_done):\n    if batches_done == 3:\n"
+        f"        (part,) = pathlib.Path({str(parts)!r}).glob('part-*.jsonl')\n"
+        "        part.write_bytes(part.read_bytes()[:-5])\n        raise KeyboardInterrupt\n"
+    )
+    monkeypatch.setenv("FT_BATCH_HOOK", f"{hook}:hook")
+    with pytest.raises(KeyboardInterrupt):
+        generate(job(str(model_dir), prompts_file, out, "vllm"), processes=1, progress=False)
+    monkeypatch.delenv("FT_BATCH_HOOK")
+    (part,) = parts.glob("part-*.jsonl")
+    assert not out.exists() and part.read_text().count("\n") == 3 * 4 - 1
+    # the third batch is generated again, whole, and only its last prompt's row is kept
+    resumed = generate(job(str(model_dir), prompts_file, out, "vllm"), processes=1, progress=False)
+    assert resumed.rows == PROMPTS and resumed.generated == PROMPTS - (3 * 4 - 1)
+    assert out.read_bytes() == outputs["model", "vllm"].read_bytes() and not parts.exists()
+
+
+def test_ft_eval_with_vllm_scores_like_transformers(outputs, model_dir, prompts_file, tmp_path):
+    from finetune.infer.commands import run_eval
+
+    answers = completions(outputs["model", "transformers"])
+    data = tmp_path / "data.jsonl"  # half the references are transformers' own answers, half are wrong
+    data.write_text(
+        "".join(
+            json.dumps({**json.loads(line), "answer": answers[i] if i % 2 == 0 else "no such answer"}) + "\n"
+            for i, line in enumerate(prompts_file.read_text().splitlines())
+        )
+    )
+    results = {
+        engine: run_eval(
+            str(model_dir),
+            data=str(data),
+            metrics=("exact_match", "contains"),
+            max_new_tokens=MAX_NEW,
+            batch_size=4,
+            engine=engine,
+            predictions=str(tmp_path / f"{engine}.jsonl"),
+            progress=False,
+        )
+        for engine in ("transformers", "vllm")
+    }
+    assert results["vllm"].generation["engine"] == "vllm"
+    assert results["vllm"].metrics == results["transformers"].metrics
+    assert results["vllm"].metrics["exact_match"] == 0.5
+    assert (tmp_path / "vllm.jsonl").read_bytes() == (tmp_path / "transformers.jsonl").read_bytes()
+
+
+def test_vllm_refuses_an_adapter_it_cannot_serve(model_dir, adapter_dir, prompts_file, tmp_path):
+    import shutil
+
+    dora = tmp_path / "dora"
+    shutil.copytree(adapter_dir, dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(FtError, match="vLLM cannot serve an adapter with DoRA"):
+        generate(job(str(dora), prompts_file, tmp_path / "o.jsonl", "vllm"), processes=1, progress=False)
