@@ -4,6 +4,8 @@ RUN/checkpoints/step-00000100/
     ...                     what the engine writes: its checkpoint format (distributed/engine.py `Engine.save`)
     scheduler.pt            the learning-rate schedule
     rng-<RANK>.pt           each rank's RNG state
+    method-<RANK>.pt        what the method carries between steps, where it does (a GRPO rollout reused by the next
+                            steps); tensors and plain data
     state.json              step, data position, tokens seen, the engine's `format`, ... (written last)
 A checkpoint is written into a hidden temporary folder and renamed into place once every rank has written
 its part, so a crash or a full disk mid-save never leaves a folder that looks complete, and older
@@ -89,7 +91,7 @@ def load_tensors(path: Path):
         ) from None
 
 
-def save(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> Path:
+def save(run_dir: Path, step: int, engine, state: dict, keep: int, runtime, method=None) -> Path:
     """Write checkpoint `step`, called on every rank: rank 0 prepares a hidden folder, every rank writes its part
     (the engine's, and its RNG state), rank 0 adds the schedule and state.json and renames the folder into place,
     then deletes all but the newest `keep`. After each stage the ranks agree whether all succeeded: on any failure
@@ -98,7 +100,7 @@ def save(run_dir: Path, step: int, engine, state: dict, keep: int, runtime) -> P
     final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
     main = runtime.is_main
     _stage(runtime, step, tmp, (lambda: _fresh(tmp)) if main else None)
-    _stage(runtime, step, tmp, lambda: _write_rank_part(tmp, engine, runtime))
+    _stage(runtime, step, tmp, lambda: _write_rank_part(tmp, engine, runtime, method))
     _stage(runtime, step, tmp, (lambda: _complete(tmp, final, engine, state, step)) if main else None)
     if main:
         for old in checkpoints(run_dir)[:-keep]:
@@ -111,11 +113,14 @@ def _fresh(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_rank_part(tmp: Path, engine, runtime) -> None:
+def _write_rank_part(tmp: Path, engine, runtime, method=None) -> None:
     import torch
 
     engine.save(tmp, runtime)
     torch.save(rng_state(), tmp / f"rng-{runtime.rank}.pt")
+    carried = method.state_dict() if hasattr(method, "state_dict") else None
+    if carried:
+        torch.save(carried, tmp / f"method-{runtime.rank}.pt")
 
 
 def _complete(tmp: Path, final: Path, engine, state: dict, step: int) -> None:
@@ -219,9 +224,10 @@ def written_format(path: Path) -> str:
     return fmt
 
 
-def load(path: Path, engine, runtime) -> dict:
-    """Restore checkpoint `path` on every rank: the engine's part into its model and optimizer, then the schedule and
-    this rank's RNG state; return the saved state. A checkpoint of another format (backend) is refused."""
+def load(path: Path, engine, runtime, method=None) -> dict:
+    """Restore checkpoint `path` on every rank: the engine's part into its model and optimizer, then the schedule,
+    this rank's RNG state and what the method carried; return the saved state. A checkpoint of another format
+    (backend) is refused."""
     path = Path(path)
     state, written = read_state(path), written_format(path)
     if written != engine.format:
@@ -233,6 +239,9 @@ def load(path: Path, engine, runtime) -> dict:
     engine.load(path, runtime)
     engine.scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
     set_rng_state(load_tensors(_rng_file(path, runtime.rank)))
+    carried = path / f"method-{runtime.rank}.pt"
+    if hasattr(method, "load_state_dict"):
+        method.load_state_dict(load_tensors(carried) if carried.is_file() else {})
     return state
 
 

@@ -151,6 +151,33 @@ def launch(
     typer.echo(f"wrote {write_launch_script(config, set_ or (), hardware, out, time_limit, partition)}")
 
 
+@app.command("rollout-server")
+def rollout_server(
+    config: Path = typer.Argument(..., help="Job YAML file (a GRPO job): the model, adapter rank and precision."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8420, "--port", help="Port to listen on."),
+    hardware: str | None = HardwareOption,
+    set_: list[str] | None = SetOption,
+) -> None:
+    """Serve a GRPO job's rollouts with vLLM on this machine's devices (method.rollout.url points the trainer here).
+    Set FT_ROLLOUT_TOKEN to the same secret here and for the trainer to require it."""
+    import os
+
+    from finetune.config import load
+    from finetune.rollout.factory import TOKEN_ENV, engine_spec
+    from finetune.rollout.server import serve
+    from finetune.workflow import compile_plan
+
+    job = load(config, set_ or ())
+    if not hasattr(job.method, "rollout"):
+        raise FtError(
+            f"{config}: method.name {job.method.name!r} samples no rollouts; a rollout server serves GRPO jobs"
+        )
+    job_plan = compile_plan(config, set_ or (), hardware)
+    spec = engine_spec(job_plan, job.model, job.adapter, job.train.seed, job.method)
+    serve(spec, host, port, os.environ.get(TOKEN_ENV))
+
+
 @app.command()
 def consolidate(
     run: Path = typer.Argument(..., help="A run folder (output.dir of ft train)."),

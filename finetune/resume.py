@@ -86,6 +86,7 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
             config.method.rows_per_step(job_plan.global_batch_size),
             config.train.max_steps,
             config.train.epochs,
+            config.method.steps_per_batch(),
         )
         if total <= done:
             sys.stderr.write(

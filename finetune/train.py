@@ -133,14 +133,23 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         )
     model.train()
     rows = config.method.rows_per_step(plan.global_batch_size)
-    total = steps_for(len(prepared.train), rows, config.train.max_steps, config.train.epochs)
+    total = steps_for(
+        len(prepared.train), rows, config.train.max_steps, config.train.epochs, config.method.steps_per_batch()
+    )
     with activity(f"wrapping the model ({plan.backend})"):
         wrapped = engine.build(model, plan, config.train, config.distributed, device, total)
+    stream = Stream(
+        len(prepared.train),
+        rows,
+        config.train.seed,
+        runtime.rank,
+        runtime.world_size,
+        repeat=config.method.steps_per_batch(),
+    )
     with activity(f"setting up {config.method.name}"):
         method = methods.build(
-            config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device)
+            config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device), stream
         )
-    stream = Stream(len(prepared.train), rows, config.train.seed, runtime.rank, runtime.world_size)
     validation = prepared.validation if method.validates else None
     return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime)
 
@@ -204,8 +213,11 @@ def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
     state = {
         **extra,
         "position": job.stream.position,
+        "served": job.stream.served,
     }  # this step's data position, never an older one carried in `extra`
-    return checkpoint.save(run_dir, step, job.engine, state, job.config.output.keep_checkpoints, job.runtime)
+    return checkpoint.save(
+        run_dir, step, job.engine, state, job.config.output.keep_checkpoints, job.runtime, method=job.method
+    )
 
 
 def run(
@@ -222,8 +234,9 @@ def run(
     out = job.config.output
     start, state = 0, {"tokens": 0, "seconds": 0.0}
     if resume_from is not None:
-        saved = checkpoint.load(resume_from, job.engine, job.runtime)
+        saved = checkpoint.load(resume_from, job.engine, job.runtime, method=job.method)
         start, job.stream.position = saved["step"], saved["position"]
+        job.stream.served = saved.get("served", job.stream.repeat)  # older checkpoints: at a batch boundary
         state = {
             "tokens": saved["tokens"],
             "seconds": saved["seconds"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -171,11 +172,14 @@ def run_train(
             overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
         _write_run_folder(run_dir, config, job_plan, prepared, cmd)
         set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
-    if job_plan.process_group:
-        return _launch(cmd, job_plan, config_path, overrides)
-    from finetune.rank import train_run_folder
+    from finetune.rollout.pool import rollout_pool
 
-    return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
+    with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
+        if job_plan.process_group:
+            return _launch(cmd, job_plan, config_path, overrides)
+        from finetune.rank import train_run_folder
+
+        return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
 
 
 def _replan(config, hw, facts, config_path, prepared, job_plan):

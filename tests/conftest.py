@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LORA, built_once, ft_train, make_examples, trained
+from tests.helpers import LORA, built_across_sessions, built_once, ft_train, make_examples, trained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -66,7 +66,7 @@ output: {{dir: {tmp / "run"}, save_steps: 0, log_steps: 50}}
         r = ft_train(str(cfg), "--hardware", "cpu", timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
 
-    return built_once(tmp_path_factory, "sft", build) / "run" / "final"
+    return built_across_sessions("sft", build) / "run" / "final"  # the vLLM suite uses it too
 
 
 @pytest.fixture(scope="module")

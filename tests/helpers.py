@@ -105,6 +105,36 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
     return folder
 
 
+def built_across_sessions(name: str, build) -> Path:
+    """Like `built_once`, but kept between test sessions while ft's code is unchanged (a digest of finetune/ and
+    tests/conftest.py names the folder): the main suite and the vLLM suite (a second environment, run after it)
+    share what takes long to build. FT_TEST_CACHE moves the cache (default ~/.cache/ft/test-builds)."""
+    import hashlib
+    import shutil
+
+    from filelock import FileLock
+
+    digest = hashlib.sha256()
+    for source in sorted((REPO / "finetune").rglob("*.py")) + [REPO / "tests" / "conftest.py"]:
+        digest.update(source.read_bytes())
+    root = Path(os.environ.get("FT_TEST_CACHE", "~/.cache/ft/test-builds")).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / f"{name}-{digest.hexdigest()[:16]}"
+    done = folder.with_name(folder.name + ".done")
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed attempt left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+        for old in root.glob(f"{name}-*"):  # builds of other code versions (ft's own test cache)
+            if old.is_dir() and old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+                old.with_name(old.name + ".done").unlink(missing_ok=True)
+                old.with_name(old.name + ".lock").unlink(missing_ok=True)
+    return folder
+
+
 def trained(folder: Path, name: str, *args: str) -> Path:
     """ft train of the tiny job (tests/helpers.py `job`) named `name` in `folder`, in one process; its run folder."""
     r = ft_train(job(folder, name), "--hardware", "cpu", *args)

@@ -125,15 +125,19 @@ def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model, hardwa
 
 
 def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_model):
-    straight = ft_train(grpo_job(tmp_path, "straight", sft_model, steps=4), "--hardware", "cpu")
+    """Two updates per rollout, stopped between them: the checkpoint carries the rollout the next step reuses, and
+    the rollout after it samples from the restored RNG."""
+    two = ("--set", "method.num_iterations=2")
+    straight = ft_train(grpo_job(tmp_path, "straight", sft_model, steps=6), "--hardware", "cpu", *two)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    job = grpo_job(tmp_path, "stopped", sft_model, steps=4)
-    stopped = ft_train(job, "--hardware", "cpu", env=step_hook(tmp_path, stop_at=2))
+    job = grpo_job(tmp_path, "stopped", sft_model, steps=6)
+    stopped = ft_train(job, "--hardware", "cpu", *two, env=step_hook(tmp_path, stop_at=3))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    resumed = ft_train(job, "--hardware", "cpu", "--resume")
+    resumed = ft_train(job, "--hardware", "cpu", *two, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    # the same samples: RNG restored
+    # the same samples: the reused rollout kept, RNG restored
     assert rewards(tmp_path / "stopped") == pytest.approx(rewards(tmp_path / "straight"), abs=1e-6)
+    assert len(set(rewards(tmp_path / "straight"))) > 1  # new rollouts after the stop, not one reused throughout
     assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
 
 

@@ -79,7 +79,10 @@ def test_dpo_loss_equals_trl_on_the_same_batch(models, kind, tmp_path):
 
 @pytest.mark.parametrize("ours_kind, trl_kind", [("sequence", "grpo"), ("token", "dapo"), ("dr_grpo", "dr_grpo")])
 @pytest.mark.parametrize("kl", [0.0, 0.05])
-def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, trl_kind, kl, tmp_path):
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, trl_kind, kl, off_policy, tmp_path):
+    """off_policy: a later step on the same rollout (num_iterations > 1: the ratio to the old policy is not 1 and
+    clipping acts) from a separate rollout engine (a truncated importance weight per token)."""
     from trl import GRPOConfig, GRPOTrainer
 
     policy, reference, tok = models
@@ -123,6 +126,15 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
         with torch.no_grad():
             logits = reference(input_ids=torch.cat([prompt_ids, completion_ids], 1)).logits[:, p - 1 : -1].float()
             inputs["ref_per_token_logps"] = logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
+    if off_policy:
+        with torch.no_grad():
+            logits = policy(input_ids=torch.cat([prompt_ids, completion_ids], 1)).logits[:, p - 1 : -1].float()
+            now = logits.log_softmax(-1).gather(-1, completion_ids[..., None])[..., 0]
+        # the old policy differs by up to ±0.4 nats a token: many ratios leave [0.8, 1.2] and are clipped
+        old = (now + 0.4 * (2 * torch.rand(b, c, generator=gen) - 1)) * completion_mask
+        weight = torch.exp(0.6 * torch.randn(b, c, generator=gen)).clamp(max=2.0)  # π_old/π_engine, truncated
+        inputs.update(old_per_token_logps=old, importance_sampling_ratio=weight)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     policy.train()
     theirs = trainer._compute_loss(trainer.model, inputs)
     theirs.backward()
@@ -137,6 +149,11 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
         for i, n in enumerate(lengths.tolist())
     ]
     batch = {**collate(rows, tok.pad_token_id, "sdpa"), "advantages": advantages}
+    if off_policy:  # in ft's layout: position p - 1 + k predicts completion token k
+        width = batch["input_ids"].shape[1] - 1
+        batch["old_logps"], batch["is_weight"] = torch.zeros(b, width), torch.zeros(b, width)
+        batch["old_logps"][:, p - 1 : p - 1 + c] = inputs["old_per_token_logps"][:, : width - p + 1]
+        batch["is_weight"][:, p - 1 : p - 1 + c] = inputs["importance_sampling_ratio"][:, : width - p + 1]
     section = GRPOMethod(
         name="grpo",
         rewards=[RewardSpec(function="exact_match")],
@@ -147,7 +164,8 @@ def test_grpo_loss_and_gradients_equal_trl_on_the_same_batch(models, ours_kind, 
     )
     method = GRPO(section, tok, 4, None, FrozenCopy(reference) if kl else None, [])
     # one micro-batch is the whole step here
-    ours, _ = method.loss(policy, batch, normaliser=float(method.tokens(batch)))
+    ours, metrics = method.loss(policy, batch, normaliser=float(method.tokens(batch)))
+    assert (metrics["clip_fraction"] > 0.1) == off_policy  # a ratio of 1 is never clipped
     ours.backward()
     our_grads = [q.grad.clone() for q in policy.parameters()]
     policy.zero_grad()

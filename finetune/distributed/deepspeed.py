@@ -252,6 +252,17 @@ class ZeroEngine:
                     out[name] = tensor.detach().cpu().clone()
         return out if rank0 else {}
 
+    def full_parameters(self):
+        """ZeRO-3: each parameter gathered on every rank for as long as the caller holds it, then partitioned again."""
+        import deepspeed
+
+        for name, p in self.inner.named_parameters(remove_duplicate=False):
+            if not hasattr(p, "ds_id"):
+                yield name, p.detach()
+                continue
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, p.detach()
+
 
 def read_trained(checkpoint: Path, model=None) -> dict:
     """The trained parameters of a ZeRO checkpoint folder as one fp32 state dict (one process, no GPU needed; `model`

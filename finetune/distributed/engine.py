@@ -16,6 +16,7 @@ checkpoint.py only names, completes and rotates the folders.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -57,6 +58,12 @@ class Engine(Protocol):
     def generation(self) -> contextlib.AbstractContextManager: ...
 
     def full_state_dict(self, trainable_only: bool) -> dict | None: ...
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole, one at a time, on every rank (a collective per parameter where sharded: all ranks
+        iterate together, and no rank ever holds more than one gathered parameter), under each of its names (a tied
+        output head is sent as itself: vLLM reloads it as its own layer). For a rollout engine's weights."""
+        ...
 
     def save(self, path: Path, runtime) -> None:
         """Called on every rank: write the model's trained parameters and the optimizer state into checkpoint folder
@@ -152,6 +159,12 @@ class TorchEngine:
     def full_state_dict(self, trainable_only: bool) -> dict | None:
         """Gathered weights on rank 0 for a sharded model; None when the model is whole on every rank."""
         return fsdp.full_state_dict(self.model, trainable_only) if self.sharded else None
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self.inner.named_parameters(remove_duplicate=False):
+            whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()  # FSDP2: all-gather
+            yield name, whole
+            del whole
 
 
 def build(model, plan, train, distributed, device: torch.device, total_steps: int):

@@ -12,6 +12,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from finetune.data.tokenize import pad_id
@@ -61,6 +62,11 @@ class Context:
     autocast: Callable[[], Any]  # a context manager for forward passes in the plan's precision
     dataset: Any  # the prepared training rows
     frozen_copy: Callable[[], Any]  # loads a frozen copy of the starting model (for plan.reference == "copy")
+    model: Any = None  # the model section (where the weights come from: a rollout engine loads them too)
+    adapter: Any = None  # the adapter section
+    folder: Any = None  # the run folder (a method's own files go in a subfolder it owns)
+    seed: int = 0  # train.seed
+    stream: Any = None  # the data stream (data/stream.py): a method that prepares a batch ahead peeks at it
 
 
 _REGISTRY: dict[str, type] = {}
@@ -97,7 +103,7 @@ def method_class(name: str) -> type[Method]:
     return _REGISTRY[name]
 
 
-def build(config, plan, prepared, attn: str, engine, device, runtime, autocast) -> Method:
+def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, stream=None) -> Method:
     """The configured method, built by its own class from its section and what the job has made so far."""
 
     def frozen_copy():
@@ -126,5 +132,10 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast) 
         autocast=autocast,
         dataset=prepared.train,
         frozen_copy=frozen_copy,
+        model=config.model,
+        adapter=config.adapter,
+        folder=Path(config.output.dir).expanduser(),
+        seed=config.train.seed,
+        stream=stream,
     )
     return method_class(config.method.name).create(config.method, context)

@@ -1,0 +1,99 @@
+"""The rollout engine a job's plan places: the training model itself, a vLLM engine in each training process, or a
+client of a rollout server."""
+
+from __future__ import annotations
+
+import os
+
+from finetune.errors import FtError
+
+URL_ENV = "FT_ROLLOUT_URL"  # set by `ft train` for its ranks when it started the rollout server itself
+TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (never written anywhere)
+
+
+def placement(plan, section) -> tuple[str, str]:
+    """(engine, placement) from the plan; plans written before rollouts were placed derive them from the section."""
+    r = plan.rollout or {}
+    engine = r.get("engine") or ("vllm" if section.engine == "vllm" else "transformers")
+    where = r.get("placement") or (
+        "inline"
+        if engine == "transformers"
+        else ("server" if section.rollout.url or section.rollout.placement == "server" else "colocated")
+    )
+    return engine, where
+
+
+def create_engine(section, context):
+    """The rollout engine for this rank."""
+    from finetune.infer.engines import stop_ids
+
+    engine, where = placement(context.plan, section)
+    if where == "inline":
+        from finetune.rollout.local import TransformersRollout
+
+        return TransformersRollout(context.engine, context.tokenizer, section, context.device, context.autocast)
+    servable(context)
+    stop = stop_ids(context.tokenizer)
+    if where == "server":
+        from finetune.rollout.server import RemoteRollout
+
+        url = section.rollout.url or os.environ.get(URL_ENV)
+        if not url:
+            raise FtError(
+                "method.rollout.placement: server, but no rollout server is known to this rank: set "
+                "method.rollout.url to a running `ft rollout-server`, or let ft train start one (placement: server "
+                "without url)"
+            )
+        return RemoteRollout(url, section, stop, os.environ.get(TOKEN_ENV))
+    import torch
+
+    from finetune.rollout.vllm import VllmRollout, prepare_environment
+
+    rt = context.runtime
+    prepare_environment(torch.cuda.is_available(), rt.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    spec = engine_spec(context.plan, context.model, context.adapter, context.seed, section, rt.world_size > 1)
+    return VllmRollout(spec, section, stop)
+
+
+def engine_spec(plan, model, adapter, seed: int, section, external_launcher: bool = False):
+    """A vLLM engine for this job: the model as the trainer loaded it, in the plan's precision, with the plan's share
+    (a colocated engine, or the server `ft train` starts)."""
+    from finetune.models import BUILT_IN, model_path
+    from finetune.rollout.vllm import EngineSpec
+
+    r = plan.rollout or {}
+    return EngineSpec(
+        model=model_path(model),
+        tokenizer=model_path(model) if not model.tokenizer or model.tokenizer.lower() in BUILT_IN else model.tokenizer,
+        dtype=plan.precision if plan.precision in ("fp32", "bf16", "fp16") else "bf16",
+        max_model_len=plan.seq_len,
+        seed=seed,
+        lora_rank=adapter.r if plan.adapter != "full" else 0,
+        tensor_parallel=int(r.get("tensor_parallel") or 1),
+        memory_share=float(r.get("memory_share") or 0.0),
+        kv_cache_bytes=int(r.get("kv_cache_bytes") or (section.rollout.kv_cache_gib or 1) * 2**30),
+        sleep=bool(r.get("sleep")) and not section.rollout.asynchronous,
+        trust_remote_code=model.trust_remote_code,
+        external_launcher=external_launcher,
+    )
+
+
+def servable(context) -> None:
+    """What a vLLM engine cannot take from the trainer is refused before anything loads."""
+    a, plan = context.adapter, context.plan
+    if plan.train_embeddings:
+        raise FtError(
+            "method.engine: vllm: tokens were added to the vocabulary, so the trained model's embeddings no longer "
+            "match the checkpoint vLLM loads.\n    fix: use tokens the tokenizer already has (data.add_special_tokens, "
+            "a chat template whose tokens exist), or set method.engine: transformers"
+        )
+    if plan.adapter != "full" and (a.dora or a.modules_to_save):
+        what = (
+            "DoRA (adapter.dora)"
+            if a.dora
+            else f"modules trained in full (adapter.modules_to_save: {a.modules_to_save})"
+        )
+        raise FtError(
+            f"method.engine: vllm: vLLM cannot serve an adapter with {what}.\n    fix: remove it, or set "
+            "method.engine: transformers"
+        )

@@ -1,0 +1,83 @@
+"""Full weights to a rollout server over NCCL (GPUs): vLLM's own weight-transfer engine, driven through ft's server.
+
+The server's engine is created with vLLM's NCCL weight transfer enabled. On the first update, trainer rank 0 opens the
+transfer group (rank 0 of it; the server's workers follow) with vLLM's `NCCLTrainerWeightTransferEngine`. Each update
+then broadcasts every parameter from rank 0's GPU. Packed buffers keep a bounded amount in flight. Every trainer rank
+iterates the parameters, so each sharded parameter is all-gathered once and freed again: no GPU ever holds the
+whole model. The control calls (init, start, update, finish) travel over the server's HTTP endpoints. CPUs have no
+NCCL: there the weights go over HTTP (server.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+CONTROL = ("init", "start", "update", "finish")  # the server's /nccl/<op> endpoints
+ADDRESS_ENV = "FT_ROLLOUT_NCCL_ADDR"  # the address the server's workers reach trainer rank 0 at (default: hostname)
+
+
+def weight_source(engine):
+    """The trainer's parameters as vLLM's `WeightSource`: shapes without gathering, then each gathered in turn."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class TrainerParameters(WeightSource):
+        def metadata(self):
+            return [
+                ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", None) or p.shape))  # ZeRO-3: the full shape
+                for name, p in engine.inner.named_parameters(remove_duplicate=False)
+            ]
+
+        def __iter__(self):
+            yield from engine.full_parameters()
+
+    return TrainerParameters()
+
+
+class ServerControl:
+    """vLLM's weight-sync client protocol, spoken to ft's rollout server."""
+
+    def __init__(self, post):
+        self.post = post  # (path, body dict) -> reply
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.post("/nccl/init", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.post("/nccl/start", {})
+
+    def update_weights(self, update_info) -> None:
+        self.post("/nccl/update", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.post("/nccl/finish", {})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
+
+
+class NcclSender:
+    """Trainer side: opened once (every rank), then `send()` per update (every rank)."""
+
+    def __init__(self, engine, runtime, post, server_workers: int):
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+        address = os.environ.get(ADDRESS_ENV) or socket.gethostname()
+        info = NCCLTrainerInitInfo(
+            master_address=address,
+            master_port=_free_port(),
+            world_size=1 + server_workers,  # trainer rank 0 sends; the server's workers receive
+            rank=runtime.rank,
+        )
+        self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=ServerControl(post), source=weight_source(engine)
+        )
+
+    def send(self) -> None:
+        self.transfer.send_weights()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

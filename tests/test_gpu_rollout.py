@@ -1,0 +1,130 @@
+"""GRPO's vLLM rollout engine on GPUs: what CPU tests cannot show (scripts/gpu-check.sh runs these, section rollout).
+
+- A colocated engine in sleep mode gives its memory back between rollouts and, woken, samples as before and takes
+  new weights (sleep mode is a no-op on CPU).
+- Full weights reach a rollout server over NCCL (vLLM's weight-transfer engine) and its log-probs then equal the
+  trainer's. NCCL refuses two ranks on one GPU, so this needs two: the trainer on GPU 0, the server on GPU 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+vllm = pytest.importorskip("vllm")
+
+from finetune.distributed.runtime import Runtime  # noqa: E402
+from finetune.rollout.vllm import EngineSpec, VllmRollout, prepare_environment  # noqa: E402
+from finetune.rollout.weights import Weights  # noqa: E402
+
+SEQUENCES = [[3, 17, 42, 8, 99, 5, 61, 7, 250, 31], [12, 6, 200, 19, 4, 77, 90]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from finetune.tiny import build_model
+
+    folder = tmp_path_factory.mktemp("gpu-rollout-model")
+    model, _ = build_model(folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def trained(model_dir, device):
+    """The model on `device` after one AdamW step, inside ft's engine."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.distributed.engine import TorchEngine
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    engine = TorchEngine(model, optimizer, scheduler, 1.0, False, torch.device(device))
+    ids = torch.tensor(SEQUENCES[:1], device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.step()
+    return model, engine
+
+
+def trainer_logps(model, sequences):
+    with torch.no_grad():
+        out = []
+        for seq in sequences:
+            logps = model(torch.tensor([seq], device=model.device)).logits[0].float().log_softmax(-1)
+            out.append([logps[i - 1, t].item() for i, t in enumerate(seq) if i > 0])
+    return out
+
+
+def gap(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def test_a_sleeping_colocated_engine_frees_its_memory_and_wakes_with_new_weights(model_dir):
+    prepare_environment(gpu=True)
+    spec = EngineSpec(
+        model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, memory_share=0.3, sleep=True
+    )
+    engine = VllmRollout(spec, stop=[0])
+    before = engine.sample([s[:4] for s in SEQUENCES], 0, 0.0, 1.0, 8, [0])
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    free_asleep = torch.cuda.mem_get_info()[0]
+    total = torch.cuda.mem_get_info()[1]
+    assert free_asleep - free_awake > 0.2 * total  # most of its 30% share (KV cache and weights) is given back
+    again = engine.sample([s[:4] for s in SEQUENCES], 0, 0.0, 1.0, 8, [0])  # wakes itself
+    assert [c.ids for c in again] == [c.ids for c in before]
+    model, trainer = trained(model_dir, "cuda")
+    engine.sleep()
+    engine.update(Weights(trainer, Runtime(), ".", version=1, adapter=False))  # wakes, loads in place
+    assert gap(engine.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-3
+    engine.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the trainer and the server on two GPUs")
+def test_full_weights_reach_a_rollout_server_over_nccl(model_dir, tmp_path):
+    from finetune.rollout.factory import TOKEN_ENV
+    from finetune.rollout.nccl import weight_source
+    from finetune.rollout.server import RemoteRollout
+
+    spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, memory_share=0.3)
+    port = 18000 + os.getpid() % 1000
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", TOKEN_ENV: "t0ken"}
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen(
+        [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), "127.0.0.1", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        os.environ["FT_ROLLOUT_NCCL_ADDR"] = "127.0.0.1"
+        client = RemoteRollout(f"http://127.0.0.1:{port}", None, [0], token="t0ken")
+        assert client.health["nccl"], client.health
+        model, trainer = trained(model_dir, "cuda:0")
+        client.update(Weights(trainer, Runtime(), tmp_path, version=1, adapter=False))
+        assert client.nccl is not None  # it went over NCCL, not HTTP
+        assert gap(client.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-3
+        model2, trainer2 = trained(model_dir, "cuda:0")  # a second update on the same transfer group
+        with torch.no_grad():
+            for p in model2.parameters():
+                p.mul_(1.01)
+        client.nccl.transfer.source = weight_source(trainer2)  # the same group, another trainer's parameters
+        client.nccl.send()
+        assert gap(client.score(SEQUENCES), trainer_logps(model2, SEQUENCES)) < 1e-3
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+        print((tmp_path / "server.log").read_text()[-3000:])

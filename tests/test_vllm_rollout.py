@@ -1,0 +1,196 @@
+"""GRPO's vLLM rollout engine on CPU (vLLM's CPU build): greedy rollouts equal transformers', the engine's log-probs
+equal the trainer's after a training step and a weight sync (an adapter as a new LoRA request, full weights in place),
+and GRPO with `engine: vllm` raises the reward on one process and two, colocated and with a rollout server.
+
+Runs in an environment with vLLM (the main one has none, and this file skips there):
+    OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_rollout.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from finetune.distributed.runtime import Runtime  # noqa: E402
+from finetune.rollout.vllm import EngineSpec, VllmRollout, prepare_environment  # noqa: E402
+from finetune.rollout.weights import Weights  # noqa: E402
+from tests.helpers import REPO, ft_train  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SEQUENCES = [[3, 17, 42, 8, 99, 5, 61, 7, 250, 31], [12, 6, 200, 19, 4, 77, 90]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model with larger random weights (std 0.1), so that greedy completions differ between prompts."""
+    from finetune.tiny import build_model
+
+    folder = tmp_path_factory.mktemp("rollout-model")
+    model, _ = build_model(folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """One colocated engine for the module (fp32, an adapter of rank 8 servable)."""
+    prepare_environment(gpu=False)
+    spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, lora_rank=8)
+    rollout = VllmRollout(spec, stop=[0])
+    yield rollout
+    rollout.close()
+
+
+def trainer_logps(model, sequences) -> list[list[float]]:
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logps = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+            out.append([logps[i - 1, t].item() for i, t in enumerate(seq) if i > 0])
+    return out
+
+
+def largest_gap(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def one_training_step(model):
+    """ft's engine around `model`, after one AdamW step on a next-token loss (every trained parameter moves)."""
+    from finetune.distributed.engine import TorchEngine
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=2e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    engine = TorchEngine(model, optimizer, scheduler, 1.0, False, torch.device("cpu"))
+    ids = torch.tensor(SEQUENCES[:1])
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.step()
+    return engine
+
+
+def test_greedy_rollouts_equal_transformers(engine, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    prompts = [s[:4] for s in SEQUENCES] + [[7, 7, 7], [150, 2]]
+    ours = engine.sample(prompts, 0, 0.0, 1.0, 12, stop=[0])
+    for prompt, completion in zip(prompts, ours):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=0)
+        assert completion.ids == out[0, len(prompt) :].tolist()
+        assert len(completion.logps) == len(completion.ids)
+
+
+def test_an_adapter_after_a_training_step_is_served_as_a_new_lora_with_the_trainers_log_probs(
+    engine, model_dir, tmp_path
+):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    before = trainer_logps(base, SEQUENCES)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0)
+    model = get_peft_model(base, lora)
+    trainer = one_training_step(model)
+    weights = Weights(trainer, Runtime(), tmp_path / "rollout", version=1, adapter=True)
+    engine.update(weights)
+    after = trainer_logps(model, SEQUENCES)
+    assert largest_gap(before, after) > 1e-2  # the step changed the policy
+    assert largest_gap(engine.score(SEQUENCES), after) < 1e-4
+    trainer2 = one_training_step(model)
+    engine.update(Weights(trainer2, Runtime(), tmp_path / "rollout", version=2, adapter=True))
+    assert largest_gap(engine.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-4
+    assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) == ["adapter-00000001", "adapter-00000002"]
+    engine.lora = None  # the next test trains the base in full
+
+
+def test_full_weights_after_a_training_step_are_loaded_in_place_with_the_trainers_log_probs(engine, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    assert model.config.tie_word_embeddings  # the tied output head reaches vLLM too
+    before = trainer_logps(model, SEQUENCES)
+    trainer = one_training_step(model)
+    engine.update(Weights(trainer, Runtime(), ".", version=3, adapter=False))
+    after = trainer_logps(model, SEQUENCES)
+    assert largest_gap(before, after) > 1e-2
+    assert largest_gap(engine.score(SEQUENCES), after) < 1e-4
+
+
+# ---------------------------------------------------------------- GRPO end to end
+def grpo_job(tmp_path, name: str, model, steps: int, extra: str = "") -> str:
+    from finetune.tiny import prompt_records, write_jsonl
+
+    prompts = write_jsonl(prompt_records(8, seed=5), tmp_path / "prompts.jsonl")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"""
+model: {{name: {model}}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, engine: vllm, num_generations: 8, max_new_tokens: 8, rewards: [{{function: exact_match,
+  args: {{column: answer}}}}, {{function: {REPO / "examples/rewards/arithmetic.py"}:digits_right, weight: 0.5}}]}}
+adapter: {{type: full}}
+train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-4, scheduler: constant}}
+output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
+{extra}""")
+    return str(path)
+
+
+def rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def rises(got: list[float], window: int) -> bool:
+    return sum(got[-window:]) / window > sum(got[:window]) / window + 0.1
+
+
+@pytest.mark.parametrize(
+    "hardware, overrides",
+    [
+        ("cpu", ["--set", "adapter={type: lora, r: 16, alpha: 32, dropout: 0.0}", "--set", "train.lr=2.0e-3"]),
+        ("cpu:2", ["--set", "method.num_iterations=2", "--set", "method.rollout.asynchronous=true"]),
+    ],
+    ids=["one-process-lora", "two-processes-async-two-updates-per-rollout"],
+)
+def test_grpo_with_vllm_rollouts_raises_the_reward(tmp_path, sft_model, hardware, overrides):
+    steps = 40
+    r = ft_train(grpo_job(tmp_path, "run", sft_model, steps), "--hardware", hardware, *overrides, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "run")
+    assert len(got) == steps and rises([g["reward"] for g in got], 10), [round(g["reward"], 3) for g in got]
+    assert all(g["logp_mismatch"] < 0.05 for g in got[:2])  # the engine starts with the trainer's weights
+    if "asynchronous=true" in overrides[-1]:
+        assert [g["rollout_lag"] for g in got[:6]] == [0, 0, 2, 2, 2, 2]  # one batch (two updates) behind
+        assert max(g["clip_fraction"] for g in got) > 0  # the second update on a rollout is clipped somewhere
+        assert all(0 < g["is_ratio_mean"] for g in got)
+    else:
+        assert all(g["rollout_lag"] == 0 and g["logp_mismatch"] < 1e-3 for g in got)  # synced before each rollout
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["rollout"]["engine"] == "vllm" and plan["rollout"]["placement"] == "colocated"
+
+
+def test_a_rollout_server_started_by_ft_train_serves_the_run_and_is_stopped_after_it(tmp_path, sft_model):
+    job = grpo_job(tmp_path, "served", sft_model, 4, extra="")
+    r = ft_train(job, "--hardware", "cpu", "--set", "method.rollout.placement=server", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = rows(tmp_path / "served")
+    assert len(got) == 4 and all(g["logp_mismatch"] < 1e-3 and g["sync_s"] > 0 for g in got)
+    plan = json.loads((tmp_path / "served" / "plan.json").read_text())
+    assert plan["rollout"]["placement"] == "server"
+    log = (tmp_path / "served" / "rollout-server.log").read_text()
+    url = re.search(r"listening on (http://\S+)", log).group(1)
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "/health", timeout=5)  # stopped with the job
