@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu-check.sh                  every section, then a summary; exit 1 if any section failed
 #   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): pytest memory loss bf16pure savers bench
+#                                              rollout
 #   bash scripts/gpu-check.sh --fetch-wheels   on a machine with PyPI: download into .whl/ the Python 3.12 wheels that a
 #                                              GPU machine without network lacks; carry .whl/ along (installed from there)
 # Sections:
@@ -25,6 +26,9 @@
 #           bf16, 2 x 4096 tokens): plain, chunked, and liger / cut_cross_entropy where installed; max_memory_allocated
 #           over the loss and its backward, time, and the loss, gradients and log-probs against plain's; fails unless
 #           they agree and every other implementation peaks below 0.6 x plain's; $OUT/loss.json
+#   rollout GRPO's vLLM rollout engine on GPUs (tests/test_gpu_rollout.py, not in the default list: it needs vLLM, in
+#           the Python that FT_GPU_CHECK_VLLM_PYTHON names, else $PY): a colocated engine's sleep mode frees its memory
+#           and wakes with new weights; full weights reach a rollout server over NCCL (two GPUs); $OUT/rollout.log
 # Environment: OUT (default gpu-check-out), FT_GPU_CHECK_WORK (default /tmp/ft-gpu-check: the model, runs; removed at
 # the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the whole script, default 460),
 # FT_GPU_CHECK_BENCH_ARGS (more options for both bench/gpu_bench.py commands), FT_GPU_CHECK_PYTHON (the Python to use),
@@ -67,7 +71,7 @@ WORK=${FT_GPU_CHECK_WORK:-/tmp/ft-gpu-check}
 BUDGET=${FT_GPU_CHECK_BUDGET:-460}
 mkdir -p "$WORK"
 rm -f "$OUT"/gpu-check.log "$OUT"/pytest-gpu.log "$OUT"/pytest-gpu.xml "$OUT"/memory.json "$OUT"/bench.json "$OUT"/summary.txt
-rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json
+rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json "$OUT"/rollout.log
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # ft importable without an install
@@ -293,6 +297,17 @@ else:
 EOF
 )
 # shellcheck disable=SC2329  # run through bash -c, under the section's timeout
+run_rollout() {
+  local py=${FT_GPU_CHECK_VLLM_PYTHON:-$PY}
+  if ! python_sees "$py" 'import vllm'; then
+    echo "no vLLM in $py: install it (pip install vllm) or set FT_GPU_CHECK_VLLM_PYTHON to a Python that has it"
+    return 1
+  fi
+  "$py" -m pytest -m gpu -v -ra -p no:cacheprovider tests/test_gpu_rollout.py 2>&1 | tee "$OUT/rollout.log"
+  local rc=${PIPESTATUS[0]}
+  ((rc == 0)) && grep -q ' passed' "$OUT/rollout.log"
+}
+# shellcheck disable=SC2329  # run through bash -c, under the section's timeout
 run_bf16_pure() {
   rm -f "$OUT/bf16-pure.jsonl"
   "$PY" -c "$BF16_PURE_PY" run bf16 && "$PY" -c "$BF16_PURE_PY" run bf16-pure && "$PY" -c "$BF16_PURE_PY" compare
@@ -391,7 +406,8 @@ for s in $SECTIONS; do
       --steps 5 --json "$OUT/savers.json" ;;
     bf16pure) section bf16pure 150 0 bash -c run_bf16_pure ;;
     loss) section loss 90 0 bash -c run_loss ;;
-    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, savers, bf16pure, loss)" ;;
+    rollout) section rollout 180 0 bash -c run_rollout ;;
+    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, savers, bf16pure, loss, rollout)" ;;
   esac
 done
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: set up .venv if needed, check formatting and lint (ruff), then run the tests.
-#   bash scripts/test.sh            every test (what CI runs)
+#   bash scripts/test.sh            every test (what CI runs), then the vLLM tests in their own environment
 #   bash scripts/test.sh --fast     the inner loop: leaves out the tests marked slow (training runs, process launches)
 # Extra arguments go to pytest, e.g. bash scripts/test.sh --fast -k planner
 set -euo pipefail
@@ -19,7 +19,16 @@ ruff check .
 # tests/conftest.py gives them) so that no long file starts last.
 pytest=(python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
 if [ "$fast" = 0 ]; then
-  exec "${pytest[@]}" "$@"
+  status=0
+  "${pytest[@]}" "$@" || status=$?
+  # The tests marked vllm run in a second environment with vLLM's CPU build (scripts/setup-vllm.sh: vLLM pins an older
+  # transformers). Only for the whole suite: arguments select tests of the main environment.
+  if [ $# -eq 0 ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
+    bash scripts/setup-vllm.sh
+    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
+      tests/test_vllm_generate.py tests/test_vllm_rollout.py || status=$?
+  fi
+  exit "$status"
 fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
