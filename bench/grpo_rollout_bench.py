@@ -1,13 +1,14 @@
 """GRPO with transformers rollouts against vLLM rollouts (colocated, and a separate rollout server process), side by
 side in one run: optimizer steps/s and generated tokens/s on CPU.
 
-    OMP_NUM_THREADS=1 python bench/grpo_rollout_bench.py [--steps 12] [--max-new-tokens 32] [--rounds 1]
+    OMP_NUM_THREADS=1 python bench/grpo_rollout_bench.py [--steps 12] [--max-new-tokens 32] [--rounds 1] \
+        [--hidden 256] [--layers 4] [--columns "transformers,vllm colocated"]
 
-Run it in an environment with vLLM (scripts/setup-vllm.sh makes .venv-vllm). Every column is a real `ft train` of
-the same GRPO job: a Llama built here (hidden 256, 4 layers, ft-tiny's tokenizer), 64 completions per step
+Run it in an environment with vLLM (scripts/setup-vllm.sh makes .venv-vllm). Every column is a real `ft train` of the
+same GRPO job: a Llama built here (--hidden 256, --layers 4 by default, ft-tiny's tokenizer), 64 completions per step
 (8 prompts × 8), full fine-tuning, one process. From metrics.jsonl: seconds per step (median over the steps after the
-first two), and generated tokens per second of rollout (generated_tokens / rollout_s). The server column runs vLLM
-in a second process started by ft train: on a 2-core machine it shares the cores with the trainer, so compare ratios
+first two), and generated tokens per second of rollout (generated_tokens / rollout_s). The server column runs vLLM in
+a second process started by ft train: on a 2-core machine it shares the cores with the trainer, so compare ratios
 within one run, not absolute figures across machines. The asynchronous columns generate the next rollout while the
 current one trains (one batch off-policy).
 """
@@ -60,12 +61,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--columns", default=",".join(COLUMNS), help="comma-separated, from: " + ", ".join(COLUMNS))
     args = parser.parse_args()
     names = [c.strip() for c in args.columns.split(",")]
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        params = build_llama(tmp / "model", hidden=256, layers=4)
+        params = build_llama(tmp / "model", hidden=args.hidden, layers=args.layers)
         print(
             f"model: {params / 1e6:.1f}M parameters; {args.steps} steps of 64 completions, {args.max_new_tokens} "
             "new tokens at most"

@@ -108,13 +108,14 @@ def rewards(run_dir) -> list[float]:
     return [r["reward"] for r in rows(run_dir / "metrics.jsonl") if "reward" in r]
 
 
-@pytest.mark.parametrize("hardware", ["cpu", "cpu:2"])
-def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model, hardware):
-    r = ft_train(grpo_job(tmp_path, "grpo", sft_model, steps=40), "--hardware", hardware)
+def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model):
+    """Rollouts from the training model (transformers); on two processes with vLLM rollouts:
+    tests/test_vllm_rollout.py."""
+    r = ft_train(grpo_job(tmp_path, "grpo", sft_model, steps=40), "--hardware", "cpu")
     assert r.returncode == 0, r.stderr[-3000:]
     got = rewards(tmp_path / "grpo")
     assert len(got) == 40
-    first, last = sum(got[:10]) / 10, sum(got[-10:]) / 10  # measured: 0.48 -> 0.75 (1 process), 0.49 -> 0.73 (2)
+    first, last = sum(got[:10]) / 10, sum(got[-10:]) / 10  # measured: 0.48 -> 0.75 (1 process)
     assert last > first + 0.12, got
     row = rows(tmp_path / "grpo" / "metrics.jsonl")[-1]
     assert {

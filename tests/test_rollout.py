@@ -298,3 +298,48 @@ def test_asynchronous_rollouts_need_an_engine_other_than_the_training_model():
     problems = section.problems()
     assert [p.keys[0] for p in problems] == [("method", "rollout", "asynchronous"), ("method", "rollout", "url")]
     assert "engine: vllm" in problems[0].fix and "http://" in problems[1].fix
+
+
+# ---------------------------------------------------------------- a colocated engine shared by tensor-parallel ranks
+def _tensor_parallel_rank(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from finetune.rollout.vllm import EngineSpec, VllmRollout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    engine = object.__new__(VllmRollout)
+    engine.spec = EngineSpec(
+        model="m", tokenizer="m", dtype="fp32", max_model_len=8, tensor_parallel=2, external_launcher=True
+    )
+    engine.s, engine.stop = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=2), [0]
+    submitted = []
+
+    def fake_sample(prompts, seeds, *args):
+        submitted.append((prompts, seeds))
+        return [Completion([p[0], s]) for p, s in zip(prompts, seeds)]
+
+    engine._sample = fake_sample
+    mine = [[10 * rank + i] for i in range(rank + 2)]  # rank 0: two prompts, rank 1: three
+    got = engine.generate(mine, seed=100 * (rank + 1))
+    out.put((rank, [c.ids for c in got], submitted))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_sharing_a_tensor_parallel_engine_submit_the_same_requests_and_each_gets_its_own_back():
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tensor_parallel_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (ids, sub)) for r, ids, sub in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0][0] == [[0, 100], [1, 101]]
+    assert results[1][0] == [[10, 200], [11, 201], [12, 202]]
+    assert results[0][1] == results[1][1]  # one engine: both ranks ask it the same thing

@@ -107,7 +107,38 @@ class VllmRollout:
         self.asleep = False
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
-        return self.sample(prompts, seed, self.s.temperature, self.s.top_p, self.s.max_new_tokens, self.stop)
+        group = self._tensor_parallel_group()
+        if group is None:
+            return self.sample(prompts, seed, self.s.temperature, self.s.top_p, self.s.max_new_tokens, self.stop)
+        return self._generate_together(prompts, seed, group)
+
+    def _tensor_parallel_group(self):
+        """The ranks that share this engine (a colocated engine over `tensor_parallel` GPUs: consecutive trainer
+        ranks, as vLLM's external launcher groups them); None when this rank's engine is its own. Every rank creates
+        every group once (torch.distributed.new_group is collective)."""
+        tp = self.spec.tensor_parallel
+        if tp == 1 or not self.spec.external_launcher:
+            return None
+        if getattr(self, "_group", None) is None:
+            import torch.distributed as dist
+
+            rank, world = dist.get_rank(), dist.get_world_size()
+            groups = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
+            self._group = groups[rank // tp]
+        return self._group
+
+    def _generate_together(self, prompts: list[list[int]], seed: int, group) -> list[Completion]:
+        """The ranks sharing an engine submit the same requests: their prompts (each with its own seeds) gathered,
+        generated at once, and each rank takes its own back."""
+        import torch.distributed as dist
+
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (prompts, seed), group=group)
+        joined = [p for ps, _ in everyone for p in ps]
+        seeds = [s + j for ps, s in everyone for j in range(len(ps))]
+        out = self._sample(joined, seeds, self.s.temperature, self.s.top_p, self.s.max_new_tokens, self.stop)
+        start = sum(len(ps) for ps, _ in everyone[: dist.get_rank(group)])
+        return out[start : start + len(prompts)]
 
     def sample(
         self,
@@ -118,6 +149,10 @@ class VllmRollout:
         max_new_tokens: int,
         stop: list[int],
     ) -> list[Completion]:
+        """One completion per prompt; prompt j draws from seed + j, the same in whichever batch it is generated."""
+        return self._sample(prompts, [seed + j for j in range(len(prompts))], temperature, top_p, max_new_tokens, stop)
+
+    def _sample(self, prompts, seeds, temperature, top_p, max_new_tokens, stop) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -129,11 +164,11 @@ class VllmRollout:
                 top_p=top_p,
                 max_tokens=max_new_tokens,
                 stop_token_ids=stop,
-                seed=seed + j,  # each completion its own stream: the same whichever batch it is generated in
+                seed=seed,
                 logprobs=0,  # the sampled token's log-prob
                 detokenize=False,
             )
-            for j in range(len(prompts))
+            for seed in seeds
         ]
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=self.lora, use_tqdm=False
@@ -183,6 +218,9 @@ class VllmRollout:
 
     def wake(self) -> None:
         if self.asleep:
+            import torch
+
+            torch.cuda.empty_cache()  # the trainer's freed blocks go back to the device, where vLLM reclaims them
             self.llm.wake_up()
             self.asleep = False
 
