@@ -135,6 +135,23 @@ def built_across_sessions(name: str, build) -> Path:
     return folder
 
 
+def varied_tiny_model(folder: Path) -> Path:
+    """The tiny model with larger random weights than its initialisation (std 0.1), saved to `folder`: its greedy
+    completions differ from prompt to prompt (the freshly initialised model answers every prompt alike)."""
+    import torch
+
+    from finetune.tiny import build_model
+
+    model, _ = build_model(folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    return folder
+
+
 def trained(folder: Path, name: str, *args: str) -> Path:
     """ft train of the tiny job (tests/helpers.py `job`) named `name` in `folder`, in one process; its run folder."""
     r = ft_train(job(folder, name), "--hardware", "cpu", *args)

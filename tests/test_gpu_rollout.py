@@ -29,17 +29,9 @@ SEQUENCES = [[3, 17, 42, 8, 99, 5, 61, 7, 250, 31], [12, 6, 200, 19, 4, 77, 90]]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from finetune.tiny import build_model
+    from tests.helpers import varied_tiny_model
 
-    folder = tmp_path_factory.mktemp("gpu-rollout-model")
-    model, _ = build_model(folder)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.1, generator=gen)
-    model.save_pretrained(str(folder))
-    return folder
+    return varied_tiny_model(tmp_path_factory.mktemp("gpu-rollout-model"))
 
 
 def trained(model_dir, device):

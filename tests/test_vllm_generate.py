@@ -29,21 +29,9 @@ PROMPTS = 24
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The tiny model with larger random weights than its initialisation (std 0.1): its greedy completions differ from
-    prompt to prompt (the freshly initialised model answers every prompt alike)."""
-    import torch
+    from tests.helpers import varied_tiny_model
 
-    from finetune.tiny import build_model
-
-    folder = tmp_path_factory.mktemp("vllm-model")
-    model, _ = build_model(folder)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0, 0.1, generator=gen)
-    model.save_pretrained(str(folder))
-    return folder
+    return varied_tiny_model(tmp_path_factory.mktemp("vllm-model"))
 
 
 @pytest.fixture(scope="module")
