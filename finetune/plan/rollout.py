@@ -21,7 +21,6 @@ Seconds are per optimizer step: a rollout serves method.num_iterations steps, we
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import dataclass, replace
 
@@ -29,6 +28,7 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.infer.engines import vllm_installed
 from finetune.plan.comm import INTER_NODE_BPS, INTRA_NODE_BPS
 from finetune.plan.cost import generation_seconds
 from finetune.plan.memory import (
@@ -52,6 +52,7 @@ from finetune.plan.rollout_options import (
 )
 from finetune.plan.search import Fit, device_capacity
 from finetune.plan.topology import EngineShare, Topology, choose_global_batch, choose_precision, choose_topology
+from finetune.rollout.factory import unservable as rollout_limits
 
 CPU_KV_CACHE_GIB = 1.0  # method.rollout.kv_cache_gib: null
 KEYS = (
@@ -101,10 +102,6 @@ class Placement:
         return {k: values[k] for k in KEYS}
 
 
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
 # ---------------------------------------------------------------- the choice
 def choose_rollout(config: Config, hw: Hardware, m: ModelFacts) -> Placement | None:
     """The engine and its placement; None when the method samples nothing."""
@@ -144,7 +141,7 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
         why = "as set in the config" + (" (vLLM is not installed where this plan was made)" if missing else "")
         out.append(Decision("engine", method.engine, why, "config"))
         return method.engine
-    unservable = _unservable(config)
+    unservable = rollout_limits(config.adapter, config.adapter.type)
     if hw.is_cpu:
         engine, why = "transformers", "no GPU: the training model samples with generate (method.engine: vllm runs "
         why += "vLLM's CPU build)"
@@ -163,16 +160,6 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
         )
     out.append(Decision("engine", engine, why))
     return engine
-
-
-def _unservable(config: Config) -> str:
-    """What of the trained model vLLM cannot load (finetune/rollout/factory.py refuses the same)."""
-    a = config.adapter
-    if a.type != "full" and a.dora:
-        return "a DoRA adapter (adapter.dora)"
-    if a.modules_to_save:
-        return "modules trained in full (adapter.modules_to_save, or tokens added to the vocabulary)"
-    return ""
 
 
 def _inline(job: Job, out: list[Decision]) -> Placement:

@@ -78,22 +78,23 @@ def engine_spec(plan, model, adapter, seed: int, section, external_launcher: boo
     )
 
 
+def unservable(adapter, adapter_type: str, train_embeddings: bool = False) -> str:
+    """What of the trained model a vLLM engine cannot take from the trainer, in words ('' when nothing): the planner
+    then samples with the training model, and an explicit `method.engine: vllm` is refused (`servable`)."""
+    if train_embeddings:
+        return "embeddings grown for tokens added to the vocabulary (vLLM loads the checkpoint's own)"
+    if adapter_type != "full" and adapter.dora:
+        return "a DoRA adapter (adapter.dora)"
+    if adapter_type != "full" and adapter.modules_to_save:
+        return f"modules trained in full (adapter.modules_to_save: {adapter.modules_to_save})"
+    return ""
+
+
 def servable(context) -> None:
     """What a vLLM engine cannot take from the trainer is refused before anything loads."""
-    a, plan = context.adapter, context.plan
-    if plan.train_embeddings:
+    why = unservable(context.adapter, context.plan.adapter, context.plan.train_embeddings)
+    if why:
         raise FtError(
-            "method.engine: vllm: tokens were added to the vocabulary, so the trained model's embeddings no longer "
-            "match the checkpoint vLLM loads.\n    fix: use tokens the tokenizer already has (data.add_special_tokens, "
-            "a chat template whose tokens exist), or set method.engine: transformers"
-        )
-    if plan.adapter != "full" and (a.dora or a.modules_to_save):
-        what = (
-            "DoRA (adapter.dora)"
-            if a.dora
-            else f"modules trained in full (adapter.modules_to_save: {a.modules_to_save})"
-        )
-        raise FtError(
-            f"method.engine: vllm: vLLM cannot serve an adapter with {what}.\n    fix: remove it, or set "
-            "method.engine: transformers"
+            f"method.engine: vllm: vLLM cannot serve {why}.\n    fix: remove it (use tokens the tokenizer already "
+            "has), or set method.engine: transformers"
         )

@@ -14,6 +14,7 @@ import os
 import socket
 
 CONTROL = ("init", "start", "update", "finish")  # the server's /nccl/<op> endpoints
+PACK_BYTES = 256 * 2**20  # each of vLLM's two packing buffers on rank 0's GPU during an update (its default: 1 GiB)
 ADDRESS_ENV = "FT_ROLLOUT_NCCL_ADDR"  # the address the server's workers reach trainer rank 0 at (default: hostname)
 
 
@@ -29,7 +30,11 @@ def weight_source(engine):
             ]
 
         def __iter__(self):
-            yield from engine.full_parameters()
+            import torch
+
+            here = torch.device("cuda", torch.cuda.current_device())
+            for name, tensor in engine.full_parameters():  # parameters offloaded to host RAM are gathered over gloo
+                yield name, tensor if tensor.is_cuda else tensor.to(here)  # NCCL sends CUDA tensors only
 
     return TrainerParameters()
 
@@ -67,6 +72,7 @@ class NcclSender:
             master_address=address,
             master_port=_free_port(),
             world_size=1 + server_workers,  # trainer rank 0 sends; the server's workers receive
+            packed_buffer_size_bytes=PACK_BYTES,
             rank=runtime.rank,
         )
         self.transfer = NCCLTrainerWeightTransferEngine.trainer_init(

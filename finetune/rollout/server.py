@@ -364,14 +364,15 @@ class RemoteRollout:
 
             from finetune.rollout.weights import layer_groups
 
-            if main:
+            if not main:
+                for _ in weights.tensors():  # the other ranks only take part in gathering each parameter
+                    pass
+            else:
                 self._post(f"/weights/begin?version={weights.version}", b"{}")
-            on_cpu = ((n, t.to("cpu", copy=True)) for n, t in weights.tensors())  # every rank gathers
-            for group in layer_groups(on_cpu):
-                if main:
+                on_cpu = ((n, t.to("cpu", copy=True)) for n, t in weights.tensors())
+                for group in layer_groups(on_cpu):  # one decoder layer in host memory at a time
                     data = save_safetensors({n: t.contiguous() for n, t in group})
                     self._post("/weights", data, "application/octet-stream")
-            if main:
                 self._post("/weights/done", b"{}")
         weights.runtime.barrier()  # no rank samples before the server has the new weights
 

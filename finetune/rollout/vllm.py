@@ -39,17 +39,15 @@ class EngineSpec:
 def prepare_environment(gpu: bool, local_rank: int = 0, local_world: int = 1) -> None:
     """vLLM's environment as `ft generate` sets it (infer/engines.py), and, on GPUs too, the engine in this process:
     the trainer hands it weights by reference (a colocated engine joins the trainer's process group, as vLLM's
-    external launcher expects). On CPU each training process's engine gets its share of the cores."""
+    external launcher expects). On CPU each training process's engine gets its share of the cores, as `ft generate`
+    gives each of its processes."""
     from finetune.infer.engines import prepare_vllm
+    from finetune.infer.worker import core_share
 
     prepare_vllm(gpu)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not gpu:
-        cores = os.cpu_count() or 1
-        share = max(1, cores // max(1, local_world))
-        first = (local_rank * share) % cores
-        last = min(cores, first + share) - 1
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(first) if first == last else f"{first}-{last}")
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, core_share(local_rank, local_world))))
 
 
 def lora_rank(r: int) -> int:
