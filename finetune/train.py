@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,23 +63,25 @@ class Job:
 
 
 class SignalStop:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step.
+    """Turns SIGTERM/SIGINT/SIGUSR1 into a request to stop after the current step.
 
     Copies of one signal that arrive within lifecycle.REPEAT_WINDOW_S count as one: a terminal's Ctrl-C, a
     scheduler that signals every process, the launcher's request and the parent's death can all deliver the
-    same stop. A signal after that (a deliberate second Ctrl-C) stops at once (KeyboardInterrupt). Outside the
+    same stop. A signal after that (a deliberate second Ctrl-C) stops at once (KeyboardInterrupt), unless a
+    checkpoint is being written (`saving`): then it is ignored, so that the checkpoint is complete. Outside the
     loop a rank follows lifecycle.start_rank: stop at once while setting up, finish the final save after it."""
 
     def __init__(self):
         self.signum = 0
         self._received = False
+        self._saving = False
         self._old = {}
 
     def __enter__(self):
         from finetune.distributed import lifecycle
 
         lifecycle.reset_signals()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in lifecycle.STOP_SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -87,10 +90,26 @@ class SignalStop:
 
         if lifecycle.note(signum) == "repeat":
             return
+        if self._received and self._saving:
+            sys.stderr.write(f"ft: {lifecycle.signal_name(signum)} ignored while the checkpoint is written\n")
+            return
         if self._received:  # a second signal: stop now
             raise KeyboardInterrupt
         self._received = True
         self.signum = self.signum or signum
+
+    @contextlib.contextmanager
+    def saving(self):
+        """While a checkpoint is written: a second signal is ignored (the launcher is told, too)."""
+        from finetune.distributed import lifecycle
+
+        self._saving = True
+        lifecycle.mark_saving(True)
+        try:
+            yield
+        finally:
+            lifecycle.mark_saving(False)
+            self._saving = False
 
     def __exit__(self, exc_type, *exc):
         from finetune.distributed import lifecycle
@@ -274,16 +293,17 @@ def run(
             if on_step is not None:
                 on_step(step, job.total_steps, row)
             if out.save_steps and step % out.save_steps == 0 and step < job.total_steps:
-                with activity(f"saving the checkpoint of step {step}"):
+                with activity(f"saving the checkpoint of step {step}"), stop.saving():
                     save_checkpoint(job, run_dir, step, state)
             if stop_after:
                 stop.signum = stop.signum or signal.SIGTERM
             with activity(f"agreeing after step {step} whether to stop"):
                 stopping = job.runtime.any(bool(stop.signum))
             if stopping:  # every rank stops after the same step
-                path = save_checkpoint(
-                    job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name}
-                )
+                with activity(f"saving the checkpoint of step {step}"), stop.saving():
+                    path = save_checkpoint(
+                        job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name}
+                    )
                 metrics.close()
                 signum = stop.signum or signal.SIGTERM
                 raise Stopped(

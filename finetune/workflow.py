@@ -89,9 +89,10 @@ class NodeRole:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int = 29500
+    rdzv_id: str | None = None  # torchrun's c10d rendezvous with this id instead of a static one
 
     @classmethod
-    def from_env(cls, nnodes=None, node_rank=None, master_addr=None, master_port=None) -> NodeRole:
+    def from_env(cls, nnodes=None, node_rank=None, master_addr=None, master_port=None, rdzv_id=None) -> NodeRole:
         from finetune.hardware import launch_env
 
         env = launch_env()
@@ -101,6 +102,7 @@ class NodeRole:
             node_rank if node_rank is not None else (env.node_rank if slurm else 0),
             master_addr or (env.master_addr if slurm else None),
             master_port or env.master_port or 29500,
+            rdzv_id or None,
         )
 
 
@@ -164,6 +166,7 @@ def run_train(
         master_port=role.master_port,
         python=sys.executable,
         resume_from=str(resume_from) if resume_from else None,
+        rdzv_id=role.rdzv_id,
     )
     if (
         role.node_rank == 0
@@ -176,7 +179,7 @@ def run_train(
 
     with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
         if job_plan.process_group:
-            return _launch(cmd, job_plan, config_path, overrides)
+            return _launch(cmd, job_plan, config_path, overrides, run_dir)
         from finetune.rank import train_run_folder
 
         return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
@@ -193,17 +196,24 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
     )
 
 
-def _launch(cmd: list[str], job_plan, config_path, overrides) -> dict:
+def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
     with one message (see distributed/lifecycle.py)."""
     import shlex
     import sys
 
-    from finetune.distributed.lifecycle import Exchange, run_forwarding_signals
+    from finetune.distributed.lifecycle import ENV_STOP_SECONDS, Exchange, run_forwarding_signals
+    from finetune.distributed.runtime import nccl_environment
 
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
+    else:  # before any rank exists: torch reads them when the NCCL group starts
+        env.update(nccl_environment(run_dir))
+        (run_dir / "nccl-traces").mkdir(exist_ok=True)
+    if job_plan.stop_seconds:  # a stop's checkpoint may take this long: torchrun's shutdown, an orphan's grace
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(job_plan.stop_seconds))
+        env[ENV_STOP_SECONDS] = str(job_plan.stop_seconds)
     line = " ".join(shlex.quote(a) for a in cmd)
     sys.stderr.write("launching: " + line + "\n")
     exchange = Exchange()
@@ -317,5 +327,33 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
             str(config_path), job_plan, config.output.dir, f"ft-{name}", time_limit, partition, tuple(overrides)
         ),
     )
+    out.chmod(0o755)
+    return out
+
+
+def write_generate_script(
+    args: list[str], output: str, hardware: str | None, out, time_limit: str, partition: str | None
+):
+    """`ft launch generate --slurm -- ARGS`: the sbatch script that runs `ft generate ARGS` (checked by the CLI; its
+    --out is `output`) on one node of `hardware`."""
+    from pathlib import Path
+
+    from finetune.distributed.slurm import Allocation, generate_script
+    from finetune.files import atomic_write_text
+    from finetune.plan.stopping import MIN_STOP_S
+
+    if not hardware:
+        raise FtError("ft launch generate needs --hardware: the devices of one cluster node, e.g. 8xH100")
+    node = hardware_for(hardware)
+    if node.nodes != 1:
+        raise FtError(f"ft generate runs on one node; --hardware {hardware} describes {node.nodes}: describe one")
+    log_dir = Path(output).expanduser().parent
+    out = Path(out) if out else log_dir / "generate.sbatch"
+    gpus = 0 if node.is_cpu else node.devices_per_node
+    allocation = Allocation(
+        "ft-generate", 1, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, generate_script(list(args), allocation))
     out.chmod(0o755)
     return out

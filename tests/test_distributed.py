@@ -140,44 +140,6 @@ def test_two_nodes_on_loopback_train_together(tmp_path, one_process):
     assert losses(tmp_path / "nodes") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
 
 
-def test_slurm_script_runs_one_ft_train_per_node(tmp_path):
-    script = tmp_path / "job.sbatch"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "finetune",
-            "launch",
-            str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"),
-            "--slurm",
-            "--hardware",
-            "2x8xA100-40GB",
-            "--out",
-            str(script),
-            "--partition",
-            "gpu",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert r.returncode == 0, r.stderr
-    text = script.read_text()
-    for needle in (
-        "#SBATCH --nodes=2",
-        "#SBATCH --gpus-per-node=8",
-        "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --partition=gpu",
-        "--signal=TERM@120",
-        "srun --kill-on-bad-exit=1",
-        '--node-rank "$SLURM_NODEID"',
-        "output.resume=auto",
-    ):
-        assert needle in text, needle
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
-    assert "HF_TOKEN=" not in text
-
-
 @pytest.mark.slow
 def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process):
     fsdp = job(tmp_path, "fsdp")

@@ -3,7 +3,9 @@
 A rank is `python -m finetune.rank RUN_DIR`: it starts from the run folder that `ft train` wrote
 (config.yaml, plan.json, data.json) and never re-plans. Several ranks, or a backend that needs a process
 group even for one (FSDP2, DeepSpeed), start through torchrun: standalone on one node; across nodes
-the same command on every node, with that node's rank and the address of node 0.
+the same command on every node, with that node's rank and the address of node 0 (a static rendezvous), or
+with a rendezvous id for torchrun's c10d rendezvous at node 0's address (Kubernetes: a pod that restarts
+joins again; torchrun numbers the nodes).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def rank_command(
     master_port: int = DEFAULT_PORT,
     python: str | None = None,
     resume_from: str | None = None,
+    rdzv_id: str | None = None,
 ) -> list[str]:
     """argv that starts every rank of this node for the run in `run_dir` (resuming from a checkpoint folder if given).
 
@@ -43,6 +46,7 @@ def rank_command(
         master_addr=master_addr,
         master_port=master_port,
         python=python,
+        rdzv_id=rdzv_id,
     )
 
 
@@ -55,13 +59,18 @@ def torchrun(
     master_addr: str | None = None,
     master_port: int = DEFAULT_PORT,
     python: str | None = None,
+    rdzv_id: str | None = None,
 ) -> list[str]:
     """torchrun running `entry` (e.g. ["-m", "module", args...]) on nodes x processes_per_node ranks; unknown node
-    rank or address become `$NODE_RANK` / `$MASTER_ADDR` placeholders for a script to fill in."""
+    rank or address become `$NODE_RANK` / `$MASTER_ADDR` placeholders for a script to fill in. With `rdzv_id`, the
+    nodes meet through torchrun's c10d rendezvous at the address of node 0 instead of a static one."""
     cmd = ["torchrun"] if python is None else [python, "-m", "torch.distributed.run"]
     cmd += [f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}"]
     if nodes == 1:
         cmd.append("--standalone")
+    elif rdzv_id:
+        endpoint = f"{master_addr or '$MASTER_ADDR'}:{master_port}"
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     else:
         rank = "$NODE_RANK" if node_rank is None else node_rank
         cmd += [f"--node-rank={rank}", f"--master-addr={master_addr or '$MASTER_ADDR'}", f"--master-port={master_port}"]

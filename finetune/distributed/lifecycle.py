@@ -12,25 +12,30 @@ The processes: `ft train` (the launcher) starts torchrun's agent, which starts t
   ChildFailedError report with a traceback.
 
 So the launcher starts torchrun in a session of its own (a terminal's Ctrl-C reaches ft alone), with
-SIGTERM and SIGINT ignored (torchrun leaves a signal that is not in its list as it found it: ft sets the list
+SIGTERM, SIGINT and SIGUSR1 ignored (torchrun leaves a signal that is not in its list as it found it: ft sets the list
 to SIGHUP,SIGQUIT through PET_SIGNALS_TO_HANDLE; torch versions without that option still handle all four),
-dying by SIGKILL when the launcher dies. torchrun's agent thus never takes part in a stop, and its shutdown
-timeout does not limit how long a checkpoint may take (a scheduler's grace period does).
+dying by SIGKILL when the launcher dies. torchrun's agent thus never takes part in a stop; its shutdown
+timeout (for SIGHUP/SIGQUIT) is set to the plan's stop time all the same (FT_STOP_SECONDS, plan/stopping.py).
+SIGUSR1 is Slurm's warning ahead of a time limit (`--signal=B:USR1@N`, passed on by the batch script): a stop
+like SIGTERM's, after which the script requeues the job.
 
-The launcher turns the first stop signal it receives into a stop request, a file in its exchange folder
-that each rank's watchdog thread polls and turns into that signal in its own process (unless the rank has
-one already). The rank finishes its step, saves the checkpoint with the others, writes what happened into
-the folder and exits 0 (so that torchrun reports no failure); the launcher reads it and says it once, with
-exit code 128+signal. A signal that reaches every process (Slurm, Kubernetes) reaches the ranks directly
-as well: copies of one signal that arrive within REPEAT_WINDOW_S count as one. Outside the training loop a
-first signal stops a rank at once while it sets up (no step to finish), and is ignored after the last step
-(the rank finishes saving the final weights). A deliberate second signal (after the window) stops at once:
-the launcher SIGKILLs torchrun and the ranks (nothing prints; checkpoints are written to a temporary folder
-and renamed, so a killed save leaves the earlier ones intact).
+The launcher turns the first stop signal it receives into a stop request, a file in its exchange folder that
+each rank's watchdog thread polls and turns into that signal in its own process (unless the rank has one
+already). The rank finishes its step, saves the checkpoint with the others, writes what happened into the folder
+and exits 0 (so that torchrun reports no failure); the launcher reads it and says it once, with exit code
+128+signal. A signal that reaches every process (Slurm, Kubernetes) reaches the ranks directly as well: copies
+of one signal that arrive within REPEAT_WINDOW_S count as one. While a checkpoint is being written (each rank
+marks it in the exchange folder) any further signal is ignored, by the ranks and by the launcher: a scheduler
+that signals twice (cgroup tracking) gets a complete checkpoint, not an interrupted one. Outside the training
+loop a first signal stops a rank at once while it sets up (no step to finish), and is ignored after the last
+step (the rank finishes saving the final weights). Otherwise a deliberate second signal (after the window) stops
+at once: the launcher SIGKILLs torchrun and the ranks (nothing prints; checkpoints are written to a temporary
+folder and renamed, so a killed save leaves the earlier ones intact).
 
 A rank whose parent (torchrun) dies gets SIGTERM (Linux PR_SET_PDEATHSIG; elsewhere the watchdog notices
 that the parent or the launcher is gone) and stops as on any SIGTERM: after its step, with a checkpoint;
-if it has not exited ORPHAN_GRACE_S later (a peer gone, a collective that never returns) it exits at once.
+if it has not exited ORPHAN_GRACE_S (or the plan's stop time, if longer) later (a peer gone, a collective that
+never returns) it exits at once.
 """
 
 from __future__ import annotations
@@ -45,14 +50,17 @@ import threading
 import time
 from pathlib import Path
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# SIGUSR1: Slurm's warning ahead of a time limit (absent on Windows)
+STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None)
 REPEAT_WINDOW_S = 2.0  # copies of one signal (several routes, one event) arrive within milliseconds
 ORPHAN_GRACE_S = 120.0  # a rank without its launcher: time to finish the step and save before it exits anyway
 POLL_S = 0.5
 
 ENV_FOLDER = "FT_LAUNCH_FOLDER"  # the launcher's exchange folder: its stop request, the ranks' reports
 ENV_LAUNCHER = "FT_LAUNCHER_PID"
+ENV_STOP_SECONDS = "FT_STOP_SECONDS"  # the plan's time from a stop signal to a complete checkpoint
 STOP_FILE = "stop"
+SAVING_FILE = "saving-{rank}"  # present while that rank writes a checkpoint
 _PR_SET_PDEATHSIG = 1
 
 
@@ -166,6 +174,10 @@ class Exchange:
         tmp.write_text(signal_name(signum))
         os.replace(tmp, self.folder / STOP_FILE)
 
+    def saving(self) -> bool:
+        """True while a rank writes a checkpoint."""
+        return any(self.folder.glob(SAVING_FILE.format(rank="*")))
+
     def reports(self) -> list[dict]:
         """What the ranks that stopped on a signal wrote (rank, outcome, signal, message or during), lowest rank
         first."""
@@ -219,13 +231,14 @@ def kill_now(proc: subprocess.Popen) -> None:
 
 
 def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
-    """Run torchrun (`cmd`) in a session of its own that dies with ft, pass on the SIGTERM/SIGINT ft receives, and
-    return torchrun's exit code. `ft train` and `ft generate` start their workers through it.
+    """Run torchrun (`cmd`) in a session of its own that dies with ft, pass on the stop signals ft receives
+    (SIGTERM, SIGINT, SIGUSR1), and return torchrun's exit code. `ft train` and `ft generate` start their workers
+    through it.
 
     With an `exchange` (ft's training ranks): the first becomes a stop request that every rank turns into that
-    signal, to stop after its step with a checkpoint; copies of it within a short window are ignored; a later
-    one kills torchrun and the ranks at once. Without (other workers): each signal, less copies, goes to
-    torchrun, which passes it to its workers."""
+    signal, to stop after its step with a checkpoint; copies of it within a short window are ignored, and so is
+    any while a rank writes a checkpoint; a later one kills torchrun and the ranks at once. Without (other
+    workers): each signal, less copies, goes to torchrun (SIGUSR1 as SIGTERM), which passes it to its workers."""
     if exchange is not None:
         env = {**env, **exchange.env()}
     started = []  # torchrun, once started; a stop request made before that is read by the ranks when they start
@@ -236,9 +249,15 @@ def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
         if exchange is None:
             if not started:
                 raise KeyboardInterrupt  # nothing started yet to pass it to: stop here
-            started[0].send_signal(signum)
+            # torchrun stops its workers on SIGTERM; SIGUSR1 (Slurm's warning) would kill it without them
+            passed = signum if signum in (signal.SIGTERM, signal.SIGINT) else signal.SIGTERM
+            started[0].send_signal(passed)
         elif not exchange.requested:
             exchange.request_stop(signum)
+        elif exchange.saving():
+            sys.stderr.write(
+                f"ft: {signal_name(signum)} ignored while a checkpoint is written (SIGKILL stops at once)\n"
+            )
         elif not exchange.aborted and started:
             exchange.aborted = signum
             kill_now(started[0])
@@ -336,6 +355,7 @@ def _watch(parent: int, launcher: int, folder: Path | None) -> None:
     """Turn the launcher's stop request into a signal to this process (unless one came already); stop when the
     parent or the launcher is gone, and exit at once if that stop takes longer than ORPHAN_GRACE_S."""
     requested, orphaned = False, None
+    grace = max(ORPHAN_GRACE_S, float(os.environ.get(ENV_STOP_SECONDS) or 0))
     while True:
         if not requested and folder is not None and (folder / STOP_FILE).exists():
             requested = True
@@ -346,9 +366,21 @@ def _watch(parent: int, launcher: int, folder: Path | None) -> None:
             orphaned = time.monotonic()
             if _signals.bursts == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
-        if orphaned is not None and time.monotonic() - orphaned > ORPHAN_GRACE_S:
+        if orphaned is not None and time.monotonic() - orphaned > grace:
             os._exit(128 + signal.SIGTERM)
         time.sleep(POLL_S)
+
+
+def mark_saving(on: bool) -> None:
+    """Tell the launcher that this rank writes a checkpoint (on) or has finished (off); nothing without one."""
+    folder = os.environ.get(ENV_FOLDER)
+    if not folder:
+        return
+    path = Path(folder) / SAVING_FILE.format(rank=os.environ.get("RANK", 0))
+    try:
+        path.touch() if on else path.unlink(missing_ok=True)
+    except OSError:
+        pass  # the launcher is gone with its folder
 
 
 def report(outcome: str, signum: int, **fields) -> None:

@@ -6,6 +6,12 @@ loop calls the same functions whatever the backend.
 Every collective has the job's timeout (distributed.timeout_minutes). Each rank records what it is
 doing (`activity`); a collective that times out, or whose peer went away, becomes an error that names
 this rank, the collective, and that activity, instead of a hang or a bare backend message.
+
+On GPUs that error cannot reach Python: NCCL's watchdog thread aborts the process when a collective of CUDA
+tensors outlives the timeout. So a rank that uses NCCL also runs `watch_for_stalls`: when its activity has not
+changed for a little less than the timeout (every collective of an activity is started after the activity
+began, so it has waited no longer than the activity has lasted), it prints the same explanation (rank, step,
+what it was doing) before the watchdog's abort.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,14 +29,26 @@ import torch
 from finetune.distributed.launch import needs_launcher  # noqa: F401 (re-exported)
 from finetune.errors import FtError
 
+# Read by torch's NCCL process group when it starts, so set before any process exists (ft train's launcher, the
+# Slurm script); values the user exported win.
+NCCL_ENV = (
+    # a collective that fails or times out tears the rank down instead of hanging it
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    # each rank's last collectives, dumped when one times out (where: nccl_environment)
+    ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
+    ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+)
+
 _doing = ["setting up"]
 _failed_during: list[str] = []  # what the rank was doing when an error first left an activity
+_changed = [time.monotonic()]  # when the activity last changed (watch_for_stalls)
 
 
 @contextlib.contextmanager
 def activity(what: str):
     """Record what this rank is doing, for the message of a collective that fails during it."""
     _doing.append(what)
+    _changed[0] = time.monotonic()
     try:
         yield
     except BaseException:
@@ -36,6 +57,35 @@ def activity(what: str):
         raise
     finally:
         _doing.pop()
+        _changed[0] = time.monotonic()
+
+
+def stall_message(rank: int, timeout_minutes: float, waited_s: float) -> str:
+    return (
+        f"rank {rank} has waited {waited_s / 60:.1f} min during {doing()} without progress: another rank is stuck or "
+        "died (its output says which), or a step takes longer than distributed.timeout_minutes "
+        f"({timeout_minutes:g}); raise it if the job is only slow. NCCL's watchdog stops this rank when a "
+        f"collective has waited {timeout_minutes:g} min."
+    )
+
+
+def watch_for_stalls(rank: int, timeout_minutes: float, out=None) -> threading.Event:
+    """A daemon thread that says `stall_message` once per activity that lasts a little less than the timeout (one
+    minute less, or a tenth of it when shorter), ahead of NCCL's watchdog. Setting the returned event ends it."""
+    limit = timeout_minutes * 60 - min(60.0, timeout_minutes * 6)
+    out, done = out or sys.stderr, threading.Event()
+
+    def watch() -> None:
+        said = None
+        while not done.wait(min(10.0, limit / 10)):
+            changed, waited = _changed[0], time.monotonic() - _changed[0]
+            if waited > limit and said != changed:
+                said = changed
+                out.write(stall_message(rank, timeout_minutes, waited) + "\n")
+                out.flush()
+
+    threading.Thread(target=watch, name="ft-stall-watch", daemon=True).start()
+    return done
 
 
 def doing() -> str:
@@ -96,11 +146,25 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        # read when the NCCL backend starts: a timed-out collective fails
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        for name, value in NCCL_ENV:  # ft's launchers set them for the whole process; a rank started by hand too
+            os.environ.setdefault(name, value)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+    if torch.cuda.is_available() and world > 1:  # NCCL aborts a stuck rank itself: explain it first
+        watch_for_stalls(rank, timeout_minutes)
     return Runtime(rank, local, world)
+
+
+def nccl_environment(run_dir) -> dict[str, str]:
+    """The NCCL/torch variables for the ranks of a run (each unless already set): NCCL_ENV, with the collective
+    traces of a timeout dumped into RUN/nccl-traces/."""
+    from pathlib import Path
+
+    traces = Path(run_dir) / "nccl-traces"
+    env = {k: os.environ.get(k, v) for k, v in NCCL_ENV}
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # the newer name, the older one
+        env[name] = os.environ.get(name, str(traces / "rank-"))
+    return env
 
 
 def backend() -> str:

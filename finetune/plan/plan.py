@@ -85,6 +85,11 @@ class Plan:
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
     # where a sampling method's rollouts run (plan/rollout.py: engine, placement, GPUs, memory, seconds); {}: none
     rollout: dict = field(default_factory=dict)
+    # On a cluster (plan/stopping.py): CPU cores per node, bytes the busiest node writes per checkpoint, and seconds
+    # from a stop signal to a complete checkpoint (the scheduler's warning, torchrun's shutdown timeout)
+    cpus_per_node: int = 1
+    checkpoint_bytes: int = 0
+    stop_seconds: int = 0
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -155,6 +160,11 @@ class Plan:
             "step_seconds_estimate": self.step_seconds,
             "alternatives": list(self.alternatives),
             "rollout": dict(self.rollout),
+            "cluster": {
+                "cpus_per_node": self.cpus_per_node,
+                "checkpoint_gib_per_node": round(self.checkpoint_bytes / GiB, 3),
+                "stop_seconds": self.stop_seconds,
+            },
             # exact values, for from_json (the rounded figures above are for people)
             "exact": {
                 "estimate": {
@@ -169,6 +179,7 @@ class Plan:
                 "communication": self.communication,
                 "communication_seconds": self.communication_seconds,
                 "offload": self.offload,
+                "checkpoint_bytes": self.checkpoint_bytes,
             },
         }
 
@@ -211,6 +222,10 @@ class Plan:
         savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
         savers["alternatives"] = tuple(data.get("alternatives", ()))
         savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
+        cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned
+        savers["cpus_per_node"] = cluster.get("cpus_per_node", 1)
+        savers["stop_seconds"] = cluster.get("stop_seconds", 0)
+        savers["checkpoint_bytes"] = exact.get("checkpoint_bytes", 0)
         return cls(
             **simple,
             **savers,

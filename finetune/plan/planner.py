@@ -26,6 +26,7 @@ from finetune.plan.plan import Decision, Plan
 from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
 from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, traffic
+from finetune.plan.stopping import checkpoint_bytes_per_node, stop_seconds
 from finetune.plan.topology import Topology, choose_global_batch, choose_precision, choose_topology
 
 
@@ -69,6 +70,9 @@ def plan(
     c = fit.candidate
     accumulation = batch // topo.world // fit.micro_batch_size
     step = traffic(fit, topo, model, precision, batch)
+    written = checkpoint_bytes_per_node(
+        fit.estimate, c.adapter, c.sharding is not None, sharded_params(c), topo.processes_per_node
+    )
     return Plan(
         model=model.name,
         hardware=hardware.describe(),
@@ -121,6 +125,9 @@ def plan(
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(outcome.others, model),
         rollout=placed.to_plan(hardware, topo, fit) if placed else {},
+        cpus_per_node=hardware.cpu_cores,
+        checkpoint_bytes=written,
+        stop_seconds=stop_seconds(fit.step_seconds, written),
     )
 
 
