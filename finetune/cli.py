@@ -121,34 +121,100 @@ def train(
     master_port: int | None = typer.Option(
         None, "--master-port", help="Port on node 0 for the rendezvous (default 29500)."
     ),
+    rdzv_id: str | None = typer.Option(
+        None,
+        "--rdzv-id",
+        help="Meet the other nodes through torchrun's c10d rendezvous at --master-addr with this job id (Kubernetes: "
+        "a restarted pod joins again) instead of a static rendezvous.",
+    ),
     set_: list[str] | None = SetOption,
 ) -> None:
     """Plan, prepare the data, train (launching every rank of this node), and save the adapter or model into
     output.dir."""
     from finetune.workflow import NodeRole, run_train
 
-    role = NodeRole.from_env(nnodes, node_rank, master_addr, master_port)
+    role = NodeRole.from_env(nnodes, node_rank, master_addr, master_port, rdzv_id)
     run_train(config, set_ or (), hardware, resume=resume, overwrite=overwrite, role=role, allow_changes=allow_changes)
 
 
 @app.command()
 def launch(
-    config: Path = typer.Argument(..., help="Job YAML file."),
-    slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script for a SLURM cluster."),
+    target: str = typer.Argument(
+        ..., metavar="CONFIG|generate", help="Job YAML file, or `generate` followed by -- and ft generate's arguments."
+    ),
+    generate_args: list[str] | None = typer.Argument(
+        None, metavar="[-- GENERATE ARGS]", help="With `generate`: the arguments of ft generate, after --."
+    ),
+    slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script for a Slurm cluster."),
+    k8s: bool = typer.Option(False, "--k8s", help="Write a Kubernetes manifest (a Kubeflow PyTorchJob)."),
+    jobset: bool = typer.Option(False, "--jobset", help="With --k8s: a JobSet instead of a PyTorchJob."),
+    image: str | None = typer.Option(None, "--image", help="With --k8s: the container image that has ft."),
+    namespace: str | None = typer.Option(None, "--namespace", help="With --k8s: the namespace of the job."),
+    volume: str | None = typer.Option(
+        None, "--volume", help="With --k8s: a PersistentVolumeClaim shared by the pods, for runs and the HF cache."
+    ),
+    secret: str | None = typer.Option(
+        None, "--secret", help="With --k8s: a Secret whose keys become environment variables (HF_TOKEN, ...)."
+    ),
     out: Path | None = typer.Option(
-        None, "--out", "-o", help="Where to write the script (default: OUTPUT_DIR/job.sbatch)."
+        None, "--out", "-o", help="Where to write it (default: OUTPUT_DIR/job.sbatch or OUTPUT_DIR/job-k8s.yaml)."
     ),
     hardware: str | None = HardwareOption,
-    time_limit: str = typer.Option("24:00:00", "--time", help="SLURM time limit."),
-    partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
+    time_limit: str = typer.Option("24:00:00", "--time", help="Slurm time limit."),
+    partition: str | None = typer.Option(None, "--partition", help="Slurm partition."),
     set_: list[str] | None = SetOption,
 ) -> None:
-    """Write what runs the job on a cluster (an sbatch script with --slurm), planned for --hardware."""
-    from finetune.workflow import write_launch_script
+    """Write what runs a job on a cluster, planned for --hardware: an sbatch script (--slurm) or a Kubernetes
+    manifest (--k8s). `ft launch generate --slurm --hardware 8xH100 -- SOURCE --prompts P --out O` writes one
+    for ft generate."""
+    from finetune.workflow import write_generate_script, write_launch_script
 
-    if not slurm:
-        raise FtError("ft launch needs a scheduler: --slurm (for one machine, ft train launches the ranks itself)")
-    typer.echo(f"wrote {write_launch_script(config, set_ or (), hardware, out, time_limit, partition)}")
+    if slurm == k8s:
+        raise FtError(
+            "ft launch needs one scheduler: --slurm or --k8s (for one machine, ft train launches the ranks itself)"
+        )
+    if target == "generate":
+        if not slurm:
+            raise FtError("ft launch generate writes an sbatch script: add --slurm")
+        args = generate_args or []
+        output = _generate_params(args)["out"]
+        typer.echo(f"wrote {write_generate_script(args, output, hardware, out, time_limit, partition)}")
+        return
+    if generate_args:
+        raise FtError(f"unexpected arguments after {target}: {' '.join(generate_args)} (only `generate` takes any)")
+    if slurm:
+        typer.echo(f"wrote {write_launch_script(target, set_ or (), hardware, out, time_limit, partition)}")
+        return
+    from finetune.distributed.k8s import write_manifest
+
+    kind = "jobset" if jobset else "pytorchjob"
+    written = write_manifest(
+        target,
+        set_ or (),
+        hardware,
+        out,
+        image=image,
+        kind=kind,
+        namespace=namespace,
+        volume=volume,
+        secret=secret,
+    )
+    typer.echo(f"wrote {written}")
+
+
+def _generate_params(args: list[str]) -> dict:
+    """ft generate's parameters from `args`, as `ft generate ARGS` would read them; a clear error otherwise."""
+    command = typer.main.get_command(app).commands["generate"]
+    try:
+        return command.make_context("ft generate", list(args)).params
+    except Exception as e:  # click's errors (typer may carry its own copy of click: matched by what they offer)
+        if callable(getattr(e, "format_message", None)):
+            raise FtError(f"ft launch generate: these are not ft generate's arguments: {e.format_message()}") from None
+        if type(e).__name__ == "Exit":  # --help
+            raise FtError(
+                "ft launch generate: give ft generate's arguments after --: -- SOURCE --prompts P --out O"
+            ) from None
+        raise
 
 
 @app.command("rollout-server")
