@@ -26,6 +26,14 @@ class FtError(Exception):
     exit_code = 2
 
 
+class Stopped(FtError):
+    """A stop signal ended the job (training after saving a checkpoint); exit code 128+signal."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a job file: which keys, what is wrong, how to fix it."""

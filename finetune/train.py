@@ -22,18 +22,10 @@ from finetune.activations import offloading
 from finetune.config.schema import Config
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
-from finetune.errors import FtError
+from finetune.errors import FtError, Stopped  # noqa: F401 (Stopped: where callers look for it)
 from finetune.methods import Method
 from finetune.methods.loss import step_normaliser
 from finetune.plan.plan import Plan
-
-
-class Stopped(FtError):
-    """Training stopped on a signal after saving a checkpoint."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
 
 
 @dataclass

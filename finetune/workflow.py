@@ -124,57 +124,59 @@ def run_train(
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.distributed.launch import rank_command
+    from finetune.distributed.lifecycle import stopped_before_launch
     from finetune.plan import plan as make_plan
     from finetune.resume import overwrite_run, resume_checks, resume_point
 
-    role = role or NodeRole()
-    config = load(config_path, overrides)
-    hw = hardware_for(hardware)
-    if role.nnodes and role.nnodes != hw.nodes:
-        from finetune.plan.topology import with_hardware
+    with stopped_before_launch():  # a signal while planning or preparing: stop, saying so
+        role = role or NodeRole()
+        config = load(config_path, overrides)
+        hw = hardware_for(hardware)
+        if role.nnodes and role.nnodes != hw.nodes:
+            from finetune.plan.topology import with_hardware
 
-        hw = with_hardware(hw, nodes=role.nnodes)
-    facts = model_facts(config.model)
-    job_plan = make_plan(config, hw, facts, str(config_path))
-    run_dir = Path(config.output.dir).expanduser()
-    if job_plan.nodes > 1 and role.master_addr is None:
-        raise FtError(
-            f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
-            "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
+            hw = with_hardware(hw, nodes=role.nnodes)
+        facts = model_facts(config.model)
+        job_plan = make_plan(config, hw, facts, str(config_path))
+        run_dir = Path(config.output.dir).expanduser()
+        if job_plan.nodes > 1 and role.master_addr is None:
+            raise FtError(
+                f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
+                "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
+            )
+        resuming = resume or config.output.resume == "auto"
+        if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
+            from finetune.runfolder import check_output_dir
+
+            check_output_dir(run_dir)
+            resume_from = resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
+        else:
+            resume_from = checkpoint.latest(run_dir) if resuming else None
+        prepared = prepare(config)  # once per node, before any rank starts
+        job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
+        if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
+            finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
+            if finished is not None:
+                return finished
+        cmd = rank_command(
+            str(run_dir),
+            job_plan.nodes,
+            job_plan.processes_per_node,
+            job_plan.process_group,
+            node_rank=role.node_rank,
+            master_addr=role.master_addr,
+            master_port=role.master_port,
+            python=sys.executable,
+            resume_from=str(resume_from) if resume_from else None,
+            rdzv_id=role.rdzv_id,
         )
-    resuming = resume or config.output.resume == "auto"
-    if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
-        from finetune.runfolder import check_output_dir
-
-        check_output_dir(run_dir)
-        resume_from = resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
-    else:
-        resume_from = checkpoint.latest(run_dir) if resuming else None
-    prepared = prepare(config)  # once per node, before any rank starts
-    job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-    if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
-        finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
-        if finished is not None:
-            return finished
-    cmd = rank_command(
-        str(run_dir),
-        job_plan.nodes,
-        job_plan.processes_per_node,
-        job_plan.process_group,
-        node_rank=role.node_rank,
-        master_addr=role.master_addr,
-        master_port=role.master_port,
-        python=sys.executable,
-        resume_from=str(resume_from) if resume_from else None,
-        rdzv_id=role.rdzv_id,
-    )
-    if (
-        role.node_rank == 0
-    ):  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
-        if overwrite and not resuming:
-            overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
-        _write_run_folder(run_dir, config, job_plan, prepared, cmd)
-        set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
+        if (
+            role.node_rank == 0
+        ):  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
+            if overwrite and not resuming:
+                overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
+            _write_run_folder(run_dir, config, job_plan, prepared, cmd)
+            set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
     from finetune.rollout.pool import rollout_pool
 
     with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():

@@ -342,3 +342,15 @@ def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_p
     assert ran.returncode == 0, ran.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all(isinstance(row["completion"], str) for row in rows)
+
+
+def test_a_signal_before_training_begins_ends_ft_train_with_its_code_and_a_message():
+    from finetune.distributed.lifecycle import stopped_before_launch
+    from finetune.errors import Stopped
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(Stopped) as info, stopped_before_launch():
+        os.kill(os.getpid(), signal.SIGUSR1)  # its default action would kill the process without a word
+        time.sleep(1)
+    assert info.value.exit_code == 138 and "stopped by SIGUSR1 before training began" in str(info.value)
+    assert signal.getsignal(signal.SIGUSR1) == before

@@ -40,6 +40,7 @@ never returns) it exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -267,6 +268,25 @@ def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
     try:
         started.append(start_torchrun(cmd, env, ranks_stop_themselves=exchange is not None))
         return started[0].wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def stopped_before_launch():
+    """While ft train plans and prepares the data: a stop signal ends it at once with 128+signal (SIGUSR1's default
+    would kill it without a word, and a Slurm script requeues on that code); nothing is in progress to save."""
+    from finetune.errors import Stopped
+
+    def stop(signum, frame):
+        if note(signum) != "repeat":
+            raise Stopped(f"stopped by {signal_name(signum)} before training began; nothing to save", signum)
+
+    reset_signals()
+    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
