@@ -366,7 +366,12 @@ def probe() -> Hardware:
     world is authoritative: devices_per_node = local_world_size, nodes = nnodes.
     """
     launch = launch_env()
-    accelerator, count = _probe_accelerator(_import_torch())
+    torch = _import_torch()
+    accelerator, count = _probe_accelerator(torch)
+    if accelerator is None and torch is not None:
+        from finetune.gpucheck import require_usable_gpus
+
+        require_usable_gpus(torch)  # never plan for the CPU of a machine whose GPUs torch cannot use
     per_node, nodes = max(1, count), 1
     if launch.launcher != "none":
         per_node, nodes = launch.local_world_size, launch.nnodes

