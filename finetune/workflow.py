@@ -169,6 +169,7 @@ def run_train(
             python=sys.executable,
             resume_from=str(resume_from) if resume_from else None,
             rdzv_id=role.rdzv_id,
+            shutdown_timeout=job_plan.stop_seconds,
         )
         if (
             role.node_rank == 0

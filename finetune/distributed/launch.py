@@ -10,6 +10,8 @@ joins again; torchrun numbers the nodes).
 
 from __future__ import annotations
 
+import functools
+
 DEFAULT_PORT = 29500
 RANK_ENTRY = "finetune.rank"
 
@@ -31,6 +33,7 @@ def rank_command(
     python: str | None = None,
     resume_from: str | None = None,
     rdzv_id: str | None = None,
+    shutdown_timeout: int | None = None,
 ) -> list[str]:
     """argv that starts every rank of this node for the run in `run_dir` (resuming from a checkpoint folder if given).
 
@@ -47,6 +50,7 @@ def rank_command(
         master_port=master_port,
         python=python,
         rdzv_id=rdzv_id,
+        shutdown_timeout=shutdown_timeout,
     )
 
 
@@ -60,10 +64,13 @@ def torchrun(
     master_port: int = DEFAULT_PORT,
     python: str | None = None,
     rdzv_id: str | None = None,
+    shutdown_timeout: int | None = None,
 ) -> list[str]:
     """torchrun running `entry` (e.g. ["-m", "module", args...]) on nodes x processes_per_node ranks; unknown node
     rank or address become `$NODE_RANK` / `$MASTER_ADDR` placeholders for a script to fill in. With `rdzv_id`, the
-    nodes meet through torchrun's c10d rendezvous at the address of node 0 instead of a static one."""
+    nodes meet through torchrun's c10d rendezvous at the address of node 0 instead of a static one.
+    `shutdown_timeout`: seconds torchrun gives its workers to exit after a signal it handles (a checkpoint's time),
+    where this torch's torchrun has the option (ft's launcher also sets TORCH_ELASTIC_SHUTDOWN_TIMEOUT)."""
     cmd = ["torchrun"] if python is None else [python, "-m", "torch.distributed.run"]
     cmd += [f"--nnodes={nodes}", f"--nproc-per-node={processes_per_node}"]
     if nodes == 1:
@@ -74,4 +81,16 @@ def torchrun(
     else:
         rank = "$NODE_RANK" if node_rank is None else node_rank
         cmd += [f"--node-rank={rank}", f"--master-addr={master_addr or '$MASTER_ADDR'}", f"--master-port={master_port}"]
+    if shutdown_timeout and has_shutdown_timeout():
+        cmd.append(f"--shutdown-timeout={int(shutdown_timeout)}")
     return cmd + list(entry)
+
+
+@functools.cache
+def has_shutdown_timeout() -> bool:
+    """Whether this torch's torchrun takes --shutdown-timeout (older ones read only the environment variable)."""
+    try:
+        from torch.distributed.run import get_args_parser
+    except ImportError:
+        return False
+    return "--shutdown-timeout" in get_args_parser().format_help()
