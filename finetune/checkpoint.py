@@ -43,6 +43,22 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def agreed(run_dir: Path, resume_from: Path | None, runtime) -> Path | None:
+    """The checkpoint every rank resumes from: rank 0's. Nodes that start at different moments (a scheduler that
+    replaces pods one by one) can find different newest checkpoints, one of them completed in between."""
+    step = read_state(resume_from)["step"] if resume_from is not None else 0
+    chosen = int(runtime.sum(step if runtime.is_main else 0))
+    if chosen == step:
+        return resume_from
+    path = Path(run_dir) / "checkpoints" / f"step-{chosen:08d}" if chosen else None
+    import sys
+
+    sys.stderr.write(
+        f"rank {runtime.rank} resumes from {path or 'the start'}, as rank 0 does (it found {resume_from})\n"
+    )
+    return path
+
+
 def rng_state() -> dict:
     """Every RNG's state as tensors and plain numbers, so that it loads with torch.load(weights_only=True)."""
     import numpy as np

@@ -34,6 +34,15 @@ class Stopped(FtError):
         self.exit_code = 128 + signum
 
 
+class LostPeers(FtError):
+    """The ranks lost one another: a collective timed out, or a peer went away (a node preempted or dead). Another
+    attempt may well succeed, so the exit code is 134 (128+SIGABRT, as when NCCL's watchdog ends a stuck rank):
+    schedulers that restart after signals and not after input errors (Kubernetes' ExitCode policy, JobSet failure
+    rules) restart the job, which resumes from its last checkpoint."""
+
+    exit_code = 134
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a job file: which keys, what is wrong, how to fix it."""

@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
 def _rank(run_dir: Path, resume_from: str | None) -> int:
     """Train; under a launcher, a stop becomes this rank's report to it (exit 0), a Ctrl-C its own message."""
     from finetune.distributed import lifecycle
+    from finetune.distributed.lifecycle import LOST_PEERS
     from finetune.distributed.runtime import failed_during, launched
+    from finetune.errors import LostPeers
     from finetune.train import Stopped
 
     if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
@@ -56,6 +58,9 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
         return lifecycle.rank_stopped(str(e), e.exit_code - 128)
     except KeyboardInterrupt:
         return lifecycle.rank_interrupted(failed_during())
+    except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
+        lifecycle.report(LOST_PEERS, 0, message=str(e))
+        raise
     return 0
 
 
@@ -99,12 +104,13 @@ def _train(config, job_plan, prepared, run_dir, resume_from, hooks=()) -> dict:
 def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, hooks) -> dict:
     import json
 
-    from finetune import train
+    from finetune import checkpoint, train
     from finetune.files import atomic_write_text
     from finetune.metrics import plot_losses
     from finetune.modelcard import model_card
 
     job = train.setup(config, job_plan, prepared)
+    resume_from = checkpoint.agreed(run_dir, resume_from, job.runtime)
     is_main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)
     before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None

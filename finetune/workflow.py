@@ -205,8 +205,9 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir) -> dict:
     import shlex
     import sys
 
-    from finetune.distributed.lifecycle import ENV_STOP_SECONDS, Exchange, run_forwarding_signals
+    from finetune.distributed.lifecycle import ENV_STOP_SECONDS, LOST_PEERS, Exchange, run_forwarding_signals
     from finetune.distributed.runtime import nccl_environment
+    from finetune.errors import LostPeers
 
     env = dict(os.environ)
     if "cpu" in job_plan.device.lower():
@@ -223,6 +224,11 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir) -> dict:
     try:
         code = run_forwarding_signals(cmd, env, exchange)
         _raise_if_stopped(exchange, code, config_path, overrides)
+        lost = [r for r in exchange.reports() if r.get("outcome") == LOST_PEERS] if code else []
+        # every rank here lost its peers (one that failed by itself is the news): a node preempted or dead, another
+        # attempt may succeed (a retryable exit code)
+        if lost and len(lost) >= job_plan.processes_per_node:
+            raise LostPeers(f"training failed: {lost[0].get('message')}. Resume with: ft train CONFIG --resume")
     finally:
         exchange.close()
     if code < 0:  # torchrun itself was killed (its ranks get SIGTERM: they stop after their step and save a checkpoint)

@@ -135,3 +135,23 @@ def test_a_rank_the_checkpoint_did_not_have_starts_from_rank_0s_rng(tmp_path):
     expected = torch.rand(2)
     checkpoint.load(path, engine(), Runtime(rank=1, local_rank=1, world_size=1))
     assert torch.equal(torch.rand(2), expected)
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_found(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from finetune import checkpoint
+
+    found = {}
+    for step in (4, 6):
+        found[step] = tmp_path / "checkpoints" / f"step-{step:08d}"
+        found[step].mkdir(parents=True)
+        (found[step] / "state.json").write_text(json.dumps({"step": step}))
+    # rank 0 found step 4; this node started later and found step 6, completed in between
+    peer = SimpleNamespace(rank=1, is_main=False, sum=lambda value: 4.0 + value)
+    assert checkpoint.agreed(tmp_path, found[6], peer) == found[4]
+    fresh = SimpleNamespace(rank=1, is_main=False, sum=lambda value: 0.0 + value)  # rank 0 starts from scratch
+    assert checkpoint.agreed(tmp_path, found[6], fresh) is None
+    main = SimpleNamespace(rank=0, is_main=True, sum=lambda value: value)
+    assert checkpoint.agreed(tmp_path, found[4], main) == found[4] and checkpoint.agreed(tmp_path, None, main) is None

@@ -212,7 +212,7 @@ def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_a
         timeout=240,
     )
     out = " ".join((r.stderr + r.stdout).split())  # messages are wrapped to the terminal's width
-    assert r.returncode != 0, out[-3000:]
+    assert r.returncode == 134, out[-3000:]  # retryable: a scheduler restarts the job, which resumes
     assert (
         "rank 0 waited 0.1 min for the other ranks during step 3 of 20: summing the step's trained tokens over ranks"
         in out

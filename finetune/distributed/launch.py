@@ -14,6 +14,9 @@ import functools
 
 DEFAULT_PORT = 29500
 RANK_ENTRY = "finetune.rank"
+# Each node prepares its data before it joins the rendezvous: a node with a cold data cache may join long after the
+# others, which must not give up on it (torchrun's default: 600 s)
+RDZV_JOIN_TIMEOUT_S = 1800
 
 
 def needs_launcher(backend: str, world_size: int) -> bool:
@@ -78,6 +81,7 @@ def torchrun(
     elif rdzv_id:
         endpoint = f"{master_addr or '$MASTER_ADDR'}:{master_port}"
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+        cmd.append(f"--rdzv-conf=join_timeout={RDZV_JOIN_TIMEOUT_S}")
     else:
         rank = "$NODE_RANK" if node_rank is None else node_rank
         cmd += [f"--node-rank={rank}", f"--master-addr={master_addr or '$MASTER_ADDR'}", f"--master-port={master_port}"]

@@ -62,6 +62,7 @@ ENV_LAUNCHER = "FT_LAUNCHER_PID"
 ENV_STOP_SECONDS = "FT_STOP_SECONDS"  # the plan's time from a stop signal to a complete checkpoint
 STOP_FILE = "stop"
 SAVING_FILE = "saving-{rank}"  # present while that rank writes a checkpoint
+LOST_PEERS = "lost peers"  # a rank's report: its collective timed out or a peer went away (errors.LostPeers)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.distributed.launch import needs_launcher  # noqa: F401 (re-exported)
-from finetune.errors import FtError
+from finetune.errors import LostPeers
 
 # Read by torch's NCCL process group when it starts, so set before any process exists (ft train's launcher, the
 # Slurm script); values the user exported win.
@@ -185,8 +185,8 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 
 @contextlib.contextmanager
 def explained_failures(timeout_minutes: float):
-    """Turn a failed collective into an FtError naming this rank, the collective's timeout and what the rank was
-    doing."""
+    """Turn a failed collective into an error naming this rank, the collective's timeout and what the rank was
+    doing (LostPeers: another attempt may succeed)."""
     try:
         yield
     except RuntimeError as e:  # torch.distributed's backend errors are RuntimeErrors
@@ -195,14 +195,14 @@ def explained_failures(timeout_minutes: float):
             raise
         rank, during = torch.distributed.get_rank(), (_failed_during or [doing()])[0]
         if any(k in text for k in _TIMEOUT):
-            raise FtError(
+            raise LostPeers(
                 f"rank {rank} waited {timeout_minutes:g} min for the other ranks during {during} and gave up: "
                 "another rank is "
                 "stuck or died (its output above says which), or a step takes longer than distributed.timeout_minutes; "
                 f"raise it if the job is only slow. ({str(e).strip().splitlines()[0][:200]})"
             ) from None
         if any(k in text for k in _PEER_GONE):
-            raise FtError(
+            raise LostPeers(
                 f"rank {rank} lost its connection to another rank during {during}: that rank exited or crashed "
                 f"(its error is above). ({str(e).strip().splitlines()[0][:200]})"
             ) from None
