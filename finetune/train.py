@@ -59,9 +59,10 @@ class SignalStop:
 
     Copies of one signal that arrive within lifecycle.REPEAT_WINDOW_S count as one: a terminal's Ctrl-C, a
     scheduler that signals every process, the launcher's request and the parent's death can all deliver the
-    same stop. A signal after that (a deliberate second Ctrl-C) stops at once (KeyboardInterrupt), unless a
-    checkpoint is being written (`saving`): then it is ignored, so that the checkpoint is complete. Outside the
-    loop a rank follows lifecycle.start_rank: stop at once while setting up, finish the final save after it."""
+    same stop. After that a deliberate second Ctrl-C (SIGINT) stops at once (KeyboardInterrupt), unless a
+    checkpoint is being written (`saving`); a scheduler's repeated SIGTERM/SIGUSR1 is ignored, so that the stop
+    under way ends with its checkpoint. Outside the loop a rank follows lifecycle.start_rank: stop at once while
+    setting up, finish the final save after it."""
 
     def __init__(self):
         self.signum = 0
@@ -82,10 +83,12 @@ class SignalStop:
 
         if lifecycle.note(signum) == "repeat":
             return
-        if self._received and self._saving:
-            sys.stderr.write(f"ft: {lifecycle.signal_name(signum)} ignored while the checkpoint is written\n")
+        if self._received and (self._saving or signum != signal.SIGINT):
+            # a checkpoint is written, or a scheduler signals again (cgroup tracking): the stop under way goes on
+            doing = "while the checkpoint is written" if self._saving else "while this rank stops after its step"
+            sys.stderr.write(f"ft: {lifecycle.signal_name(signum)} ignored {doing}\n")
             return
-        if self._received:  # a second signal: stop now
+        if self._received:  # a person's second Ctrl-C: stop now
             raise KeyboardInterrupt
         self._received = True
         self.signum = self.signum or signum

@@ -169,8 +169,9 @@ def test_outside_the_loop_a_rank_stops_at_once_while_setting_up_and_finishes_the
     lifecycle.loop_finished()
     lifecycle._outside_the_loop(signal.SIGTERM, None)  # after the last step: the final weights are saved first
     monkeypatch.setattr(lifecycle, "REPEAT_WINDOW_S", 0.0)
-    with pytest.raises(KeyboardInterrupt):  # a second signal: at once
-        lifecycle._outside_the_loop(signal.SIGTERM, None)
+    lifecycle._outside_the_loop(signal.SIGTERM, None)  # a scheduler's second SIGTERM: the save goes on
+    with pytest.raises(KeyboardInterrupt):  # a person's second Ctrl-C: at once
+        lifecycle._outside_the_loop(signal.SIGINT, None)
     lifecycle.reset_signals()
 
 
@@ -186,6 +187,10 @@ def test_copies_of_one_signal_count_once_and_a_later_one_stops_at_once(monkeypat
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)
         assert stop.signum == signal.SIGINT  # one request to stop after the step: no KeyboardInterrupt
+        time.sleep(0.6)
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler signalling again (cgroup tracking): the stop goes on
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGINT
         time.sleep(0.6)
         with pytest.raises(KeyboardInterrupt):  # a deliberate second Ctrl-C after the window: stop now
             os.kill(os.getpid(), signal.SIGINT)

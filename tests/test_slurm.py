@@ -236,8 +236,9 @@ def test_usr1_checkpoints_every_rank_requeues_and_the_requeued_job_resumes_to_th
         assert resumed[name].float().allclose(whole[name].float(), atol=1e-5), name
 
 
-def test_a_second_sigterm_while_the_checkpoint_is_written_is_ignored_and_the_checkpoint_is_complete(
-    tmp_path, monkeypatch, capfd
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])  # a scheduler's, a person's
+def test_a_second_signal_while_the_checkpoint_is_written_is_ignored_and_the_checkpoint_is_complete(
+    tmp_path, monkeypatch, capfd, second
 ):
     from finetune import checkpoint
     from finetune.distributed import lifecycle
@@ -248,8 +249,8 @@ def test_a_second_sigterm_while_the_checkpoint_is_written_is_ignored_and_the_che
     write_part = checkpoint._write_rank_part
     seen = []
 
-    def slow_part(*args, **kwargs):  # the scheduler's second SIGTERM arrives while this rank writes its part
-        os.kill(os.getpid(), signal.SIGTERM)
+    def slow_part(*args, **kwargs):  # the second signal arrives while this rank writes its part
+        os.kill(os.getpid(), second)
         time.sleep(0.2)  # the handler runs here
         seen.append("second")
         return write_part(*args, **kwargs)
@@ -264,7 +265,7 @@ def test_a_second_sigterm_while_the_checkpoint_is_written_is_ignored_and_the_che
     with pytest.raises(Stopped) as stopped:
         run(tiny, tmp_path / "run", hooks=(first,))
     assert seen == ["second"] and "stopped by SIGTERM after step 3 of 6" in str(stopped.value)
-    assert "SIGTERM ignored while the checkpoint is written" in capfd.readouterr().err
+    assert f"{signal.Signals(second).name} ignored while the checkpoint is written" in capfd.readouterr().err
     last = checkpoint.latest(tmp_path / "run")
     state = json.loads((last / "state.json").read_text())
     assert state["step"] == 3 and state["stopped_by"] == "SIGTERM"
@@ -290,11 +291,11 @@ def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint
     )
     exchange = lifecycle.Exchange()
 
-    def signal_twice():
+    def signal_twice():  # Ctrl-C twice: the second would stop at once, but for the checkpoint being written
         time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)  # the stop request
+        os.kill(os.getpid(), signal.SIGINT)  # the stop request
         time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)  # a second one, while the worker saves
+        os.kill(os.getpid(), signal.SIGINT)  # a second one, while the worker saves
 
     threading.Thread(target=signal_twice, daemon=True).start()
     try:
@@ -302,7 +303,7 @@ def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint
     finally:
         exchange.close()
     assert code == 0 and (tmp_path / "done").read_text() == "complete"
-    assert exchange.requested == signal.SIGTERM and not exchange.aborted
+    assert exchange.requested == signal.SIGINT and not exchange.aborted
 
 
 def test_a_rank_that_makes_no_progress_explains_where_before_the_timeout():

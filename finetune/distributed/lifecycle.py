@@ -24,13 +24,13 @@ each rank's watchdog thread polls and turns into that signal in its own process 
 already). The rank finishes its step, saves the checkpoint with the others, writes what happened into the folder
 and exits 0 (so that torchrun reports no failure); the launcher reads it and says it once, with exit code
 128+signal. A signal that reaches every process (Slurm, Kubernetes) reaches the ranks directly as well: copies
-of one signal that arrive within REPEAT_WINDOW_S count as one. While a checkpoint is being written (each rank
-marks it in the exchange folder) any further signal is ignored, by the ranks and by the launcher: a scheduler
-that signals twice (cgroup tracking) gets a complete checkpoint, not an interrupted one. Outside the training
-loop a first signal stops a rank at once while it sets up (no step to finish), and is ignored after the last
-step (the rank finishes saving the final weights). Otherwise a deliberate second signal (after the window) stops
-at once: the launcher SIGKILLs torchrun and the ranks (nothing prints; checkpoints are written to a temporary
-folder and renamed, so a killed save leaves the earlier ones intact).
+of one signal that arrive within REPEAT_WINDOW_S count as one. Once a stop is under way, a scheduler's repeated
+SIGTERM or SIGUSR1 (cgroup tracking can deliver two) is ignored by the ranks and by the launcher: the stop ends
+with its checkpoint. A person's second Ctrl-C (SIGINT, after the window) stops at once, except while a
+checkpoint is written (each rank marks it in the exchange folder): the launcher SIGKILLs torchrun and the ranks
+(nothing prints; checkpoints are written to a temporary folder and renamed, so a killed save leaves the earlier
+ones intact). Outside the training loop a first signal stops a rank at once while it sets up (no step to
+finish), and is ignored after the last step (the rank finishes saving the final weights).
 
 A rank whose parent (torchrun) dies gets SIGTERM (Linux PR_SET_PDEATHSIG; elsewhere the watchdog notices
 that the parent or the launcher is gone) and stops as on any SIGTERM: after its step, with a checkpoint;
@@ -256,10 +256,8 @@ def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
             started[0].send_signal(passed)
         elif not exchange.requested:
             exchange.request_stop(signum)
-        elif exchange.saving():
-            sys.stderr.write(
-                f"ft: {signal_name(signum)} ignored while a checkpoint is written (SIGKILL stops at once)\n"
-            )
+        elif exchange.saving() or signum != signal.SIGINT:  # a checkpoint is written, or a scheduler signals again
+            sys.stderr.write(f"ft: {signal_name(signum)} ignored: the ranks are stopping (SIGKILL stops at once)\n")
         elif not exchange.aborted and started:
             exchange.aborted = signum
             kill_now(started[0])
@@ -330,9 +328,9 @@ _rank = {"parent": None, "trained": False}
 
 def _outside_the_loop(signum, frame) -> None:
     """A stop signal outside the training loop (SignalStop). While setting up there is no step to finish: stop now.
-    After the last step, the first is ignored: the rank finishes saving the final weights; a later one stops now."""
+    After the last step the rank finishes saving the final weights: only a person's second Ctrl-C stops it now."""
     kind = note(signum)
-    if kind == "repeat" or (kind == "first" and _rank["trained"]):
+    if kind == "repeat" or (_rank["trained"] and (kind == "first" or signum != signal.SIGINT)):
         return
     raise KeyboardInterrupt
 
