@@ -74,6 +74,11 @@ def print_plan(plan: Plan, as_json: bool = False, candidates: bool = False) -> N
         console.print(f"Estimated step time: {sum(plan.step_seconds.values()):.3g} s ({parts})")
     if plan.rollout:
         console.print(rollout_line(plan))
+    if plan.stop_seconds:
+        console.print(
+            f"Stopping: {plan.checkpoint_bytes / GiB:.1f} GiB per node per checkpoint; {plan.stop_seconds} s from a "
+            "stop signal to a complete checkpoint (the warning ft launch asks a scheduler for)"
+        )
     if plan.device == "GPU":
         console.print(f"Assumptions: {assumptions()}", style="dim")
     if candidates:

@@ -90,7 +90,8 @@ def fake_slurm(tmp_path) -> dict:
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_NNODES": "2",
         "SLURM_CPUS_PER_TASK": "1",
-        "MASTER_PORT": str(free_port()),  # the job-id port, unless set: tests run side by side
+        "FT_MASTER_PORT": str(free_port()),  # instead of the job-id port: tests run side by side
+        "MASTER_PORT": "1",  # exported where sbatch ran: not used
         "FT_TRAIN_ARGS": "--hardware 2x1xcpu",
         "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
         "OMP_NUM_THREADS": "1",
@@ -150,9 +151,9 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
         "#SBATCH --partition=gpu",
         f"#SBATCH --signal=B:USR1@{stop}",
         "#SBATCH --requeue",
-        "SLURM_JOB_ID % ",
+        "${SLURM_JOB_ID:-0} % ",
         "export TORCH_NCCL_ASYNC_ERROR_HANDLING=",
-        'scontrol requeue "$SLURM_JOB_ID"',
+        'scontrol requeue "${SLURM_JOB_ID:-}"',
         '--node-rank "${SLURM_NODEID:-$SLURM_PROCID}"',
         "output.resume=auto",
     ):
@@ -359,3 +360,14 @@ def test_a_signal_before_training_begins_ends_ft_train_with_its_code_and_a_messa
         time.sleep(1)
     assert info.value.exit_code == 138 and "stopped by SIGUSR1 before training began" in str(info.value)
     assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_ft_plan_says_how_long_a_stop_takes(capsys):
+    from finetune.report import print_plan
+    from finetune.workflow import compile_plan
+
+    plan = compile_plan(str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"), (), "2x8xA100-40GB")
+    print_plan(plan)
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{plan.stop_seconds} s from a stop signal to a complete checkpoint" in text
+    assert f"{plan.checkpoint_bytes / 2**30:.1f} GiB per node per checkpoint" in text

@@ -4,7 +4,8 @@ What a shared cluster needs, and where the script does it:
 - Whole nodes: `--exclusive`, `--mem=0` (all of the node's memory) and `--cpus-per-task` (the node's cores for the
   one task per node, which starts every rank of the node and tokenises); srun does not inherit `--cpus-per-task`
   from sbatch (Slurm >= 22.05), so the script passes it on.
-- The rendezvous port comes from the job id, so two jobs that share a node do not collide.
+- The rendezvous port comes from the job id, so two jobs that share a node do not collide (FT_MASTER_PORT sets
+  another); a MASTER_PORT/MASTER_ADDR exported where sbatch ran (sbatch passes the environment on) is not used.
 - NCCL/torch variables are exported before srun: every process, hence every process group, starts with them.
 - Time limits: Slurm signals the batch shell (`--signal=B:USR1@N`) N seconds ahead, N from the plan's estimate of
   the time to finish a step and write a checkpoint. The shell passes USR1 on once, through srun, to the task of
@@ -56,7 +57,7 @@ def sbatch_script(
     # run by each node's task, which expands its own SLURM_NODEID (the batch shell runs on node 0); one task per
     # node, so its task rank is its node's rank where a Slurm sets no SLURM_NODEID
     command = (
-        f'exec ft train {shlex.quote(config_path)} {sets} --nnodes "$SLURM_NNODES" '
+        f'exec ft train {shlex.quote(config_path)} {sets} --nnodes "${{SLURM_NNODES:-{plan.nodes}}}" '
         '--node-rank "${SLURM_NODEID:-$SLURM_PROCID}" '
         f'--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" ${{FT_TRAIN_ARGS:-}}'
     )
@@ -88,7 +89,7 @@ def generate_script(args: list[str], allocation: Allocation) -> str:
 
 def port_expression() -> str:
     """Shell arithmetic for the rendezvous port: the same on every node of a job, different for the next job."""
-    return f"$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"
+    return f"$(( {PORT_BASE} + ${{SLURM_JOB_ID:-0}} % {PORT_SPAN} ))"
 
 
 def _header(a: Allocation) -> str:
@@ -123,8 +124,9 @@ def _script(a: Allocation, about: str, command: str, forward: str, stopped_code:
 {_header(a)}
 set -uo pipefail
 mkdir -p {shlex.quote(a.log_dir)}
-export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_PORT="${{MASTER_PORT:-{port_expression()}}}"  # from the job id: jobs sharing a node never collide
+export MASTER_ADDR="$(scontrol show hostnames "${{SLURM_JOB_NODELIST:-}}" | head -n 1)"
+# from the job id, so jobs sharing a node never collide (a MASTER_PORT exported where sbatch ran is not used)
+export MASTER_PORT="${{FT_MASTER_PORT:-{port_expression()}}}"
 # Read when each rank's process group starts, so exported before any process exists:
 {nccl}
 export SRUN_CPUS_PER_TASK="${{SLURM_CPUS_PER_TASK:-{a.cpus_per_node}}}"  # srun does not inherit --cpus-per-task
@@ -149,8 +151,8 @@ while :; do
 done
 if [ "$rc" -gt 128 ]; then wait "$step" 2>/dev/null; last=$?; [ "$last" != 127 ] && rc=$last; fi
 if [ "$warned" = 1 ] && {stopped}; then
-  echo "ft: requeueing job $SLURM_JOB_ID: it continues from where it stopped" >&2
-  scontrol requeue "$SLURM_JOB_ID"
+  echo "ft: requeueing job ${{SLURM_JOB_ID:-}}: it continues from where it stopped" >&2
+  scontrol requeue "${{SLURM_JOB_ID:-}}"
 fi
 exit "$rc"
 """
