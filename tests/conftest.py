@@ -83,8 +83,9 @@ def packed_rows():
 
 
 # The test files that take longest, longest first (seconds of a whole run on 2 cores, measured with --durations:
-# alignment 336, distributed 295, deepspeed 275, signals 124, slurm 90, train 80, sharded_loading 74). scripts/test.sh runs
-# whole files on 2 workers (--dist loadfile) in collection order: a long file that started last would run alone.
+# alignment 336, distributed 295, deepspeed 275, signals 124, slurm 90, train 80, sharded_loading 74).
+# scripts/test.sh runs whole files on 2 workers (--dist loadfile) in collection order: a long file that started last
+# would run alone.
 LONGEST_FIRST = (
     "test_alignment.py",
     "test_distributed.py",
