@@ -150,6 +150,18 @@ def preference_records(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def unpaired_records(n: int, seed: int = 0) -> list[dict]:
+    """Unpaired feedback (KTO) from `n` preference pairs: each chosen answer labelled true, each rejected one false,
+    the 2n rows shuffled (so neighbouring rows rarely share a prompt)."""
+    out = [
+        {"prompt": pair["prompt"], "completion": pair[side], "label": side == "chosen"}
+        for pair in preference_records(n, seed)
+        for side in ("chosen", "rejected")
+    ]
+    random.Random(seed + 2).shuffle(out)
+    return out
+
+
 def prompt_records(n: int, seed: int = 0) -> list[dict]:
     """Prompt-only arithmetic tasks with their answer in a column of its own (for GRPO rewards)."""
     return [

@@ -245,6 +245,7 @@ FIELDS = {
     "prompt_completion": {"prompt", "completion"},
     "preference": {"prompt", "chosen", "rejected", "system"},
     "prompt_only": {"prompt", "system"},
+    "unpaired": {"prompt", "completion", "label", "system"},
 }
 
 

@@ -110,7 +110,7 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, str, 
     """(dotted key, type, default, description) for every key under `model`, depth first."""
     out = []
     for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
+        key = f"{prefix}{field.alias or name}"  # the key a job file writes (ORPO's `lambda` is the field lambda_)
         out.append(
             (
                 key,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from finetune.config.section import FilePath, Section, Tokens
 from finetune.config.types import Bounded
@@ -95,9 +95,7 @@ class DPOMethod(MethodSection):
     fine-tuning; `precomputed` computes reference log-probs once before training."""
 
     def reference_kind(self, adapter: str) -> str:
-        if self.reference == "auto":
-            return _adapter_or_copy(adapter)
-        return "adapter" if self.reference == "adapter_disabled" else self.reference
+        return _chosen_reference(self.reference, adapter)
 
     def problems(self) -> list[Problem]:
         if not self.label_smoothing or self.loss == "sigmoid":
@@ -111,15 +109,26 @@ class DPOMethod(MethodSection):
         ]
 
     def adapter_problems(self, adapter: Section) -> list[Problem]:
-        if self.reference != "adapter_disabled" or adapter.type != "full":
-            return []
-        return [
-            Problem(
-                (("method", "reference"), ("adapter", "type")),
-                "full fine-tuning has no adapter to disable for the reference model",
-                "set method.reference: copy (or auto), or adapter.type: lora",
-            )
-        ]
+        return _reference_problems(self.reference, adapter)
+
+
+def _chosen_reference(reference: str, adapter: str) -> str:
+    """The reference kind for a method's `reference` key (auto, adapter_disabled, copy, precomputed)."""
+    if reference == "auto":
+        return _adapter_or_copy(adapter)
+    return "adapter" if reference == "adapter_disabled" else reference
+
+
+def _reference_problems(reference: str, adapter: Section) -> list[Problem]:
+    if reference != "adapter_disabled" or adapter.type != "full":
+        return []
+    return [
+        Problem(
+            (("method", "reference"), ("adapter", "type")),
+            "full fine-tuning has no adapter to disable for the reference model",
+            "set method.reference: copy (or auto), or adapter.type: lora",
+        )
+    ]
 
 
 class RewardSpec(Section):
@@ -253,4 +262,78 @@ class GRPOMethod(MethodSection):
         ]
 
 
-Method = Annotated[SFTMethod | DPOMethod | GRPOMethod, Field(discriminator="name")]
+class KTOMethod(MethodSection):
+    """Kahneman-Tversky optimisation on unpaired feedback: each row is one completion labelled desirable or not."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"unpaired"})
+    learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+
+    name: Literal["kto"]
+    """Method name."""
+    beta: Bounded(float, gt=0, le=100) = 0.1
+    """Strength of the implicit KL constraint to the reference model."""
+    desirable_weight: Bounded(float, gt=0, le=1000) = 1.0
+    """Weight of the loss of desirable completions (`label: true`); raise it when they are the fewer."""
+    undesirable_weight: Bounded(float, gt=0, le=1000) = 1.0
+    """Weight of the loss of undesirable completions (`label: false`); the KTO paper keeps
+    desirable_weight × desirable rows / (undesirable_weight × undesirable rows) between 1 and 4/3."""
+    reference: Literal["auto", "adapter_disabled", "copy"] = "auto"
+    """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
+    fine-tuning. (Reference log-probs cannot be computed ahead: the KL baseline pairs each prompt with another row's
+    completion of the same micro-batch, which changes with the shuffle.)"""
+
+    def reference_kind(self, adapter: str) -> str:
+        return _chosen_reference(self.reference, adapter)
+
+    def adapter_problems(self, adapter: Section) -> list[Problem]:
+        return _reference_problems(self.reference, adapter)
+
+    def train_problems(self, train: Section) -> list[Problem]:
+        if train.micro_batch_size == "auto" or train.micro_batch_size > 1:
+            return []
+        return [
+            Problem(
+                (("train", "micro_batch_size"), ("method", "name")),
+                "KTO estimates its KL baseline from each prompt paired with another row's completion of the same "
+                "micro-batch, so a micro-batch of 1 row has no other completion",
+                "set train.micro_batch_size to 2 or more (or auto)",
+            )
+        ]
+
+
+class ORPOMethod(MethodSection):
+    """Odds ratio preference optimisation on prompt/chosen/rejected pairs: the SFT loss on the chosen answer plus an
+    odds-ratio term that favours it over the rejected one. Reference-free: no reference model."""
+
+    model_config = ConfigDict(serialize_by_alias=True)  # the key `lambda` is a Python keyword: the field is lambda_
+    formats: ClassVar[frozenset[str]] = frozenset({"preference"})
+    sequences_per_row: ClassVar[int] = 2
+    learning_rates: ClassVar[tuple[float, float]] = (8e-6, 8e-5)
+
+    name: Literal["orpo"]
+    """Method name."""
+    lambda_: Bounded(float, ge=0, le=100) = Field(0.1, alias="lambda")
+    """Weight of the odds-ratio term added to the chosen answer's NLL (the ORPO paper's λ; trl's `beta`)."""
+
+
+class SimPOMethod(MethodSection):
+    """Simple preference optimisation on prompt/chosen/rejected pairs: a margin between the length-normalised
+    log-probabilities of the chosen and rejected answers. Reference-free: no reference model."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"preference"})
+    sequences_per_row: ClassVar[int] = 2
+    learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+
+    name: Literal["simpo"]
+    """Method name."""
+    beta: Bounded(float, gt=0, le=100) = 2.0
+    """Scale of the reward, β times an answer's mean token log-probability (the SimPO paper uses 2 to 2.5)."""
+    gamma: Bounded(float, ge=0, le=100) = 1.0
+    """Target reward margin γ between chosen and rejected (the paper keeps γ/β near 0.5; trl's `simpo_gamma`)."""
+    label_smoothing: Bounded(float, ge=0, lt=0.5) = 0.0
+    """Assumed label noise: the loss mixes in, with this weight, the loss of the swapped pair."""
+
+
+Method = Annotated[
+    SFTMethod | DPOMethod | GRPOMethod | KTOMethod | ORPOMethod | SimPOMethod, Field(discriminator="name")
+]

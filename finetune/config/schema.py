@@ -36,7 +36,7 @@ class ModelSection(Section):
 
 
 # ---------------------------------------------------------------- data
-DataFormat = Literal["chat", "instruction", "completion", "prompt_completion", "preference", "prompt_only"]
+DataFormat = Literal["chat", "instruction", "completion", "prompt_completion", "preference", "prompt_only", "unpaired"]
 
 
 class DatasetSpec(Section):
@@ -48,7 +48,8 @@ class DatasetSpec(Section):
     """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value),
     instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion`
     text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept
-    for reward functions)."""
+    for reward functions), unpaired (`prompt`/`completion`, text or messages, and `label`: true for a desirable
+    completion, false for an undesirable one; for KTO)."""
     subset: Text | None = None
     """Hub dataset configuration name (e.g. `main` for gsm8k)."""
     split: Text = "train"
@@ -272,7 +273,7 @@ class Config(Section):
     data: DataSection
     """Training data and its preparation."""
     method: Method = SFTMethod(name="sft")
-    """Training method: sft, dpo or grpo, with its own options."""
+    """Training method, chosen by `name` (each method's section lists its own options)."""
     adapter: AdapterSection = AdapterSection()
     """Full fine-tuning or a (Q)LoRA adapter."""
     quantization: QuantizationSection = QuantizationSection()

@@ -5,6 +5,7 @@
     prompt_completion   {"prompt": str, "completion": str}
     preference          {"prompt": messages, "chosen": messages, "rejected": messages}
     prompt_only         {"prompt": messages, "extra": JSON text of the other columns}
+    unpaired            {"prompt": messages, "completion": messages, "label": bool (true: desirable)}
 
 Every shape keeps the source's `_origin` column. Roles are user, assistant, system and tool.
 """
@@ -35,6 +36,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "preference": ("prompt", "chosen", "rejected", "system"),
     "prompt_only": ("prompt", "system"),
+    "unpaired": ("prompt", "completion", "label", "system"),
 }
 ROLES = {
     "user": "user",
@@ -60,10 +62,12 @@ _HINTS = {
     "completion": ("response", "answer", "output"),
     "chosen": ("accepted", "preferred"),
     "rejected": ("dispreferred",),
+    "label": ("desirable", "thumbs_up", "good"),
     "system": ("system_prompt",),
 }
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 _TEXT = datasets.Value("string")
+_BOOL = datasets.Value("bool")
 _SHAPES = {
     "chat": {"messages": _MESSAGES},
     "instruction": {"messages": _MESSAGES},
@@ -71,6 +75,7 @@ _SHAPES = {
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
     "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES},
     "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT},
+    "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL},
 }
 
 
@@ -166,6 +171,22 @@ def _prompt_only(record: dict, spec: DatasetSpec) -> dict:
     return {"prompt": prompt, "extra": json.dumps(extra, ensure_ascii=False, default=str)}
 
 
+def _unpaired(record: dict, spec: DatasetSpec) -> dict:
+    """One completion with a verdict (KTO): `label` true when the completion is desirable, false when not."""
+    names = {f: _column(f, spec, record) for f in ("prompt", "completion", "label")}
+    label = _value(record, "label", spec)
+    if not isinstance(label, bool):
+        raise RecordError(
+            f"'{names['label']}' must be true or false (JSON booleans: true for a desirable completion), got "
+            f"{label!r}; write it as true/false without quotes"
+        )
+    prompt = _with_system(_turns(_value(record, "prompt", spec), names["prompt"], "user"), _system(record, spec))
+    completion = _turns(_value(record, "completion", spec), names["completion"], "assistant")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise RecordError(f"'{names['completion']}' has no assistant message to train on")
+    return {"prompt": prompt, "completion": completion, "label": label}
+
+
 _NORMALIZERS = {
     "chat": _chat,
     "instruction": _instruction,
@@ -173,6 +194,7 @@ _NORMALIZERS = {
     "prompt_completion": _prompt_completion,
     "preference": _preference,
     "prompt_only": _prompt_only,
+    "unpaired": _unpaired,
 }
 
 
@@ -377,9 +399,9 @@ def _normalize_batch(
         except RecordError as e:
             if not skip or isinstance(e, MissingColumn):
                 raise _record_error(origin, e, *where) from None
-            row = {k: [] if v is _MESSAGES else "" for k, v in _SHAPES[spec.format].items()} | {
-                "_error": f"{origin}: {e}"
-            }
+            row = {
+                k: [] if v is _MESSAGES else False if v is _BOOL else "" for k, v in _SHAPES[spec.format].items()
+            } | {"_error": f"{origin}: {e}"}
         row[ORIGIN] = origin
         rows.append(row)
     return {k: [r[k] for r in rows] for k in columns}

@@ -18,7 +18,7 @@ from finetune.config.schema import Config, DatasetSpec
 from finetune.errors import DataError, FtError
 
 DATA_VERSION = 2  # bump when the output of this pipeline changes for the same inputs
-TEMPLATED = ("chat", "instruction", "preference", "prompt_only")
+TEMPLATED = ("chat", "instruction", "preference", "prompt_only", "unpaired")
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -265,6 +265,7 @@ _EMPTY = {
     "prompt_completion": ("input_ids", "labels"),
     "preference": ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"),
     "prompt_only": ("prompt_ids",),
+    "unpaired": ("input_ids", "labels"),
 }
 
 
@@ -284,6 +285,8 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
         row = {k: [] for k in _EMPTY[rules.format]} | {"length": 0}
         if rules.format == "prompt_only":
             row |= {"prompt": "[]", "extra": "{}"}
+        if rules.format == "unpaired":
+            row["desirable"] = False
     return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
 
 

@@ -4,6 +4,7 @@ Output columns:
   SFT formats (chat, instruction, completion, prompt_completion): input_ids, labels, length
   preference: chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels, length (the longer)
   prompt_only: prompt_ids, prompt (JSON of the messages), extra, length
+  unpaired: input_ids, labels (the completion's), desirable (the record's label), length
 Labels are IGNORE (-100) on tokens that carry no loss. `_origin` is kept for error messages.
 """
 
@@ -159,6 +160,9 @@ def _tokenize(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
             "rejected_input_ids": r_ids,
             "rejected_labels": r_labels,
         }
+    if fmt == "unpaired":
+        ids, labels = tokenize_continuation(rec["prompt"], rec["completion"], tokenizer, jinja)
+        return {"input_ids": ids, "labels": labels, "desirable": bool(rec["label"])}
     if fmt == "prompt_only":
         return {
             "prompt_ids": tokenize_prompt(rec["prompt"], tokenizer, jinja),

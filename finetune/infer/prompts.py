@@ -264,6 +264,9 @@ def _job_prompt(index: int, id_, record: dict, source) -> Prompt:
         return Prompt(index, id_, origin, fields, ({"role": "user", "content": text},), text, canonical["completion"])
     if fmt == "preference":
         return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, canonical["chosen"][-1]["content"])
+    if fmt == "unpaired":  # a desirable completion is a reference answer; an undesirable one is none
+        reference = canonical["completion"][-1]["content"] if canonical["label"] else None
+        return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, reference)
     if fmt == "prompt_only":
         reference = next((str(record[f]) for f in REFERENCE_FIELDS if record.get(f) is not None), None)
         return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, reference)

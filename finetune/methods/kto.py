@@ -1,0 +1,158 @@
+"""Kahneman-Tversky optimisation (KTO) on unpaired feedback: each row is one completion, desirable or not.
+
+A sequence's log-probability is the sum over its trained (completion) tokens; its log-ratio r = π − ref. The KL
+baseline z is estimated from mismatched pairs: within each micro-batch, row i's prompt followed by row i−1's
+completion (row 0 takes the last row's), as trl rotates them. z = mean(π − ref) over the mismatched pairs of the
+whole step (every micro-batch, averaged over ranks), detached, clamped at 0: the policy does not change within a
+step, so z is computed once, with the step's first micro-batch. With one micro-batch per rank this is trl's z (trl
+estimates it per micro-batch, gathered over ranks); with accumulation, ft's z does not depend on how the step is
+split into micro-batches and ranks, so 1 and N processes train alike. Per row, with weights λ_D (desirable) and
+λ_U (undesirable):
+  desirable    λ_D · (1 − σ(β(r − z)))
+  undesirable  λ_U · (1 − σ(β(z − r)))
+The step's loss is the mean over its rows (the normaliser counts rows). The reference is the base with the adapter
+disabled (LoRA/QLoRA) or a frozen copy (full fine-tuning), as for DPO (dpo.py's references).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from finetune.data.collate import IGNORE, collate
+from finetune.errors import FtError
+from finetune.methods import Context, register
+from finetune.methods.dpo import reference_model, token_logps
+from finetune.methods.head import LossHead, loss_head
+
+STEP_KL = "kl_step"  # the micro-batch's key for the step's mismatched pairs (StepKL), shared by its micro-batches
+
+
+def mismatched(rows: list[dict], seq_len: int) -> list[dict]:
+    """Row i's prompt with row i−1's completion (row 0 with the last one's), cut to seq_len tokens."""
+    starts = [next(i for i, t in enumerate(r["labels"]) if t != IGNORE) for r in rows]
+    out = []
+    for i, row in enumerate(rows):
+        other, cut = rows[i - 1], starts[i - 1]
+        ids = list(row["input_ids"][: starts[i]]) + list(other["input_ids"][cut:])
+        labels = [IGNORE] * starts[i] + list(other["labels"][cut:])
+        out.append({"input_ids": ids[:seq_len], "labels": labels[:seq_len]})
+    return out
+
+
+def kto_losses(
+    desirable: torch.Tensor, ratios: torch.Tensor, kl: torch.Tensor, beta: float, weights: tuple[float, float]
+) -> torch.Tensor:
+    """Per-row KTO losses from log-ratios π − ref and the KL baseline (see the module docstring)."""
+    good = weights[0] * (1 - torch.sigmoid(beta * (ratios - kl)))
+    bad = weights[1] * (1 - torch.sigmoid(beta * (kl - ratios)))
+    return torch.where(desirable, good, bad)
+
+
+def _mean(values: torch.Tensor, where: torch.Tensor) -> float:
+    """Mean of the values where `where` holds; 0 where none does (every micro-batch reports the same keys)."""
+    return values[where].mean().item() if bool(where.any()) else 0.0
+
+
+@register("kto")
+class KTO:
+    """Batches and loss for KTO; `reference` gives the reference log-probs of a batch's sequences (dpo.py's)."""
+
+    def __init__(self, section, pad_id: int, micro_batch_size: int, seq_len: int, reference, runtime=None, head=None):
+        self.beta, self.weights = section.beta, (section.desirable_weight, section.undesirable_weight)
+        self.pad_id, self.micro, self.seq_len, self.reference = pad_id, micro_batch_size, seq_len, reference
+        self.runtime = runtime  # the KL baseline is averaged over ranks
+        self.validates = section.validates
+        self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
+
+    @classmethod
+    def create(cls, section, context: Context) -> KTO:
+        plan = context.plan
+        if plan.micro_batch_size < 2:  # `auto` chose 1 (train.micro_batch_size: 1 is refused by the config checks)
+            raise FtError(
+                "train.micro_batch_size: the plan chose 1 row per micro-batch, and KTO pairs each prompt with another "
+                "row's completion of its micro-batch for its KL baseline; set train.micro_batch_size: 2 (or more), "
+                "with a memory saver or more devices if it does not fit (see ft plan)"
+            )
+        reference = reference_model(context)
+        return cls(
+            section,
+            context.pad_id,
+            plan.micro_batch_size,
+            plan.seq_len,
+            reference,
+            context.runtime,
+            loss_head(plan, True),
+        )
+
+    def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
+        rows = dataset.select(indices)[:]
+        out, step = [], StepKL([], self.runtime)
+        for i in range(0, len(indices), self.micro):
+            part = slice(i, i + self.micro)
+            seqs = [
+                {"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"][part], rows["labels"][part])
+            ]
+            kl = mismatched(seqs, self.seq_len)
+            step.batches.append(collate(kl, self.pad_id, "sdpa"))
+            batch = collate(seqs, self.pad_id, "sdpa")
+            batch.update(
+                {STEP_KL: step},
+                rows=torch.tensor(indices[part]),
+                desirable=torch.tensor(rows["desirable"][part], dtype=torch.bool),
+                num_tokens=sum(len(x["input_ids"]) for x in seqs + kl),
+            )
+            out.append(batch)
+        return out
+
+    def tokens(self, batch: dict) -> int:
+        return len(batch["rows"])  # the step's loss is a mean over rows
+
+    def sequence_logps(self, model, batch: dict) -> torch.Tensor:
+        logps, _ = token_logps(model, batch, self.head)
+        return logps.sum(-1)
+
+    def policy_score(self, model, batch: dict) -> torch.Tensor:
+        """What the reference model is asked for: summed log-probs of each sequence."""
+        return self.sequence_logps(model, batch)
+
+    def loss(self, model, batch: dict, normaliser: float):
+        kl = batch[STEP_KL].baseline(model, self, batch["input_ids"].device)
+        logps = self.sequence_logps(model, batch)
+        with torch.no_grad():
+            ref_logps = self.reference(model, batch, self).to(logps.device)
+        kl = kl.to(logps.device)
+        desirable = batch["desirable"].to(logps.device)
+        losses = kto_losses(desirable, logps - ref_logps, kl, self.beta, self.weights)
+        rewards = self.beta * (logps - ref_logps).detach()
+        chosen, rejected = _mean(rewards, desirable), _mean(rewards, ~desirable)
+        metrics = {
+            "kl": kl.item(),
+            "rewards/chosen": chosen,
+            "rewards/rejected": rejected,
+            "rewards/margin": chosen - rejected,
+            "logps/chosen": _mean(logps.detach(), desirable),
+            "logps/rejected": _mean(logps.detach(), ~desirable),
+        }
+        return losses.sum() / normaliser, metrics
+
+
+class StepKL:
+    """The mismatched pairs of one step's micro-batches on this rank, and the KL baseline z they give (computed by the
+    first micro-batch's loss, with the same number of forward passes on every rank, as sharded models need)."""
+
+    def __init__(self, batches: list[dict], runtime=None):
+        self.batches, self.runtime, self.value = batches, runtime, None
+
+    @torch.no_grad()
+    def baseline(self, model, method: KTO, device) -> torch.Tensor:
+        if self.value is None:
+            total, count = 0.0, 0
+            for kl in self.batches:
+                kl = {k: v.to(device) for k, v in kl.items()}
+                ratios = method.sequence_logps(model, kl) - method.reference(model, kl, method).to(device)
+                total, count = total + ratios.double().sum().item(), count + len(ratios)
+            z = total / max(count, 1)
+            if self.runtime is not None and self.runtime.world_size > 1:  # a CPU float over gloo, as ft's scalars go
+                z = self.runtime.mean({"kl": z})["kl"]
+            self.value = torch.tensor(z, dtype=torch.float32).clamp(min=0)
+        return self.value
