@@ -399,3 +399,20 @@ def step_hook(
             "    return step == STOP_AT\n"
         )
     return {"FT_STEP_HOOK": f"{Path(path)}:hook"}
+
+
+def policy_and_reference():
+    """The tiny model perturbed (a policy), its unperturbed copy (the reference), and the tokenizer: what the loss
+    oracle tests compare with trl on."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.tiny import ensure_model
+
+    path = str(ensure_model())
+    policy, reference = AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return policy, reference, AutoTokenizer.from_pretrained(path)

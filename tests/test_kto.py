@@ -16,6 +16,7 @@ from finetune.errors import ConfigError, DataError
 from finetune.methods.dpo import AdapterDisabled, FrozenCopy
 from finetune.methods.kto import KTO, mismatched
 from finetune.tiny import unpaired_records, write_jsonl
+from tests.helpers import policy_and_reference
 
 trl = pytest.importorskip("trl")
 
@@ -25,17 +26,7 @@ BETA, WEIGHTS = 0.3, (1.0, 1.5)
 @pytest.fixture(scope="module")
 def base():
     """The tiny model, perturbed (the policy), its unperturbed copy (the reference), and the tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from finetune.tiny import ensure_model
-
-    path = str(ensure_model())
-    policy, reference = AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-    return policy, reference, AutoTokenizer.from_pretrained(path)
+    return policy_and_reference()
 
 
 def trl_models(base, adapter: str) -> dict:

@@ -14,6 +14,7 @@ from finetune.errors import FtError
 from finetune.methods.dpo import DPO, FrozenCopy
 from finetune.methods.grpo import GRPO, group_advantages
 from finetune.methods.rewards import Reward, load_rewards
+from tests.helpers import policy_and_reference
 
 trl = pytest.importorskip("trl")
 
@@ -21,17 +22,7 @@ trl = pytest.importorskip("trl")
 @pytest.fixture(scope="module")
 def models():
     """A perturbed policy and the unperturbed reference, both the tiny model, and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from finetune.tiny import ensure_model
-
-    path = str(ensure_model())
-    policy, reference = AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
-    return policy, reference, AutoTokenizer.from_pretrained(path)
+    return policy_and_reference()
 
 
 @pytest.mark.parametrize("kind", ["sigmoid", "hinge", "ipo"])
