@@ -36,8 +36,11 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         # up layer by layer (models.finish_model); peft would turn it back on for every layer.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     modules = list(adapter.modules_to_save)
+    score = plan.head == "score"  # a reward model: its new score layer is trained in full next to the adapter
     if plan.train_embeddings:  # tokens were added: their rows are trained in full
-        modules = list(dict.fromkeys([*modules, "embed_tokens", "lm_head"]))
+        modules = list(dict.fromkeys([*modules, "embed_tokens", "score" if score else "lm_head"]))
+    if score:
+        modules = list(dict.fromkeys([*modules, "score"]))
     config = LoraConfig(
         r=adapter.r,
         lora_alpha=adapter.alpha,
@@ -46,7 +49,7 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         use_dora=adapter.dora,
         use_rslora=adapter.rslora,
         modules_to_save=modules or None,
-        task_type="CAUSAL_LM",
+        task_type="SEQ_CLS" if score else "CAUSAL_LM",
     )
     try:
         # peft upcasts bf16/fp16 adapters to fp32 (autocast_adapter_dtype): not under pure bf16

@@ -31,6 +31,7 @@ from finetune.artifacts import (
     load_base,
     merge_adapter,
 )
+from finetune.data.tokenize import pad_id
 from finetune.errors import FtError
 
 CHECK_LEN = 16  # tokens per verification sequence
@@ -167,7 +168,8 @@ def _merged_model(
     base: str, where: str, src: AdapterSource, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool
 ):
     """(merged model, max |logit diff| base+adapter vs merged, notes)."""
-    model = load_base(base, torch_dtype, trust_remote_code)
+    score_pad = pad_id(tokenizer) if src.scores and tokenizer is not None else None
+    model = load_base(base, torch_dtype, trust_remote_code, score_pad)
     notes = []
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer is not None and len(tokenizer) > rows:

@@ -28,11 +28,15 @@ def model_card(run: dict) -> str:
     method = (cfg.get("method") or {}).get("name") or plan.get("method") or "sft"
     title = run.get("name") or (cfg.get("output") or {}).get("run_name") or f"{base} fine-tuned with ft"
     kind = _ADAPTER_NAMES.get(adapter["type"], adapter["type"])
-    what = f"a {kind} adapter for" if artifact == "adapter" else "a fully fine-tuned"
+    what = {"adapter": f"a {kind} adapter for", "reward model": "a reward model trained from"}.get(
+        artifact, "a fully fine-tuned"
+    )
     front = {
         "base_model": base,
         "library_name": "peft" if artifact == "adapter" else "transformers",
-        "tags": ["ft", method] + ([adapter["type"]] if artifact == "adapter" else []),
+        "tags": ["ft", method]
+        + ([adapter["type"]] if artifact == "adapter" else [])
+        + (["reward-model"] if artifact == "reward model" else []),
     }
     parts = [
         "---\n" + "".join(f"{k}: {json.dumps(v)}\n" for k, v in front.items()) + "---",
@@ -65,7 +69,10 @@ def _model_rows(cfg: dict, plan: dict, adapter: dict, artifact: str, base: str) 
         ("method", ((cfg.get("method") or {}).get("name") or plan.get("method") or "").upper()),
         (
             "trained",
-            "all weights" if artifact == "model" else f"{_ADAPTER_NAMES.get(adapter['type'], adapter['type'])} adapter",
+            "all weights"
+            if artifact == "model" or adapter["type"] == "full"
+            else f"{_ADAPTER_NAMES.get(adapter['type'], adapter['type'])} adapter"
+            + (" (merged into the weights here)" if artifact == "reward model" else ""),
         ),
     ]
     if artifact == "adapter":
@@ -167,6 +174,14 @@ def _result_rows(metrics: dict) -> list:
 def _usage(base: str, artifact: str, run: dict, data: dict) -> str:
     run_dir = run.get("run_dir") or "RUN"
     path = run.get("path") or f"{run_dir}/final"
+    if artifact == "reward model":
+        return (
+            "## Use\n\nOne score per sequence (prompt and answer, formatted as in training), higher for better "
+            "answers:\n\n```python\nfrom transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n"
+            f'model = AutoModelForSequenceClassification.from_pretrained("{path}", dtype="auto")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n```\n\n'
+            f"As the reward of a GRPO job: `rewards: [{{model: {path}}}]`"
+        )
     if artifact == "model":
         return (
             "## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -93,12 +94,17 @@ def load_dtype(model: ModelSection, plan) -> str:
 
 
 def load_model(
-    model: ModelSection, plan, tokenizer=None, attn_implementation: str | None = None, dtype: str | None = None
+    model: ModelSection,
+    plan,
+    tokenizer=None,
+    attn_implementation: str | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
 ):
     """The whole model on this rank as the plan says: dtype (`dtype` overrides it, e.g. for a frozen reference),
-    attention kernel, 4/8-bit base, resized embeddings, checkpointing."""
+    attention kernel, 4/8-bit base, resized embeddings, checkpointing; a new score head (plan.head) starts from
+    `head_value` with `seed`."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     attn = attn_implementation or plan.attn_implementation
     kwargs = {
@@ -106,6 +112,7 @@ def load_model(
         "use_safetensors": True,
         "trust_remote_code": model.trust_remote_code,
         "dtype": torch_dtype(dtype or load_dtype(model, plan)),
+        **head_options(plan, tokenizer),
     }
     if plan.quantization in ("nf4", "int8"):
         kwargs["quantization_config"] = quantization_config(plan)
@@ -120,9 +127,10 @@ def load_model(
     register_attention(attn)
     path = model_path(model)
     try:
-        net = AutoModelForCausalLM.from_pretrained(path, revision=model.revision, **kwargs)
+        net, info = auto_class(plan).from_pretrained(path, revision=model.revision, output_loading_info=True, **kwargs)
     except OSError as e:
         raise FtError(f"model.name: cannot load {model.name!r}: {str(e).splitlines()[0]}") from None
+    init_head(net, [k for k in info.get("missing_keys", ()) if is_new_head(k)], seed)
     if tokenizer is not None:
         resize_embeddings(net, len(tokenizer))
     return finish_model(net, plan)
@@ -132,19 +140,76 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
     """The model's modules with parameters on the meta device (no memory), from its config; embeddings resized to the
     tokenizer. The weights are filled later, shard by shard (distributed/fsdp.py)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = weights_folder(model)
-    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=model.trust_remote_code)
+    config = AutoConfig.from_pretrained(
+        str(folder), trust_remote_code=model.trust_remote_code, **head_options(plan, tokenizer)
+    )
     register_attention(attn)
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(
+        net = auto_class(plan).from_config(
             config, dtype=torch_dtype(dtype), attn_implementation=attn, trust_remote_code=model.trust_remote_code
         )
     if tokenizer is not None and len(tokenizer) > net.get_input_embeddings().weight.shape[0]:
         # on meta: shapes only; rows are filled by fill_rows
         net.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     return finish_model(net, plan)
+
+
+# ---------------------------------------------------------------- the head: next-token logits, or one score
+def auto_class(plan):
+    """transformers' Auto class for the plan's head: a causal LM, or a sequence classifier with one output (reward
+    models: its `score` layer reads the hidden state of each sequence's last token that is not padding)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if plan.head == "score" else AutoModelForCausalLM
+
+
+def head_options(plan, tokenizer) -> dict:
+    """Config values a score head needs: one output, and the pad id it finds each sequence's last token by (the id
+    ft pads batches with, saved in the model's config so that transformers finds the same token)."""
+    if plan.head != "score":
+        return {}
+    from finetune.data.tokenize import pad_id
+
+    return {"num_labels": 1, **({"pad_token_id": pad_id(tokenizer)} if tokenizer is not None else {})}
+
+
+def is_new_head(name: str) -> bool:
+    """A tensor of a sequence classifier's `score` layer (peft's copies of it included), which a causal LM's checkpoint
+    does not have: it starts from `head_value`."""
+    return "score" in name.split(".")
+
+
+def head_value(name: str, shape: tuple, seed: int, std: float) -> torch.Tensor:
+    """The starting value of a new score tensor (fp32, CPU): weights normal(0, std) as transformers initialises them,
+    bias 0, drawn from a generator seeded by the job's seed and the tensor's role alone, so that every loading path
+    and rank starts from the same head."""
+    import torch
+
+    value = torch.zeros(shape, dtype=torch.float32)
+    role = name.rsplit(".", 1)[-1]  # weight or bias, whatever peft prefixes the name with
+    if role != "weight":
+        return value
+    digest = hashlib.sha256(f"{seed}:score.{role}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.nn.init.normal_(value, std=std, generator=gen)
+
+
+def head_std(net) -> float:
+    return float(getattr(net.config.get_text_config(), "initializer_range", 0.02))
+
+
+def init_head(net, names: list[str], seed: int) -> None:
+    """Set the named score tensors of a whole (unsharded) model to their `head_value`."""
+    import torch
+
+    params = dict(net.named_parameters())
+    with torch.no_grad():
+        for name in names:
+            p = params[name]
+            p.copy_(head_value(name, tuple(p.shape), seed, head_std(net)).to(p.dtype))
 
 
 def register_attention(attn: str) -> None:
@@ -212,8 +277,9 @@ def quantization_config(plan):
     from transformers import BitsAndBytesConfig
 
     compute = torch_dtype(plan.precision)
+    skip = {"llm_int8_skip_modules": ["score"]} if plan.head == "score" else {}  # the head stays as it is trained
     if plan.quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, **skip)
     storage = plan.quant_storage  # FSDP/ZeRO-3 shard flat tensors of one dtype: 4-bit weights packed in it
     kwargs = {"bnb_4bit_quant_storage": torch_dtype(storage)} if storage else {}
     return BitsAndBytesConfig(
@@ -222,6 +288,7 @@ def quantization_config(plan):
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
         **kwargs,
+        **skip,
     )
 
 
@@ -366,8 +433,8 @@ def fill_rows(ckpt: Checkpoint, key: str, start: int, out) -> None:
 
 def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
     """For each parameter and persistent buffer of `net` (by object id): the checkpoint tensor holding its values. A
-    tied
-    tensor (one object, several names) takes whichever of its names the checkpoint has."""
+    tied tensor (one object, several names) takes whichever of its names the checkpoint has. A new score head (a
+    reward model started from a causal LM) has none: it starts from `head_value`."""
     prefix = getattr(net, "base_model_prefix", "")
     keys: dict[int, str] = {}
     state = net.state_dict(keep_vars=True)
@@ -375,7 +442,7 @@ def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
         for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
             if key in ckpt and id(t) not in keys:
                 keys[id(t)] = key
-    missing = [name for name, t in state.items() if id(t) not in keys]
+    missing = [name for name, t in state.items() if id(t) not in keys and not is_new_head(name)]
     if missing:
         raise FtError(
             "model.name: the checkpoint has no tensor for "

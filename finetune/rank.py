@@ -138,7 +138,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             "task_before": before,
             "task_after": after,
             "final": str(final),
-            "artifact": "model" if job_plan.adapter == "full" else "adapter",
+            "artifact": artifact_kind(job_plan),
         }
     )
     plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -244,6 +244,13 @@ def _report(console, config, result) -> None:
         before = f"{score_text(e.metric, before, 1)} → " if before is not None else ""
         console.print(f"{e.metric} on {e.path}: {before}{score_text(e.metric, result['task_after'], 1)}")
     console.print(f"saved {result['artifact']} to {result['final']}")
+
+
+def artifact_kind(plan) -> str:
+    """What final/ holds: a reward model (merged where trained with an adapter), a whole model, or an adapter."""
+    if plan.head == "score":
+        return "reward model"
+    return "model" if plan.adapter == "full" else "adapter"
 
 
 if __name__ == "__main__":

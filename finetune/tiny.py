@@ -150,6 +150,13 @@ def preference_records(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+def answer_records(n: int, seed: int = 0) -> list[dict]:
+    """Preference pairs for reward models: the right answer chosen, the right answer to the next question rejected (a
+    reward model of this size learns to check an answer against its question, not to spot one wrong digit)."""
+    pairs = preference_records(n + 1, seed)
+    return [{**pair, "rejected": other["chosen"]} for pair, other in zip(pairs, pairs[1:])]
+
+
 def unpaired_records(n: int, seed: int = 0) -> list[dict]:
     """Unpaired feedback (KTO) from `n` preference pairs: each chosen answer labelled true, each rejected one false,
     the 2n rows shuffled (so neighbouring rows rarely share a prompt)."""

@@ -9,6 +9,7 @@ then logging, evaluation, checkpoints, and a clean stop on SIGTERM/SIGINT.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import sys
 import time
@@ -334,12 +335,38 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
             ) as tmp:  # a full disk leaves no half-written final/
                 job.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
                 tokenizer.save_pretrained(str(tmp))
+            if job.plan.head == "score" and job.plan.adapter != "full":
+                merge_reward_adapter(job.config.model, final, job.plan.adapter == "qlora")
         except FtError as e:
             failed = e
     job.runtime.barrier()  # every rank, also when rank 0 failed (it raises after this, the others end)
     if failed is not None:
         raise failed
     return final
+
+
+def merge_reward_adapter(model_section, final: Path, qlora: bool) -> None:
+    """A reward model trained with an adapter: final/ becomes the base with the adapter merged in, a folder that
+    transformers loads as AutoModelForSequenceClassification (and GRPO as a reward), as `ft merge-lora` would write
+    it (its ft_merge.json records the largest score difference of the merge). The adapter moves to final/adapter/."""
+    import json
+
+    from finetune.files import atomic_write_text
+    from finetune.merge import merge_lora
+    from finetune.models import model_path
+
+    adapter = final.with_name(final.name + ".adapter")
+    if adapter.exists():  # left by an interrupted save of this run
+        shutil.rmtree(adapter)
+    final.rename(adapter)
+    merge_lora(adapter, final, base=model_path(model_section), trust_remote_code=model_section.trust_remote_code)
+    adapter.rename(final / "adapter")
+    record = final / "ft_merge.json"
+    report = json.loads(record.read_text())
+    report.update(adapter=str(final / "adapter"), tokenizer=str(final / "adapter"), qlora=qlora)
+    if qlora:
+        report["notes"] = [*report["notes"], "merged into the unquantized base; training saw the 4-bit base"]
+    atomic_write_text(record, json.dumps(report, indent=2) + "\n")
 
 
 def _call_hooks(hooks, rank: int, step: int) -> bool:

@@ -90,6 +90,7 @@ LONGEST_FIRST = (
     "test_alignment.py",
     "test_distributed.py",
     "test_deepspeed.py",
+    "test_preference_distributed.py",
     "test_signals.py",
     "test_slurm.py",
     "test_train.py",

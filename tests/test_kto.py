@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -198,12 +199,129 @@ def test_kto_config_checks(tmp_path):
         "format": kto_job(data, fmt="preference"),
         "micro_batch_size": kto_job(data, micro="1"),
         "adapter to disable": kto_job(data, method="{name: kto, reference: adapter_disabled}"),
-        "precomputed": kto_job(data, method="{name: kto, reference: precomputed}"),
     }
     for words, text in problems.items():
         with pytest.raises(ConfigError) as e:
             loads(text)
         assert words in str(e.value), str(e.value)
+
+
+def test_a_precomputed_reference_is_planned_for_full_fine_tuning_and_allows_one_row_micro_batches(tmp_path):
+    from finetune.config.load import loads
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.workflow import model_facts
+
+    data = write_jsonl(unpaired_records(2), tmp_path / "d.jsonl")
+    for micro in ("auto", "1"):  # with pairs fixed by the data, a micro-batch of 1 row has its KL pair
+        config = loads(kto_job(data, method="{name: kto, reference: precomputed}", micro=micro))
+        assert config.method.reference_kind("full") == "precomputed"
+        made = plan(config, parse("cpu"), model_facts(config.model))
+        assert made.reference == "precomputed"
+
+
+def fixed_pair_rows(n: int = 5) -> datasets.Dataset:
+    """Rows of different prompt and completion lengths, desirable and not."""
+    rows = []
+    for i in range(n):
+        prompt, completion = [5 + i] * (2 + i % 3), [20 + 3 * i + k for k in range(1 + i % 2)]
+        rows.append(
+            {
+                "input_ids": prompt + completion,
+                "labels": [IGNORE] * len(prompt) + completion,
+                "desirable": i % 2 == 0,
+            }
+        )
+    return datasets.Dataset.from_list(rows)
+
+
+def kto_created(reference_model, dataset, micro: int, runtime=None, validation=None):
+    """KTO built as a job builds it, with a precomputed reference scored by `reference_model`."""
+    import contextlib
+
+    from finetune.methods import Context
+
+    plan = SimpleNamespace(
+        micro_batch_size=micro, seq_len=64, reference="precomputed", loss_implementation="plain", loss_chunk_tokens=0
+    )
+    context = Context(
+        plan=plan,
+        tokenizer=None,
+        pad_id=0,
+        attn="sdpa",
+        engine=SimpleNamespace(model=reference_model),
+        device="cpu",
+        runtime=runtime or SimpleNamespace(rank=0, world_size=1),
+        autocast=contextlib.nullcontext,
+        dataset=dataset,
+        frozen_copy=None,
+        validation=validation,
+    )
+    return KTO.create(KTOMethod(name="kto", beta=BETA, reference="precomputed"), context)
+
+
+def test_the_precomputed_table_holds_the_reference_logps_of_each_row_and_its_fixed_pair(base, monkeypatch):
+    """Row i is paired with row i−1 of the dataset (row 0 with the last); each of two ranks scores its share."""
+    _, reference, _ = base
+    dataset = fixed_pair_rows(5)
+    rows = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in dataset]
+    pairs = mismatched(rows, 64, [rows[i - 1] for i in range(5)])
+    scorer = KTO(KTOMethod(name="kto"), 0, 5, 64, None)
+    with torch.no_grad():
+        own = scorer.sequence_logps(reference, collate(rows, 0, "sdpa"))
+        paired = scorer.sequence_logps(reference, collate(pairs, 0, "sdpa"))
+    expected = torch.stack([own, paired], dim=1)
+    one = kto_created(reference, dataset, micro=2)
+    torch.testing.assert_close(one.reference.table, expected[:, :1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.kl_reference.table, expected[:, 1:], rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda table: None)  # each rank's share, not yet summed
+    shares = [kto_created(reference, dataset, 2, SimpleNamespace(rank=r, world_size=2)) for r in (0, 1)]
+    summed = torch.cat(
+        [
+            shares[0].reference.table + shares[1].reference.table,
+            shares[0].kl_reference.table + shares[1].kl_reference.table,
+        ],
+        dim=1,
+    )
+    torch.testing.assert_close(summed, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_precomputed_reference_trains_like_a_frozen_copy_with_the_same_pairs(base):
+    """What a run with `precomputed` does equals a frozen copy given the same fixed pairs: loss, metrics, gradients."""
+    policy, reference = copy.deepcopy(base[0]).requires_grad_(True), base[1]  # another test freezes base[0]
+    dataset = fixed_pair_rows(6)
+    pre = kto_created(reference, dataset, micro=1)  # a micro-batch of 1 row: its pair comes from the dataset
+    copy_ = KTO(KTOMethod(name="kto", beta=BETA), 0, 1, 64, FrozenCopy(copy.deepcopy(reference)), fixed_pairs=True)
+    results = []
+    for method in (pre, copy_):
+        policy.zero_grad()
+        out = []
+        for batch in method.micro_batches(dataset, [4, 1, 5]):  # a step's rows, in shuffled order
+            loss, metrics = method.loss(policy, batch, normaliser=3.0)
+            loss.backward()
+            out.append((float(loss), metrics))
+        results.append((out, trained_grads(policy)))
+    (pre_out, pre_grads), (copy_out, copy_grads) = results
+    for (a, ma), (b, mb) in zip(pre_out, copy_out, strict=True):
+        assert a == pytest.approx(b, rel=1e-5) and ma == pytest.approx(mb, rel=1e-5, abs=1e-6)
+    assert pre_out[0][1]["kl"] > 0  # the policy is not its reference: the baseline is in play
+    for name, grad in pre_grads.items():
+        torch.testing.assert_close(grad, copy_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_precomputed_reference_has_a_table_of_the_held_out_rows_too(base):
+    """Validation batches index their own table: the held-out loss equals a frozen copy's with the same pairs, also
+    where the held-out set has more rows than the training set."""
+    import contextlib
+
+    from finetune.evaluate import validation_metrics
+
+    policy, reference, _ = base
+    train, held_out = fixed_pair_rows(3), fixed_pair_rows(7).shuffle(seed=1).flatten_indices()
+    pre = kto_created(reference, train, micro=2, validation=held_out)
+    copy_ = KTO(KTOMethod(name="kto", beta=BETA), 0, 2, 64, FrozenCopy(copy.deepcopy(reference)), fixed_pairs=True)
+    got, expected = (validation_metrics(policy, m, held_out, "cpu", contextlib.nullcontext) for m in (pre, copy_))
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6) and got["eval_kl"] >= 0
 
 
 @pytest.mark.slow

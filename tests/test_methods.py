@@ -316,3 +316,51 @@ def test_a_preference_row_without_rejected_is_named_by_file_and_line(tmp_path):
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"{data}:2: 'rejected'" in r.stderr
+
+
+def test_dpo_precomputed_reference_scores_held_out_pairs_from_their_own_table(models):
+    """Held-out batches index a table of the held-out rows (not the training rows' table): the validation metrics
+    equal a frozen copy's, also where the held-out set has more rows than the training set."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from finetune.evaluate import validation_metrics
+    from finetune.methods import Context
+
+    policy, reference, _ = models
+
+    def pairs(n: int, offset: int) -> datasets.Dataset:
+        return datasets.Dataset.from_list(
+            [
+                {
+                    "chosen_input_ids": [5, 6 + i, 30 + offset + i],
+                    "chosen_labels": [-100, -100, 30 + offset + i],
+                    "rejected_input_ids": [5, 6 + i, 40 + i, 41],
+                    "rejected_labels": [-100, -100, 40 + i, 41],
+                }
+                for i in range(n)
+            ]
+        )
+
+    train, held_out = pairs(2, 0), pairs(5, 7)
+    plan = SimpleNamespace(
+        micro_batch_size=2, reference="precomputed", loss_implementation="plain", loss_chunk_tokens=0
+    )
+    context = Context(
+        plan=plan,
+        tokenizer=None,
+        pad_id=0,
+        attn="sdpa",
+        engine=SimpleNamespace(model=reference),
+        device="cpu",
+        runtime=SimpleNamespace(rank=0, world_size=1),
+        autocast=contextlib.nullcontext,
+        dataset=train,
+        frozen_copy=None,
+        validation=held_out,
+    )
+    section = DPOMethod(name="dpo", beta=0.2, reference="precomputed")
+    pre = DPO.create(section, context)
+    copy = DPO(section, 0, 2, FrozenCopy(reference))
+    got, expected = (validation_metrics(policy, m, held_out, "cpu", contextlib.nullcontext) for m in (pre, copy))
+    assert got == pytest.approx(expected, rel=1e-5, abs=1e-6) and got["eval_rewards/margin"] != 0

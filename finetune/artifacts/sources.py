@@ -37,6 +37,15 @@ class AdapterSource:
         return "qlora" in (adapter, self.run_plan.get("adapter")) or "nf4" in (quant, self.run_plan.get("quantization"))
 
     @property
+    def scores(self) -> bool:
+        """True for an adapter of a reward model (peft task SEQ_CLS): its base is loaded as a sequence classifier."""
+        try:
+            config = json.loads((self.adapter / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(config, dict) and config.get("task_type") == "SEQ_CLS"
+
+    @property
     def template(self) -> str:
         """The run's data.template (`tokenizer` for a bare adapter folder or a run that set none)."""
         return str((self.run_config.get("data") or {}).get("template") or "tokenizer")
@@ -207,4 +216,13 @@ def _check_model_folder(path: Path, what: str) -> None:
         raise FtError(
             f"{what} holds neither config.json (a model) nor adapter_config.json (an adapter); it holds: {found}.\n"
             "    fix: pass a run folder (config.yaml + final/), a model folder or an adapter folder"
+        )
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return  # transformers' own error, when it loads the folder, says what is wrong with it
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        raise FtError(
+            f"{what} is a reward model ({architectures[0]}): it scores text, it does not generate.\n"
+            "    fix: use it as a GRPO reward (method.rewards: [{model: ...}]), or pass a model that generates"
         )

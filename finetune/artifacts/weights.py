@@ -65,13 +65,17 @@ def load_tokenizer(src: ModelSource):
 
 
 # ---------------------------------------------------------------- models
-def load_base(base: str, dtype, trust_remote_code: bool):
-    """The base model an adapter goes on, in eval mode, on the CPU."""
-    from transformers import AutoModelForCausalLM
+def load_base(base: str, dtype, trust_remote_code: bool, score_pad: int | None = None):
+    """The base model an adapter goes on, in eval mode, on the CPU; with `score_pad` (a reward model's adapter) as a
+    sequence classifier with one output that finds each sequence's last token by that pad id."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto, head = AutoModelForCausalLM, {}
+    if score_pad is not None:
+        auto, head = AutoModelForSequenceClassification, {"num_labels": 1, "pad_token_id": score_pad}
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        model = auto.from_pretrained(
+            base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **head
         )
     except (OSError, ValueError) as e:
         raise FtError(

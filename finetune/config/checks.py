@@ -243,7 +243,7 @@ FIELDS = {
     "instruction": {"instruction", "input", "output", "system"},
     "completion": {"text"},
     "prompt_completion": {"prompt", "completion"},
-    "preference": {"prompt", "chosen", "rejected", "system"},
+    "preference": {"prompt", "chosen", "rejected", "system", "margin"},
     "prompt_only": {"prompt", "system"},
     "unpaired": {"prompt", "completion", "label", "system"},
 }

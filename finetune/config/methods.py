@@ -8,8 +8,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field
 
-from finetune.config.section import FilePath, Section, Tokens
-from finetune.config.types import Bounded
+from finetune.config.section import FilePath, Section, Text, Tokens
+from finetune.config.types import Bounded, checked_template
 from finetune.errors import Problem
 
 
@@ -24,6 +24,7 @@ class MethodSection(Section):
     validates: ClassVar[bool] = True  # it has a validation loss (data.validation is evaluated)
     sequences_per_row: ClassVar[int] = 1  # sequences a dataset row puts through the model (DPO: chosen + rejected)
     learning_rates: ClassVar[tuple[float, float]] = (2e-5, 2e-4)  # lr: auto for (full fine-tuning, an adapter)
+    head: ClassVar[str] = "lm"  # what the model ends in: lm (next-token logits) or score (one value per sequence)
 
     def default_lr(self, full: bool) -> tuple[float, str]:
         """The peak learning rate `train.lr: auto` gives, and why."""
@@ -132,15 +133,62 @@ def _reference_problems(reference: str, adapter: Section) -> list[Problem]:
 
 
 class RewardSpec(Section):
-    """One reward function for GRPO."""
+    """One reward for GRPO: a function, or a trained reward model (give exactly one of `function` and `model`)."""
 
-    function: FilePath
+    function: FilePath | None = None
     """Built-in (`exact_match`, `regex`, `length_penalty`) or user function as `module:function` or
     `path/to/file.py:function`."""
+    model: FilePath | None = None
+    """A trained reward model: a folder (what `method: {name: reward}` writes to RUN/final) or hub id that transformers
+    loads as AutoModelForSequenceClassification with one output (num_labels 1, pad_token_id set, its tokenizer saved
+    with it). Each completion is scored as the prompt conversation plus the completion as the assistant's reply, in the
+    reward model's own tokenizer and chat template (`template`), keeping the last data.seq_len tokens; the reward is
+    the model's single logit. Loaded once per process on its training device, frozen, in the plan's precision."""
     weight: Bounded(float, ge=-1e6, le=1e6) = 1.0
     """Weight of this reward in the sum."""
     args: dict[str, Any] = {}
     """Keyword arguments passed to the function (e.g. {column: answer} or {pattern: '...'})."""
+    batch_size: Bounded(int, ge=1, le=4096) = 16
+    """With `model`: completions scored per forward pass of the reward model."""
+    revision: Text = "main"
+    """With `model`: hub revision (branch, tag or commit) of the reward model; ignored for local folders."""
+    template: Annotated[str, checked_template] = "tokenizer"
+    """With `model`: the chat template the reward model was trained with, as in data.template: `tokenizer` (its
+    tokenizer's own), a built-in or a path to a Jinja file."""
+    trust_remote_code: bool = False
+    """With `model`: run Python code shipped with the reward model's repository. Off unless you trust its author."""
+
+    def problems(self, index: int) -> list[Problem]:
+        """Exactly one of function and model, and the keys of the other kind left out."""
+        key = ("method", "rewards", index)
+        if (self.function is None) == (self.model is None):
+            given = "both `function` and `model` are" if self.model is not None else "neither `function` nor `model` is"
+            return [
+                Problem(
+                    (key,),
+                    f"{given} given; a reward is either a function or a trained reward model",
+                    "give exactly one: function: exact_match (or module:function), or model: runs/rm/final",
+                )
+            ]
+        if self.model is not None and self.args:
+            return [
+                Problem(
+                    (key + ("args",), key + ("model",)),
+                    "args are passed to reward functions, not to a reward model",
+                    f"remove method.rewards[{index}].args",
+                )
+            ]
+        if self.model is not None:
+            return []
+        only_model = [k for k in ("batch_size", "revision", "template", "trust_remote_code") if self.explicit(k)]
+        return [
+            Problem(
+                (key + (k,), key + ("function",)),
+                f"{k} applies to a reward model (`model`), not to a reward function",
+                f"remove method.rewards[{index}].{k}",
+            )
+            for k in only_model
+        ]
 
 
 class RolloutSection(Section):
@@ -178,7 +226,7 @@ class GRPOMethod(MethodSection):
     name: Literal["grpo"]
     """Method name."""
     rewards: Annotated[list[RewardSpec], Field(min_length=1)]
-    """Reward functions, summed with their weights."""
+    """Rewards (functions, or trained reward models), summed with their weights."""
     num_generations: Bounded(int, ge=2, le=1024) = 8
     """Completions sampled per prompt (the group)."""
     max_new_tokens: Tokens = 256
@@ -221,7 +269,7 @@ class GRPOMethod(MethodSection):
         return self.num_iterations
 
     def problems(self) -> list[Problem]:
-        found = []
+        found = [p for i, reward in enumerate(self.rewards) for p in reward.problems(i)]
         if self.rollout.asynchronous and self.engine == "transformers":
             found.append(
                 Problem(
@@ -277,10 +325,11 @@ class KTOMethod(MethodSection):
     undesirable_weight: Bounded(float, gt=0, le=1000) = 1.0
     """Weight of the loss of undesirable completions (`label: false`); the KTO paper keeps
     desirable_weight × desirable rows / (undesirable_weight × undesirable rows) between 1 and 4/3."""
-    reference: Literal["auto", "adapter_disabled", "copy"] = "auto"
+    reference: Literal["auto", "adapter_disabled", "copy", "precomputed"] = "auto"
     """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
-    fine-tuning. (Reference log-probs cannot be computed ahead: the KL baseline pairs each prompt with another row's
-    completion of the same micro-batch, which changes with the shuffle.)"""
+    fine-tuning; `precomputed` computes reference log-probs once before training. The KL baseline pairs each prompt
+    with another row's completion: the previous row's in the same micro-batch, or with `precomputed` (whose pairs
+    must be known ahead) the previous row's of the prepared dataset, which also allows micro-batches of 1 row."""
 
     def reference_kind(self, adapter: str) -> str:
         return _chosen_reference(self.reference, adapter)
@@ -289,14 +338,14 @@ class KTOMethod(MethodSection):
         return _reference_problems(self.reference, adapter)
 
     def train_problems(self, train: Section) -> list[Problem]:
-        if train.micro_batch_size == "auto" or train.micro_batch_size > 1:
+        if self.reference == "precomputed" or train.micro_batch_size == "auto" or train.micro_batch_size > 1:
             return []
         return [
             Problem(
                 (("train", "micro_batch_size"), ("method", "name")),
                 "KTO estimates its KL baseline from each prompt paired with another row's completion of the same "
                 "micro-batch, so a micro-batch of 1 row has no other completion",
-                "set train.micro_batch_size to 2 or more (or auto)",
+                "set train.micro_batch_size to 2 or more (or auto), or method.reference: precomputed",
             )
         ]
 
@@ -334,6 +383,28 @@ class SimPOMethod(MethodSection):
     """Assumed label noise: the loss mixes in, with this weight, the loss of the swapped pair."""
 
 
+class RewardMethod(MethodSection):
+    """Reward-model training on prompt/chosen/rejected pairs: a sequence-classification head scores each whole sequence
+    and the Bradley–Terry loss pushes the chosen answer's score above the rejected one's. The run's final/ folder is a
+    model transformers loads as AutoModelForSequenceClassification (merged when trained with an adapter), which GRPO
+    takes as a reward (`rewards: [{model: RUN/final}]`)."""
+
+    formats: ClassVar[frozenset[str]] = frozenset({"preference"})
+    sequences_per_row: ClassVar[int] = 2
+    learning_rates: ClassVar[tuple[float, float]] = (1e-5, 1e-4)
+    head: ClassVar[str] = "score"
+
+    name: Literal["reward"]
+    """Method name."""
+    margin: bool = False
+    """Use each pair's `margin` (a number in the data: how much better chosen is than rejected) in the loss,
+    −log σ(r_chosen − r_rejected − margin), as Llama 2's reward models do. Every row must then have a margin."""
+    center_rewards: Bounded(float, ge=0, le=100) = 0.0
+    """Weight of a penalty on the squared sum of each pair's rewards, which keeps rewards centred on 0 (trl's
+    center_rewards_coefficient; 0.01 is common)."""
+
+
 Method = Annotated[
-    SFTMethod | DPOMethod | GRPOMethod | KTOMethod | ORPOMethod | SimPOMethod, Field(discriminator="name")
+    SFTMethod | DPOMethod | GRPOMethod | KTOMethod | ORPOMethod | SimPOMethod | RewardMethod,
+    Field(discriminator="name"),
 ]

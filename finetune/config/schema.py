@@ -47,9 +47,10 @@ class DatasetSpec(Section):
     format: DataFormat
     """How records are read: chat (`messages` with role/content, or ShareGPT `conversations` with from/value),
     instruction (alpaca: instruction/input/output), completion (plain `text`), prompt_completion (`prompt`/`completion`
-    text), preference (`prompt`/`chosen`/`rejected`, text or messages), prompt_only (`prompt` plus extra columns kept
-    for reward functions), unpaired (`prompt`/`completion`, text or messages, and `label`: true for a desirable
-    completion, false for an undesirable one; for KTO)."""
+    text), preference (`prompt`/`chosen`/`rejected`, text or messages, and an optional number `margin` for
+    reward models), prompt_only (`prompt` plus extra columns kept for reward functions), unpaired
+    (`prompt`/`completion`, text or messages, and `label`: true for a desirable completion, false for an undesirable
+    one; for KTO)."""
     subset: Text | None = None
     """Hub dataset configuration name (e.g. `main` for gsm8k)."""
     split: Text = "train"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import uuid
 from collections.abc import Callable
 from functools import partial
@@ -34,7 +35,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "instruction": ("instruction", "input", "output", "system"),
     "completion": ("text",),
     "prompt_completion": ("prompt", "completion"),
-    "preference": ("prompt", "chosen", "rejected", "system"),
+    "preference": ("prompt", "chosen", "rejected", "system", "margin"),
     "prompt_only": ("prompt", "system"),
     "unpaired": ("prompt", "completion", "label", "system"),
 }
@@ -68,12 +69,13 @@ _HINTS = {
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 _TEXT = datasets.Value("string")
 _BOOL = datasets.Value("bool")
+_NUMBER = datasets.Value("float64")
 _SHAPES = {
     "chat": {"messages": _MESSAGES},
     "instruction": {"messages": _MESSAGES},
     "completion": {"text": _TEXT},
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
-    "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES},
+    "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES, "margin": _NUMBER},
     "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT},
     "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL},
 }
@@ -141,7 +143,21 @@ def _preference(record: dict, spec: DatasetSpec) -> dict:
         if not any(m["role"] == "assistant" for m in turns):
             raise RecordError(f"'{names[field]}' has no assistant message after the prompt")
         out[field] = turns
+    margin = _margin(record, spec)
+    if margin is not None:
+        out["margin"] = margin  # optional: absent from the record, null in the dataset
     return out
+
+
+def _margin(record: dict, spec: DatasetSpec) -> float | None:
+    """A preference pair's optional margin (how much better chosen is; reward models may use it): a finite number."""
+    value = _value(record, "margin", spec, required=False)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        name = _column("margin", spec, record)
+        raise RecordError(f"'{name}' must be a finite number (how much better chosen is than rejected), got {value!r}")
+    return float(value)
 
 
 def _shared_prompt(record: dict, spec: DatasetSpec, chosen: object, rejected: object, names: dict) -> list[dict]:
@@ -400,11 +416,12 @@ def _normalize_batch(
             if not skip or isinstance(e, MissingColumn):
                 raise _record_error(origin, e, *where) from None
             row = {
-                k: [] if v is _MESSAGES else False if v is _BOOL else "" for k, v in _SHAPES[spec.format].items()
+                k: [] if v is _MESSAGES else False if v is _BOOL else None if v is _NUMBER else ""
+                for k, v in _SHAPES[spec.format].items()
             } | {"_error": f"{origin}: {e}"}
         row[ORIGIN] = origin
         rows.append(row)
-    return {k: [r[k] for r in rows] for k in columns}
+    return {k: [r.get(k) for r in rows] for k in columns}  # an optional field a record lacks is null
 
 
 def _record_error(origin: str, e: RecordError, key: str, source: str) -> DataError:

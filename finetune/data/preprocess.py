@@ -17,7 +17,7 @@ from pathlib import Path
 from finetune.config.schema import Config, DatasetSpec
 from finetune.errors import DataError, FtError
 
-DATA_VERSION = 2  # bump when the output of this pipeline changes for the same inputs
+DATA_VERSION = 3  # bump when the output of this pipeline changes for the same inputs
 TEMPLATED = ("chat", "instruction", "preference", "prompt_only", "unpaired")
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -287,6 +287,8 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
             row |= {"prompt": "[]", "extra": "{}"}
         if rules.format == "unpaired":
             row["desirable"] = False
+        if rules.format == "preference":
+            row["margin"] = None
     return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
 
 

@@ -2,7 +2,8 @@
 
 Output columns:
   SFT formats (chat, instruction, completion, prompt_completion): input_ids, labels, length
-  preference: chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels, length (the longer)
+  preference: chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels, margin (None when the record has
+    none), length (the longer)
   prompt_only: prompt_ids, prompt (JSON of the messages), extra, length
   unpaired: input_ids, labels (the completion's), desirable (the record's label), length
 Labels are IGNORE (-100) on tokens that carry no loss. `_origin` is kept for error messages.
@@ -159,6 +160,7 @@ def _tokenize(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
             "chosen_labels": c_labels,
             "rejected_input_ids": r_ids,
             "rejected_labels": r_labels,
+            "margin": rec.get("margin"),
         }
     if fmt == "unpaired":
         ids, labels = tokenize_continuation(rec["prompt"], rec["completion"], tokenizer, jinja)

@@ -34,6 +34,21 @@ def announce_zero3(config: dict) -> None:
     _live["config"] = HfDeepSpeedConfig(config)
 
 
+@contextlib.contextmanager
+def zero3_withdrawn():
+    """While a model that ZeRO-3 must not partition is built (a GRPO reward model, whole on every rank): transformers'
+    from_pretrained constructs under zero.Init whenever the ZeRO-3 announcement is live (is_deepspeed_zero3_enabled),
+    so it is withdrawn meanwhile and restored after."""
+    from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if "config" in _live:
+            set_hf_deepspeed_config(_live["config"])
+
+
 def zero_dtype(config: dict) -> torch.dtype:
     """The dtype ZeRO-3 keeps parameters in: fp16 or bf16 when enabled, else fp32 (deepspeed zero.Init._set_dtype)."""
     if config.get("fp16", {}).get("enabled") is True:
@@ -47,25 +62,28 @@ def partitioned_model(model_section, adapter_section, plan, tokenizer, attn: str
     from finetune.adapters import apply_adapter, init_adapter
 
     with _host_memory_returned(device):
-        model = apply_adapter(partitioned_base(model_section, plan, tokenizer, attn, config), adapter_section, plan)
+        base = partitioned_base(model_section, plan, tokenizer, attn, config, seed)
+        model = apply_adapter(base, adapter_section, plan)
         if plan.adapter != "full":
             init_adapter(model, seed)  # lora_A/lora_B are whole here: the same seeded values as in one process
         _partition_the_rest(model, config)
     return model
 
 
-def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
+def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict, seed: int = 0):
     """The pretrained model, constructed partitioned and filled from its safetensors module by module; embeddings grown
     to the tokenizer (new rows: the mean of the old ones, as models.resize_embeddings gives them); checkpointing on."""
     import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from finetune import models
 
     # DeepSpeed's view of the process group ft started; GPU: that group sends cuda tensors over NCCL (runtime.backend)
     deepspeed.init_distributed(dist_init_required=False)
     folder = models.weights_folder(model_section)
-    hf_config = AutoConfig.from_pretrained(str(folder), trust_remote_code=model_section.trust_remote_code)
+    hf_config = AutoConfig.from_pretrained(
+        str(folder), trust_remote_code=model_section.trust_remote_code, **models.head_options(plan, tokenizer)
+    )
     text = hf_config.get_text_config()
     grown = tokenizer is not None and len(tokenizer) > text.vocab_size
     if grown:
@@ -77,7 +95,7 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
         "attn_implementation": attn,
         "trust_remote_code": model_section.trust_remote_code,
     }
-    net = construct(hf_config, kwargs, config)
+    net = construct(models.auto_class(plan), hf_config, kwargs, config)
     announce_zero3(config)
     ckpt = models.Checkpoint(folder)
     try:
@@ -91,19 +109,21 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict):
             ) from None
         del net
         # rank 0 reads the whole checkpoint (see module doc)
-        net = AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        net, info = models.auto_class(plan).from_pretrained(
+            str(folder), output_loading_info=True, **kwargs, **models.head_options(plan, tokenizer)
+        )
+        models.init_head(net, [k for k in info.get("missing_keys", ()) if models.is_new_head(k)], seed)
     else:
-        fill(net, ckpt, keys)
+        fill(net, ckpt, keys, seed)
     return models.finish_model(net, plan)
 
 
-def construct(hf_config, kwargs: dict, config: dict):
+def construct(auto_class, hf_config, kwargs: dict, config: dict):
     """The model's modules with parameters partitioned as each module is created, values not initialised (they are
     read next): what transformers' from_config does under an HfDeepSpeedConfig (modeling_utils._from_config), without
     the initialisation pass it then runs over every gathered module (a third of the loading time on CPU, then
     overwritten). The ZeRO-3 announcement is withdrawn meanwhile, or from_config would add that pass."""
     import deepspeed
-    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.integrations.deepspeed import (
         prevent_arange_dtype_change,
@@ -120,7 +140,7 @@ def construct(hf_config, kwargs: dict, config: dict):
             prevent_arange_dtype_change(),
             deepspeed.zero.Init(config_dict_or_path=config, dtype=kwargs["dtype"]),
         ):
-            net = AutoModelForCausalLM.from_config(hf_config, **kwargs)
+            net = auto_class.from_config(hf_config, **kwargs)
     finally:
         if "config" in _live:
             set_hf_deepspeed_config(_live["config"])
@@ -128,7 +148,7 @@ def construct(hf_config, kwargs: dict, config: dict):
     return net
 
 
-def fill(net, ckpt, keys: dict) -> None:
+def fill(net, ckpt, keys: dict, seed: int = 0) -> None:
     """Copy the checkpoint into the partitioned parameters, one module at a time (gathered, written by rank 0, then
     broadcast and partitioned again); persistent buffers (never partitioned) are read by every rank. `keys`: the
     checkpoint tensor of each parameter and buffer, by object id (models.checkpoint_keys)."""
@@ -139,16 +159,18 @@ def fill(net, ckpt, keys: dict) -> None:
     writer = torch.distributed.get_rank() == 0
     seen: set[int] = set()
     with torch.no_grad():
-        for module in net.modules():
-            params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-            seen.update(id(p) for p in params)
-            if params:
-                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                    if (
-                        writer
-                    ):  # GPU: gathered on this rank's device; fill_rows stages each slice in host memory, then copies
-                        for p in params:
-                            models.fill_rows(ckpt, keys[id(p)], 0, p.data)
+        for prefix, module in net.named_modules():
+            named = [(f"{prefix}.{n}", p) for n, p in module.named_parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for _, p in named)
+            if named:
+                with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=0):
+                    if writer:  # GPU: gathered on this rank's device; fill_rows stages slices in host memory
+                        for name, p in named:
+                            if id(p) in keys:
+                                models.fill_rows(ckpt, keys[id(p)], 0, p.data)
+                            else:  # a new score head (models.checkpoint_keys)
+                                std = models.head_std(net)
+                                p.data.copy_(models.head_value(name, tuple(p.shape), seed, std).to(p.dtype))
             for b in module.buffers(recurse=False):
                 if id(b) in keys and id(b) not in seen:
                     seen.add(id(b))

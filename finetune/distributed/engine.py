@@ -387,7 +387,7 @@ def _replica(model_section, adapter_section, plan, tokenizer, attn: str, device:
     from finetune.adapters import apply_adapter, init_adapter
     from finetune.models import load_model
 
-    model = apply_adapter(load_model(model_section, plan, tokenizer, attn), adapter_section, plan)
+    model = apply_adapter(load_model(model_section, plan, tokenizer, attn, seed=seed), adapter_section, plan)
     init_adapter(model, seed)
     if plan.quantization == "none":  # bitsandbytes weights stay where from_pretrained's device_map quantized them
         model.to(device)

@@ -246,6 +246,8 @@ def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
             continue
         if sources[name] is not None:
             models.fill_rows(ckpt, sources[name], start, local)
+        elif models.is_new_head(name):
+            local.copy_(models.head_value(name, tuple(p.shape), seed, models.head_std(model))[start:][: local.shape[0]])
         else:
             local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[start : start + local.shape[0]])
     for name, p in params.items():

@@ -67,6 +67,7 @@ class Context:
     folder: Any = None  # the run folder (a method's own files go in a subfolder it owns)
     seed: int = 0  # train.seed
     stream: Any = None  # the data stream (data/stream.py): a method that prepares a batch ahead peeks at it
+    validation: Any = None  # the prepared held-out rows (data.validation), where the method validates
 
 
 _REGISTRY: dict[str, type] = {}
@@ -131,6 +132,7 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, 
         runtime=runtime,
         autocast=autocast,
         dataset=prepared.train,
+        validation=getattr(prepared, "validation", None) if config.method.validates else None,
         frozen_copy=frozen_copy,
         model=config.model,
         adapter=config.adapter,

@@ -48,6 +48,7 @@ class DPO:
         self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, reference
         self.validates = section.validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
+        self.held_out = None  # the validation rows, where a precomputed reference has a table of them
 
     @classmethod
     def create(cls, section, context: Context) -> DPO:
@@ -56,7 +57,13 @@ class DPO:
         method = cls(section, context.pad_id, plan.micro_batch_size, reference_model(context), loss_head(plan, True))
         if context.plan.reference == "precomputed":
             c = context
-            method.reference = precompute(c.engine.model, method, c.dataset, c.runtime, c.device, c.autocast)
+            method.held_out = c.validation
+            tables = [
+                precompute(c.engine.model, method, data, c.runtime, c.device, c.autocast).table
+                for data in (c.dataset, c.validation)
+                if data is not None
+            ]
+            method.reference = Precomputed(*tables)
         return method
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
@@ -80,6 +87,7 @@ class DPO:
                 rows=torch.tensor(indices[i : i + self.micro]),
                 num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected),
             )
+            batch[TABLE] = table_index(dataset, self.held_out)
             out.append(batch)
         return out
 
@@ -145,40 +153,61 @@ class FrozenCopy:
         return method.policy_score(self.model, batch)
 
 
-class Precomputed:
-    """Reference log-probs of every row, computed once before training by the starting model."""
+TABLE = "table"  # a micro-batch's key: which rows its `rows` index, 0 the training rows, 1 the held-out ones
 
-    def __init__(self, table: torch.Tensor):
-        self.table = table  # (rows, 2): chosen, rejected
+
+class Precomputed:
+    """Reference log-probs of every row, computed once before training by the starting model: a batch's answer is
+    its rows' first column, then their second, ... (DPO: chosen over rejected, as its micro-batches stack them).
+    `held_out`: the same for the validation rows, which batches with TABLE 1 index."""
+
+    def __init__(self, table: torch.Tensor, held_out: torch.Tensor | None = None):
+        self.tables = [table] + ([held_out] if held_out is not None else [])  # (rows, sequences per row)
+
+    @property
+    def table(self) -> torch.Tensor:
+        return self.tables[0]
+
+    def columns(self, start: int, stop: int) -> Precomputed:
+        """The table of some of the sequences of each row (KTO: its own, its mismatched pair's)."""
+        return Precomputed(*(t[:, start:stop] for t in self.tables))
 
     def __call__(self, model, batch: dict, method) -> torch.Tensor:
-        if self.table.device != batch["rows"].device:  # the batch's row indices are on the rank's GPU: index there
-            self.table = self.table.to(batch["rows"].device)
-        rows = self.table[batch["rows"]]
-        return torch.cat([rows[:, 0], rows[:, 1]])
+        which = int(batch[TABLE]) if TABLE in batch else 0
+        table = self.tables[which]
+        if table.device != batch["rows"].device:  # the batch's row indices are on the rank's GPU: index there
+            table = self.tables[which] = table.to(batch["rows"].device)
+        return torch.cat(table[batch["rows"]].unbind(1))
+
+
+def table_index(dataset, held_out) -> torch.Tensor:
+    """TABLE of a micro-batch of `dataset`: 1 for the held-out rows, else 0."""
+    return torch.tensor(int(held_out is not None and dataset is held_out))
 
 
 @torch.no_grad()
-def precompute(model, method: DPO, dataset, runtime, device, autocast) -> Precomputed:
+def precompute(model, method, dataset, runtime, device, autocast, batches=None, columns: int = 2) -> Precomputed:
     """Each rank scores a share of the rows (the same number of forward passes on every rank, as sharded
-    models need), then a sum over ranks gives every rank the whole table."""
+    models need), then a sum over ranks gives every rank the whole table. `batches(dataset, indices)` (default:
+    the method's micro_batches) gives batches holding `rows` and, stacked, `columns` sequences per row (first
+    column of every row, then the second, ...), which `method.policy_score` scores."""
     n, world = len(dataset), runtime.world_size
-    table = torch.zeros(n, 2, dtype=torch.float64)
+    table = torch.zeros(n, columns, dtype=torch.float64)
     was_training = model.training
     model.eval()
     per_rank = -(-n // world)
     own = range(runtime.rank * per_rank, min(n, (runtime.rank + 1) * per_rank))
     mine = list(own) + [0] * (per_rank - len(own))  # padded: the same number of passes on every rank
     seen = set()
-    for batch in method.micro_batches(dataset, mine):
+    for batch in (batches or method.micro_batches)(dataset, mine):
         rows = batch["rows"]
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with autocast():
-            logps = method.sequence_logps(model, batch)[0].double().cpu()
+            logps = method.policy_score(model, batch).double().cpu().view(columns, len(rows))
         for j, row in enumerate(rows.tolist()):
             if row in own and row not in seen:
                 seen.add(row)
-                table[row] = torch.stack([logps[j], logps[j + len(rows)]])
+                table[row] = logps[:, j]
     model.train(was_training)
     if world > 1:
         torch.distributed.all_reduce(table)

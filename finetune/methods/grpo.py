@@ -66,7 +66,8 @@ class GRPO:
         from finetune.rollout.factory import create_engine, placement
         from finetune.rollout.weights import Weights
 
-        c, rewards = context, load_rewards(section.rewards)  # a bad reward stops the job before a reference loads
+        c = context  # a bad reward stops the job before a reference loads; reward models on this rank's device
+        rewards = load_rewards(section.rewards, c.device, c.plan.precision, c.plan.seq_len)
         head = loss_head(c.plan, True)
         engine = create_engine(section, c)
         separate = placement(c.plan, section)[1] != "inline"

@@ -1,17 +1,22 @@
 """Kahneman-Tversky optimisation (KTO) on unpaired feedback: each row is one completion, desirable or not.
 
 A sequence's log-probability is the sum over its trained (completion) tokens; its log-ratio r = π − ref. The KL
-baseline z is estimated from mismatched pairs: within each micro-batch, row i's prompt followed by row i−1's
-completion (row 0 takes the last row's), as trl rotates them. z = mean(π − ref) over the mismatched pairs of the
-whole step (every micro-batch, averaged over ranks), detached, clamped at 0: the policy does not change within a
-step, so z is computed once, with the step's first micro-batch. With one micro-batch per rank this is trl's z (trl
-estimates it per micro-batch, gathered over ranks); with accumulation, ft's z does not depend on how the step is
-split into micro-batches and ranks, so 1 and N processes train alike. Per row, with weights λ_D (desirable) and
-λ_U (undesirable):
+baseline z is estimated from mismatched pairs: a row's prompt followed by another row's completion. With a reference
+model (the base with the adapter disabled, or a frozen copy), the pairs are made within each micro-batch: row i's
+prompt with row i−1's completion (row 0 takes the last row's), as trl rotates them. With `precomputed` reference
+log-probs, computed once before training, each row's pair must be known in advance, so it is fixed by the data: row
+i's prompt with the completion of row i−1 of the prepared dataset (row 0 with the last row's), the way trl builds its
+KL dataset before shuffling; the table then holds, per row, the reference log-prob of its own sequence and of its
+mismatched pair.
+z = mean(π − ref) over the mismatched pairs of the whole step (every micro-batch, averaged over ranks), detached,
+clamped at 0: the policy does not change within a step, so z is computed once, with the step's first micro-batch.
+With one micro-batch per rank this is trl's z (trl estimates it per micro-batch, gathered over ranks); with
+accumulation, ft's z does not depend on how the step is split into micro-batches and ranks, so 1 and N processes
+train alike. Per row, with weights λ_D (desirable) and λ_U (undesirable):
   desirable    λ_D · (1 − σ(β(r − z)))
   undesirable  λ_U · (1 − σ(β(z − r)))
-The step's loss is the mean over its rows (the normaliser counts rows). The reference is the base with the adapter
-disabled (LoRA/QLoRA) or a frozen copy (full fine-tuning), as for DPO (dpo.py's references).
+The step's loss is the mean over its rows (the normaliser counts rows). The reference is chosen as for DPO
+(dpo.py's references and precompute).
 """
 
 from __future__ import annotations
@@ -21,22 +26,32 @@ import torch
 from finetune.data.collate import IGNORE, collate
 from finetune.errors import FtError
 from finetune.methods import Context, register
-from finetune.methods.dpo import reference_model, token_logps
+from finetune.methods.dpo import TABLE, Precomputed, precompute, reference_model, table_index, token_logps
 from finetune.methods.head import LossHead, loss_head
 
 STEP_KL = "kl_step"  # the micro-batch's key for the step's mismatched pairs (StepKL), shared by its micro-batches
 
 
-def mismatched(rows: list[dict], seq_len: int) -> list[dict]:
-    """Row i's prompt with row i−1's completion (row 0 with the last one's), cut to seq_len tokens."""
-    starts = [next(i for i, t in enumerate(r["labels"]) if t != IGNORE) for r in rows]
+def _completion_start(row: dict) -> int:
+    return next(i for i, t in enumerate(row["labels"]) if t != IGNORE)
+
+
+def mismatched(rows: list[dict], seq_len: int, others: list[dict] | None = None) -> list[dict]:
+    """Row i's prompt with the completion of others[i] (by default row i−1's, row 0 with the last one's), cut to
+    seq_len tokens."""
+    others = others if others is not None else [rows[i - 1] for i in range(len(rows))]
     out = []
-    for i, row in enumerate(rows):
-        other, cut = rows[i - 1], starts[i - 1]
-        ids = list(row["input_ids"][: starts[i]]) + list(other["input_ids"][cut:])
-        labels = [IGNORE] * starts[i] + list(other["labels"][cut:])
+    for row, other in zip(rows, others, strict=True):
+        start, cut = _completion_start(row), _completion_start(other)
+        ids = list(row["input_ids"][:start]) + list(other["input_ids"][cut:])
+        labels = [IGNORE] * start + list(other["labels"][cut:])
         out.append({"input_ids": ids[:seq_len], "labels": labels[:seq_len]})
     return out
+
+
+def partner(row: int, rows: int) -> int:
+    """The dataset row whose completion row `row` is paired with when the pairs are fixed (precomputed reference)."""
+    return (row - 1) % rows
 
 
 def kto_losses(
@@ -53,28 +68,49 @@ def _mean(values: torch.Tensor, where: torch.Tensor) -> float:
     return values[where].mean().item() if bool(where.any()) else 0.0
 
 
+def _sequences(columns: dict) -> list[dict]:
+    return [{"input_ids": ids, "labels": lab} for ids, lab in zip(columns["input_ids"], columns["labels"])]
+
+
 @register("kto")
 class KTO:
-    """Batches and loss for KTO; `reference` gives the reference log-probs of a batch's sequences (dpo.py's)."""
+    """Batches and loss for KTO; `reference` gives the reference log-probs of a batch's sequences (dpo.py's), and
+    `kl_reference` those of its mismatched pairs (the same model, or the precomputed table's second column).
+    `fixed_pairs`: pair each row with its dataset partner (precomputed) instead of rotating within micro-batches."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, seq_len: int, reference, runtime=None, head=None):
+    def __init__(
+        self,
+        section,
+        pad_id: int,
+        micro_batch_size: int,
+        seq_len: int,
+        reference,
+        runtime=None,
+        head=None,
+        fixed_pairs: bool = False,
+    ):
         self.beta, self.weights = section.beta, (section.desirable_weight, section.undesirable_weight)
-        self.pad_id, self.micro, self.seq_len, self.reference = pad_id, micro_batch_size, seq_len, reference
+        self.pad_id, self.micro, self.seq_len = pad_id, micro_batch_size, seq_len
+        self.reference = self.kl_reference = reference
         self.runtime = runtime  # the KL baseline is averaged over ranks
+        self.fixed_pairs = fixed_pairs
+        self.held_out = None  # the validation rows, where a precomputed reference has a table of them
         self.validates = section.validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
 
     @classmethod
     def create(cls, section, context: Context) -> KTO:
-        plan = context.plan
-        if plan.micro_batch_size < 2:  # `auto` chose 1 (train.micro_batch_size: 1 is refused by the config checks)
+        """With the reference the plan chose; `precomputed` scores every row and its fixed pair once, now."""
+        plan, precomputed = context.plan, context.plan.reference == "precomputed"
+        if plan.micro_batch_size < 2 and not precomputed:  # `auto` chose 1 (an explicit 1 is refused by the checks)
             raise FtError(
                 "train.micro_batch_size: the plan chose 1 row per micro-batch, and KTO pairs each prompt with another "
                 "row's completion of its micro-batch for its KL baseline; set train.micro_batch_size: 2 (or more), "
-                "with a memory saver or more devices if it does not fit (see ft plan)"
+                "with a memory saver or more devices if it does not fit (see ft plan), or set method.reference: "
+                "precomputed, which pairs rows across the dataset"
             )
         reference = reference_model(context)
-        return cls(
+        method = cls(
             section,
             context.pad_id,
             plan.micro_batch_size,
@@ -82,27 +118,56 @@ class KTO:
             reference,
             context.runtime,
             loss_head(plan, True),
+            fixed_pairs=precomputed,
         )
+        if precomputed:
+            c = context
+            method.held_out = c.validation
+            both = Precomputed(
+                *(
+                    precompute(
+                        c.engine.model, method, data, c.runtime, c.device, c.autocast, method.reference_batches, 2
+                    ).table
+                    for data in (c.dataset, c.validation)
+                    if data is not None
+                )
+            )
+            method.reference, method.kl_reference = both.columns(0, 1), both.columns(1, 2)
+        return method
 
-    def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
+    def _chunks(self, dataset, indices: list[int]):
+        """Per micro-batch: its row indices, sequences, mismatched pairs and labels."""
         rows = dataset.select(indices)[:]
-        out, step = [], StepKL([], self.runtime)
+        seqs = _sequences(rows)
+        others = None
+        if self.fixed_pairs:
+            others = _sequences(dataset.select([partner(i, len(dataset)) for i in indices])[:])
         for i in range(0, len(indices), self.micro):
             part = slice(i, i + self.micro)
-            seqs = [
-                {"input_ids": ids, "labels": lab} for ids, lab in zip(rows["input_ids"][part], rows["labels"][part])
-            ]
-            kl = mismatched(seqs, self.seq_len)
-            step.batches.append(collate(kl, self.pad_id, "sdpa"))
+            kl = mismatched(seqs[part], self.seq_len, others[part] if others is not None else None)
+            yield indices[part], seqs[part], kl, rows["desirable"][part]
+
+    def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
+        out, step, table = [], StepKL([], self.runtime), table_index(dataset, self.held_out)
+        for part, seqs, kl, desirable in self._chunks(dataset, indices):
+            step.batches.append({**collate(kl, self.pad_id, "sdpa"), "rows": torch.tensor(part), TABLE: table})
             batch = collate(seqs, self.pad_id, "sdpa")
             batch.update(
                 {STEP_KL: step},
-                rows=torch.tensor(indices[part]),
-                desirable=torch.tensor(rows["desirable"][part], dtype=torch.bool),
+                rows=torch.tensor(part),
+                desirable=torch.tensor(desirable, dtype=torch.bool),
                 num_tokens=sum(len(x["input_ids"]) for x in seqs + kl),
             )
+            batch[TABLE] = table
             out.append(batch)
         return out
+
+    def reference_batches(self, dataset, indices: list[int]) -> list[dict]:
+        """What `precompute` scores: per micro-batch, its rows' sequences stacked over their mismatched pairs."""
+        return [
+            {**collate(seqs + kl, self.pad_id, "sdpa"), "rows": torch.tensor(part)}
+            for part, seqs, kl, _ in self._chunks(dataset, indices)
+        ]
 
     def tokens(self, batch: dict) -> int:
         return len(batch["rows"])  # the step's loss is a mean over rows
@@ -149,7 +214,7 @@ class StepKL:
             total, count = 0.0, 0
             for kl in self.batches:
                 kl = {k: v.to(device) for k, v in kl.items()}
-                ratios = method.sequence_logps(model, kl) - method.reference(model, kl, method).to(device)
+                ratios = method.sequence_logps(model, kl) - method.kl_reference(model, kl, method).to(device)
                 total, count = total + ratios.double().sum().item(), count + len(ratios)
             z = total / max(count, 1)
             if self.runtime is not None and self.runtime.world_size > 1:  # a CPU float over gloo, as ft's scalars go

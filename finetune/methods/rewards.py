@@ -4,7 +4,8 @@ A reward function is called once per rollout as
     fn(completions, prompts=..., **columns, **args) -> list of numbers, one per completion
 where `completions` are the generated texts, `prompts` the prompt conversations (one per completion),
 `columns` every extra column of the prompt_only dataset (each a list aligned with `completions`), and
-`args` the function's `args` from the YAML. Built-ins:
+`args` the function's `args` from the YAML. A trained reward model (`model:` instead of `function:`) is called the
+same way: finetune/methods/reward_model.py. Built-ins:
   exact_match(column, extract=None)   1.0 when the answer equals the row's `column` (both stripped; with
                                       `extract`, a regex applied to both: its first group, or the match)
   regex(pattern)                      1.0 when `pattern` is found in the completion
@@ -128,8 +129,15 @@ def unique_names(names: list[str]) -> list[str]:
     return out
 
 
-def load_rewards(specs) -> list[Reward]:
+def load_rewards(specs, device="cpu", precision: str = "fp32", max_tokens: int = 2048) -> list:
     """Every configured reward, loaded now so that a bad name stops the job before any GPU time is spent; each named
-    after its function, suffixed where two rewards of the job share a function name."""
-    names = unique_names([function_name(s.function) for s in specs])
-    return [Reward(s, i, name) for i, (s, name) in enumerate(zip(specs, names))]
+    after its function (or its reward model's folder: finetune/methods/reward_model.py), suffixed where two rewards of
+    the job share a name. Reward models are loaded on `device` in `precision` and score at most `max_tokens` tokens of
+    each completion with its prompt."""
+    from finetune.methods.reward_model import ModelReward, model_name
+
+    names = unique_names([function_name(s.function) if s.model is None else model_name(s.model) for s in specs])
+    return [
+        Reward(s, i, name) if s.model is None else ModelReward(s, i, name, device, precision, max_tokens)
+        for i, (s, name) in enumerate(zip(specs, names))
+    ]

@@ -21,7 +21,7 @@ class ReferenceFree(DPO):
     """DPO's micro-batches and pair count, without a reference model: the policy's own mean log-probabilities."""
 
     def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None):
-        self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, None
+        self.pad_id, self.micro, self.reference, self.held_out = pad_id, micro_batch_size, None, None
         self.validates = section.validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
 

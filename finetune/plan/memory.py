@@ -31,7 +31,13 @@ activations    saved for backward, per token and layer (elements): 4h + 3q + 3kv
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
+               A reward model's score head (plan.head score): the final hidden states and their gradient, t*h*(a+4).
 reference      DPO/GRPO with a frozen copy as reference: the base weights again.
+reward model   GRPO rewards by trained reward models: each whole on every rank in a (never sharded), its parameters
+               from its config.json (the language model without its head, plus a one-output score).
+reward scoring Its forward pass under inference mode on batch_size sequences of seq_len tokens: per token the
+               residual stream and its norm, attention projections and the MLP's intermediates,
+               a*(2h + 2q + 2kv + 3I) (2I for a plain MLP). A phase of its own, after the rollout, before training.
 generation     GRPO rollouts by the training model (transformers): KV cache 2*L*kv*a*(prompt+completion)
                per sequence for the whole per-rank batch, plus fp32 logits of the last position. Rollout
                and backward do not overlap, so the peak counts the larger of the two phases.
@@ -92,7 +98,9 @@ RESERVE = "allocator reserve (fragmentation)"  # reserved by torch's caching all
 PINNED_ACTIVATIONS = "offloaded activations (pinned)"  # the host key of activation offloading
 ROLLOUT = "rollout engine (vLLM)"  # a colocated rollout engine's memory share (plan/rollout.py)
 ROLLOUT_HOST = "rollout engine weights (asleep)"  # its weights in host RAM while it sleeps
-TRANSIENT = ("activations", "logits and loss", "generation (KV cache)")  # freed between the steps' phases
+REWARD_MODEL = "reward model"  # GRPO: trained reward models, whole on every rank
+SCORING = "reward scoring"  # their forward pass: a phase of its own
+TRANSIENT = ("activations", "logits and loss", "generation (KV cache)", SCORING)  # freed between the steps' phases
 CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
 DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
 
@@ -128,6 +136,8 @@ class Setup:
     rollout_bytes: int = 0  # a colocated rollout engine's device memory while awake (topology.EngineShare)
     rollout_sleeps: bool = False  # it sleeps during the backward pass: it only shares the device with resident state
     rollout_host_bytes: int = 0  # per process: its weights in host RAM while asleep
+    reward_models: tuple = ()  # GRPO rewards by trained reward models: (ModelFacts, batch_size) of each
+    head: str = "lm"  # lm: next-token logits | score: one value per sequence (reward-model training)
     # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
     # activations in host memory, optimizer step in backward
     pure_bf16: bool = False
@@ -186,12 +196,14 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     }
     device, host = _shard_and_offload(m, s, a, state)
     acts, logits = activation_bytes(m, s, a), logits_bytes(m, s, a)
-    gen_peak = generation_bytes(m, s, a)
+    device[REWARD_MODEL] = sum(a * reward_model_params(f) for f, _ in s.reward_models)
+    gen_peak, scoring = generation_bytes(m, s, a), scoring_bytes(s, a)
     engine = s.rollout_bytes / (1 + FRAGMENTATION) if s.accelerator else s.rollout_bytes  # no reserve counts on it
-    training = max(gen_peak, engine if s.rollout_sleeps else 0) <= acts + logits
+    training = max(gen_peak, scoring, engine if s.rollout_sleeps else 0) <= acts + logits
     device["activations"] = acts if training else 0
     device["logits and loss"] = logits if training else 0
-    device["generation (KV cache)"] = 0 if training else gen_peak
+    device["generation (KV cache)"] = 0 if training or scoring > gen_peak else gen_peak
+    device[SCORING] = 0 if training or scoring <= gen_peak else scoring
     if s.activation_offload and training:
         host[PINNED_ACTIVATIONS] = offloaded_activation_bytes(m, s, a)
     if s.sharding in FSDP and s.accumulation > 1 and s.adapter != "full":
@@ -419,6 +431,8 @@ def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states' fp32
     gradient."""
     t, h, v = tokens_per_micro_batch(s), m.hidden_size, m.vocab_size
+    if s.head == "score":  # a reward model: one score per sequence, read from the last hidden states
+        return t * h * (a + 4)
     per_logit = 8 + (a if a < 4 else 0)  # fp32 logits and their gradient, plus the half-precision logits they came from
     if s.loss == "chunked":
         return min(t, s.loss_chunk_tokens or t) * v * per_logit + t * h * (a + 4)
@@ -437,3 +451,20 @@ def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
 def kv_cache_bytes(m: ModelFacts, a: float, tokens: float, sequences: float) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens each, in a-byte elements."""
     return 2 * m.num_layers * m.kv_dim * a * tokens * sequences
+
+
+def reward_model_params(f: ModelFacts) -> int:
+    """A sequence classifier with one output: the language model without its head, plus the score."""
+    return f.num_params - f.lm_head_params + f.hidden_size
+
+
+def scoring_bytes(s: Setup, a: int) -> float:
+    """The largest reward model's forward pass on one scoring batch (see the module docstring)."""
+    peak = 0.0
+    for f, batch_size in s.reward_models:
+        mlp = 3 * (f.moe_intermediate_size * f.experts_per_token if f.num_experts else f.intermediate_size)
+        if f.mlp == "plain" and not f.num_experts:
+            mlp = 2 * f.intermediate_size
+        per_token = 2 * f.hidden_size + 2 * f.q_dim + 2 * f.kv_dim + mlp
+        peak = max(peak, a * batch_size * s.seq_len * per_token)
+    return peak

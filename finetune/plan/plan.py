@@ -66,6 +66,7 @@ class Plan:
     train_embeddings: bool = False  # tokens were added: embeddings and output head are resized and trained in full
     # DPO/GRPO reference model: none | adapter (base with the adapter off) | copy (frozen copy) | precomputed
     reference: str = "none"
+    head: str = "lm"  # what the model ends in: lm (next-token logits) | score (one value per sequence: reward models)
     process_group: bool = False  # the ranks join a process group (several ranks, or FSDP2/DeepSpeed even for one)
     # replica: each rank loads the whole model | meta: FSDP2 builds on meta, shards, then fills from safetensors
     # | host: a 4-bit base quantized in host memory, moved to the GPU layer by layer as FSDP2 shards it
@@ -147,6 +148,7 @@ class Plan:
             "quant_storage": self.quant_storage,
             "train_embeddings": self.train_embeddings,
             "reference": self.reference,
+            "head": self.head,
             "process_group": self.process_group,
             "loading": self.loading,
             "generation": self.generation,
@@ -221,6 +223,7 @@ class Plan:
         savers = {k: data[k] for k in SAVERS if k in data}  # absent from plans written before they existed
         savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
         savers["alternatives"] = tuple(data.get("alternatives", ()))
+        savers["head"] = data.get("head", "lm")  # absent from plans written before reward models
         savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
         cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned
         savers["cpus_per_node"] = cluster.get("cpus_per_node", 1)

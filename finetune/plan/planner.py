@@ -112,6 +112,7 @@ def plan(
         quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
         train_embeddings=bool(new_tokens or config.data.add_special_tokens),
         reference=config.method.reference_kind(c.adapter),
+        head=config.method.head,
         process_group=needs_launcher(c.backend, topo.world),
         loading=loading(c),
         generation=generation(fit, model, hardware, precision),

@@ -246,7 +246,18 @@ def setup(
         rollout_bytes=topo.engine.device_bytes,
         rollout_sleeps=topo.engine.sleeps,
         rollout_host_bytes=topo.engine.host_bytes,
+        reward_models=reward_models(method),
+        head=method.head,
     )
+
+
+def reward_models(method) -> tuple:
+    """GRPO's rewards by trained reward models: (architecture, batch_size) of each, from its config.json (checked: a
+    sequence classifier with one output; no weights are read)."""
+    from finetune.methods.reward_model import classifier_facts
+
+    specs = getattr(method, "rewards", ())  # only GRPO's section has rewards
+    return tuple((classifier_facts(r, i), r.batch_size) for i, r in enumerate(specs) if r.model is not None)
 
 
 def compensation(config: Config) -> str:
