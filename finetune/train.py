@@ -83,6 +83,8 @@ class SignalStop:
         from finetune.distributed import lifecycle
 
         if lifecycle.note(signum) == "repeat":
+            if signum == signal.SIGINT and self._received:  # a person's Ctrl-C, also forwarded as SIGTERM by the
+                self.signum = signal.SIGINT  # launcher, which may arrive first: the stop is the person's
             return
         if self._received and (self._saving or signum != signal.SIGINT):
             # a checkpoint is written, or a scheduler signals again (cgroup tracking): the stop under way goes on
