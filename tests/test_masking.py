@@ -37,6 +37,7 @@ FORMAT = {
     "gemma": ("", "<end_of_turn>", "<start_of_turn>model\n"),
     "phi3": ("", "<|end|>", "<|assistant|>\n"),
     "plain": ("", "<|endoftext|>", "Thank you.\n"),
+    "alpaca": ("", "<|endoftext|>", "### Response:\n"),
 }
 NEVER_TRAINED = [
     "helpful",

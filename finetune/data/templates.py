@@ -12,7 +12,7 @@ each assistant turn, and checks it for any template it is given.
 
 Each assistant turn ends with the template's end-of-turn text, which the model must learn to emit:
 chatml/qwen `<|im_end|>`, llama3 `<|eot_id|>`, mistral `</s>`, gemma `<end_of_turn>`, phi3 `<|end|>`,
-plain the tokenizer's `eos_token`.
+plain and alpaca the tokenizer's `eos_token`.
 """
 
 from __future__ import annotations
@@ -111,6 +111,36 @@ PLAIN = (
     "-%}{{- message.content + eos_token -}}{%- else -%}{{- message.content + '\\n' -}}{%- endif -%}{%- endfor -%}"
 )
 
+# The instruction format's classic prompt (base models). ft's instruction records reach a template as one user message,
+# `instruction` or `instruction + "\n\n" + input`: the text up to the first blank line is the instruction, the rest (if
+# any) the input. The preamble names the input only when the first request has one; a leading system message replaces
+# the preamble; each later user message is a new "### Instruction:" section. Replies end with the tokenizer's EOS.
+ALPACA_PREAMBLE = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
+ALPACA_PREAMBLE_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+    "response that appropriately completes the request."
+)
+ALPACA = (
+    "{%- if eos_token is not defined or not eos_token -%}{{- raise_exception('the alpaca template ends replies with "
+    "eos_token, but this tokenizer has none; set one on the tokenizer') -}}{%- endif -%}"
+    + _FOLD_SYSTEM
+    + "{%- if bos_token is defined and bos_token -%}{{- bos_token -}}{%- endif -%}"
+    "{%- for message in turns -%}" + _alternation_check("alpaca") + "{%- if message.role == 'user' -%}"
+    "{%- set parts = message.content.split('\\n\\n', 1) -%}"
+    "{%- set has_input = parts | length > 1 and parts[1] | trim -%}"
+    "{%- if loop.first -%}{{- (system or ('"
+    + ALPACA_PREAMBLE_INPUT
+    + "' if has_input else '"
+    + ALPACA_PREAMBLE
+    + "')) + '\\n\\n' -}}{%- else -%}{{- '\\n\\n' -}}{%- endif -%}"
+    "{{- '### Instruction:\\n' + parts[0] + '\\n\\n' -}}"
+    "{%- if has_input -%}{{- '### Input:\\n' + parts[1] + '\\n\\n' -}}{%- endif -%}"
+    "{%- else -%}{{- '### Response:\\n' + message.content + eos_token -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '### Response:\\n' -}}{%- endif -%}"
+)
+
 BUILTIN: dict[str, Template] = {
     t.name: t
     for t in (
@@ -121,6 +151,7 @@ BUILTIN: dict[str, Template] = {
         Template("gemma", GEMMA, ("<bos>", "<start_of_turn>", "<end_of_turn>")),
         Template("phi3", PHI3, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")),
         Template("plain", PLAIN, ()),
+        Template("alpaca", ALPACA, ()),
     )
 }
 
