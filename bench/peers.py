@@ -1,0 +1,288 @@
+"""ft and a plain torch + peft loop side by side on one tiny LoRA SFT job, as a user comparing tools would run them.
+
+The job: a 5.3M-parameter Llama built here (ft-tiny's tokenizer, 6 layers of width 256, untied head), 2,000 alpaca
+records generated here (instruction / optional input / output), micro-batch 4, seq_len 256, LoRA r 8 on every linear
+projection, fp32, one thread (OMP_NUM_THREADS=1). Each tool trains in a process of its own:
+- ft: `ft train JOB --hardware cpu` with `data.template: alpaca`, a fresh data cache each run (`--warm-cache`: one
+  cache for all rounds); its FT_STEP_HOOK (`ft_hook` below) stamps the start of every step.
+- plain loop: `python bench/peers.py --child plain ...`: the loop one writes by hand (the alpaca prompt by f-string,
+  prompt tokens masked, micro-batches padded to their longest row, forward with the model's own loss, backward,
+  AdamW; no clipping, no schedule). With packing it concatenates the samples into rows of seq_len, so samples see
+  each other; ft packs them into rows where each sample attends only to itself.
+- peers (axolotl, LLaMA-Factory, trl): reported as installed or not; this script does not run them.
+
+Figures: real (non-padding) tokens per CPU-second of the process over steps 2..N-1 (CPU time read at the start of
+each step), as a ratio to the plain loop without packing of the same round; startup: seconds from starting the
+process to the start of its first step (imports, tokenizing, model loading; for ft also planning), wall-clock and
+the process's CPU time (the wall-clock figure grows on a busy machine, the CPU figure much less). Rounds run every
+tool in turn, so machine noise hits them alike; the table shows each round's ratios and then their medians.
+
+    python bench/peers.py [--rounds 3] [--steps 30] [--records 2000] [--warm-cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SEQ_LEN, MICRO, RANK, ALPHA, LR = 256, 4, 8, 16, 1.0e-4
+TIMELINE = "PEERS_TIMELINE"  # the file the step stamps go to
+PEERS = {"axolotl": "axolotl", "LLaMA-Factory": "llamafactory", "trl": "trl"}
+WORDS = (
+    "the a model data answer question number list write explain short story city river people time water "
+    "give three reasons why how what make plan small large first next last good new old simple example text "
+    "summary sentence word letter color tree house book music learn train add count sort name describe"
+).split()
+
+
+# ---------------------------------------------------------------- the data, and the prompt as a user writes it
+def alpaca_records(n: int, seed: int = 0) -> list[dict]:
+    """n alpaca-style records: an instruction, an input for about 40% of them, an output."""
+    rng = random.Random(seed)
+
+    def words(lo: int, hi: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    out = []
+    for _ in range(n):
+        extra = words(2, 8) if rng.random() < 0.4 else ""
+        out.append({"instruction": words(3, 8).capitalize() + ".", "input": extra, "output": words(2, 20) + "."})
+    return out
+
+
+def alpaca_prompt(record: dict) -> str:
+    """The classic alpaca prompt, written out by hand as a plain loop's author would."""
+    if record["input"]:
+        return (
+            "Below is an instruction that describes a task, paired with an input that provides further context. "
+            "Write a response that appropriately completes the request.\n\n"
+            f"### Instruction:\n{record['instruction']}\n\n### Input:\n{record['input']}\n\n### Response:\n"
+        )
+    return (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+        f"\n\n### Instruction:\n{record['instruction']}\n\n### Response:\n"
+    )
+
+
+# ---------------------------------------------------------------- step stamps (both tools)
+def stamp(step: int) -> None:
+    with open(os.environ[TIMELINE], "a") as f:
+        f.write(f"{step} {time.time()} {time.process_time()}\n")
+
+
+def ft_hook(rank: int, step: int) -> None:
+    """FT_STEP_HOOK: ft calls it at the start of every step."""
+    stamp(step)
+
+
+def read_stamps(path: Path) -> dict[int, tuple[float, float]]:
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return {int(s): (float(wall), float(cpu)) for s, wall, cpu in rows}
+
+
+# ---------------------------------------------------------------- the plain loop (a child process)
+def plain_batches(rows: list[tuple[list[int], list[int]]], pad: int, packing: bool):
+    """Micro-batches (ids, labels, mask) forever: padded rows, or the samples concatenated into seq_len rows."""
+    import torch
+
+    if packing:
+        ids = [t for r in rows for t in r[0]]
+        labels = [t for r in rows for t in r[1]]
+        rows = [(ids[i : i + SEQ_LEN], labels[i : i + SEQ_LEN]) for i in range(0, len(ids) - SEQ_LEN + 1, SEQ_LEN)]
+    while True:
+        for k in range(0, len(rows) - MICRO + 1, MICRO):
+            chunk = rows[k : k + MICRO]
+            width = max(len(r[0]) for r in chunk)
+            yield (
+                torch.tensor([r[0] + [pad] * (width - len(r[0])) for r in chunk]),
+                torch.tensor([r[1] + [-100] * (width - len(r[1])) for r in chunk]),
+                torch.tensor([[1] * len(r[0]) + [0] * (width - len(r[0])) for r in chunk]),
+            )
+
+
+def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = []
+    for line in Path(data).read_text().splitlines():
+        record = json.loads(line)
+        prompt = tok(alpaca_prompt(record), add_special_tokens=False)["input_ids"]
+        reply = tok(record["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        rows.append(((prompt + reply)[:SEQ_LEN], ([-100] * len(prompt) + reply)[:SEQ_LEN]))
+    random.Random(0).shuffle(rows)
+    batches = plain_batches(rows, tok.pad_token_id, packing)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    model = get_peft_model(model, lora)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    tokens = []
+    for step in range(1, steps + 1):
+        stamp(step)
+        ids, labels, mask = next(batches)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens.append(int(mask.sum()))
+    Path(out).write_text(json.dumps(tokens))
+
+
+# ---------------------------------------------------------------- one run of each tool (parent side)
+def ft_job(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path) -> Path:
+    job = folder / "job.yaml"
+    job.write_text(f"""
+model: {{name: {model}}}
+data: {{datasets: [{{path: {data}, format: instruction}}], template: alpaca, seq_len: {SEQ_LEN},
+  packing: {str(packing).lower()}, cache_dir: {cache}}}
+adapter: {{type: lora, r: {RANK}, alpha: {ALPHA}, dropout: 0.0, target_modules: all-linear}}
+train: {{global_batch_size: {MICRO}, micro_batch_size: {MICRO}, max_steps: {steps}, lr: {LR},
+  gradient_checkpointing: false, precision: fp32}}
+output: {{dir: {folder / "run"}, log_steps: 1, save_steps: 0}}
+""")
+    return job
+
+
+def child(command: list[str], folder: Path) -> tuple[float, dict[int, tuple[float, float]]]:
+    """Start a tool's process; its start time and its step stamps."""
+    timeline = folder / "timeline.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env.update({TIMELINE: str(timeline), "FT_STEP_HOOK": f"{Path(__file__).resolve()}:ft_hook"})
+    with open(folder / "output.txt", "w") as log:
+        started = time.time()
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder).returncode
+    if code:
+        raise SystemExit(f"{' '.join(command)} failed ({code}):\n{(folder / 'output.txt').read_text()[-3000:]}")
+    return started, read_stamps(timeline)
+
+
+def figures(started: float, stamps: dict, tokens: dict[int, int]) -> dict:
+    """Tokens per CPU-second over steps 2..N-1 (they end at the stamp of step N); the startup in wall-clock and in
+    CPU seconds (the process's CPU time at its first step)."""
+    last = max(stamps)
+    cpu = stamps[last][1] - stamps[2][1]
+    tps = sum(tokens[s] for s in range(2, last)) / cpu
+    return {"tps": tps, "startup": stamps[1][0] - started, "startup_cpu": stamps[1][1]}
+
+
+def run_ft(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path) -> dict:
+    ft = Path(sys.executable).with_name("ft")
+    command = [str(ft)] if ft.exists() else [sys.executable, "-m", "finetune"]
+    job = ft_job(folder, model, data, packing, steps, cache)
+    started, stamps = child([*command, "train", str(job), "--hardware", "cpu"], folder)
+    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    return figures(started, stamps, {r["step"]: r["tokens"] for r in rows if "tokens" in r})
+
+
+def run_plain(folder: Path, model: Path, data: Path, packing: bool, steps: int) -> dict:
+    out = folder / "tokens.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "plain", "--model", str(model)]
+    command += ["--data", str(data), "--steps", str(steps), "--out", str(out)] + (["--packing"] if packing else [])
+    started, stamps = child(command, folder)
+    return figures(started, stamps, dict(enumerate(json.loads(out.read_text()), start=1)))
+
+
+# ---------------------------------------------------------------- the table
+TOOLS = {"plain": "plain torch+peft loop", "ft": "ft"}
+
+
+def row(name: str, rounds: list[dict], k: int | None) -> str:
+    """One table row: round k's figures, or (k None) the medians over the rounds."""
+
+    def pick(key: str) -> float:
+        values = [r[key] for r in rounds] if k is None else [rounds[k][key]]
+        return statistics.median(values)
+
+    startup = f"{pick('startup'):.1f} ({pick('startup_cpu'):.1f} CPU)"
+    return f"| {TOOLS[name]} | {pick('no packing'):.2f} | {pick('packing'):.2f} | {startup} |"
+
+
+def table(results: dict[str, list[dict]], k: int | None) -> str:
+    title = "medians of all rounds" if k is None else f"round {k + 1}"
+    head = f"{title}\n| tool | no packing (x plain loop) | packing (x plain loop without packing) | startup s |\n"
+    return head + "|---|---|---|---|\n" + "\n".join(row(name, rounds, k) for name, rounds in results.items())
+
+
+def ratios(runs: dict[tuple[str, bool], dict]) -> dict[str, dict]:
+    base = runs[("plain", False)]["tps"]
+    return {
+        name: {
+            "no packing": runs[(name, False)]["tps"] / base,
+            "packing": runs[(name, True)]["tps"] / base,
+            "startup": runs[(name, False)]["startup"],
+            "startup_cpu": runs[(name, False)]["startup_cpu"],
+        }
+        for name in TOOLS
+    }
+
+
+def bench(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import build_llama
+
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        params = build_llama(tmp / "model", hidden=256, layers=6, tied=False, max_positions=SEQ_LEN)
+        data = tmp / "alpaca.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in alpaca_records(args.records)))
+        print(
+            f"model: {params / 1e6:.1f}M parameters; {args.records} alpaca records; micro-batch {MICRO}, seq_len "
+            f"{SEQ_LEN}, LoRA r {RANK} on all linear projections, fp32, 1 thread; {args.steps} steps per run",
+            flush=True,
+        )
+        for name, module in PEERS.items():
+            found = importlib.util.find_spec(module) is not None
+            print(f"{name}: {'installed, but not run by this script' if found else 'not installed'}")
+        results: dict[str, list[dict]] = {name: [] for name in TOOLS}
+        for k in range(args.rounds):
+            runs = {}
+            for packing in (False, True):
+                for name in TOOLS:
+                    folder = tmp / f"round{k}-{name}-{'packed' if packing else 'padded'}"
+                    folder.mkdir()
+                    if name == "plain":
+                        runs[(name, packing)] = run_plain(folder, tmp / "model", data, packing, args.steps)
+                    else:
+                        cache = tmp / ("cache" if args.warm_cache else f"cache{k}")
+                        runs[(name, packing)] = run_ft(folder, tmp / "model", data, packing, args.steps, cache)
+            for name, figures_ in ratios(runs).items():
+                results[name].append(figures_)
+            print(table(results, k), flush=True)
+        print(table(results, None))
+        print(
+            "ratios: real tokens per CPU-second over steps 2..N-1; startup: process start to its first step without "
+            "packing, wall-clock (the process's CPU seconds)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--records", type=int, default=2000)
+    parser.add_argument("--warm-cache", action="store_true", help="ft: one data cache for all rounds")
+    parser.add_argument("--child", choices=["plain"], help=argparse.SUPPRESS)
+    for flag in ("--model", "--data", "--out"):
+        parser.add_argument(flag, help=argparse.SUPPRESS)
+    parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        plain_child(args.model, args.data, args.steps, args.packing, args.out)
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
