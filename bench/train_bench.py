@@ -4,7 +4,10 @@ Same model (a small Llama built here), same tokenized data, micro-batch, seq_len
 settings; one thread; CPU time per real (non-padding) token, so the figures are ratios, not absolute
 speeds. Also prints model FLOP utilisation against this machine's measured fp32 matmul peak.
 
-    python bench/train_bench.py [--steps 40] [--micro 8] [--seq-len 512]
+    python bench/train_bench.py [--steps 40] [--micro 8] [--seq-len 512] [--compile]
+
+--compile adds a row with train.compile: true (each decoder layer compiled by torch.compile; on a CPU this needs a
+C++ compiler); its compile time is spent in warm-up steps, outside the measured CPU time.
 """
 
 from __future__ import annotations
@@ -112,6 +115,20 @@ def hand_stepper(text: str, micro: int, batch: int):
     return step
 
 
+def compiled_steppers(plain: str, packed: str, warmup: int = 3) -> dict:
+    """ft with train.compile: true, without and with packing; `warmup` steps first, which compile the layers (once
+    for the first lengths, once more when torch switches to lengths it treats as dynamic)."""
+    out = {}
+    for name, text in (("ft (no packing, compiled)", plain), ("ft (packing, compiled)", packed)):
+        step = ft_stepper(text.replace("precision: fp32}", "precision: fp32, compile: true}"))
+        start = time.perf_counter()
+        for _ in range(warmup):
+            step()
+        print(f"{name}: {warmup} warm-up steps (compiling) took {time.perf_counter() - start:.0f} s")
+        out[name] = step
+    return out
+
+
 def interleaved(steppers: dict, steps: int) -> dict[str, tuple[float, int]]:
     """CPU seconds and tokens per stepper, running one step of each in turn so machine noise hits all alike."""
     totals = {name: [0.0, 0] for name in steppers}
@@ -145,6 +162,7 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--compile", action="store_true", help="also run ft with train.compile: true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -153,15 +171,15 @@ def main() -> None:
         data.write_text("".join(json.dumps(r) + "\n" for r in chat_records(2000)))
         plain, packed = (job(tmp, data, p, args.micro, args.seq_len, args.steps, args.batch) for p in (False, True))
         masked = packed.replace(f"name: {tmp / 'model'}}}", f"name: {tmp / 'model'}, attn_implementation: sdpa}}")
-        results = interleaved(
-            {
-                "hand loop (no packing)": hand_stepper(plain, args.micro, args.batch),
-                "ft (no packing)": ft_stepper(plain),
-                "ft (packing)": ft_stepper(packed),
-                "ft (packing, 4-D mask)": ft_stepper(masked),
-            },
-            args.steps,
-        )
+        steppers = {
+            "hand loop (no packing)": hand_stepper(plain, args.micro, args.batch),
+            "ft (no packing)": ft_stepper(plain),
+            "ft (packing)": ft_stepper(packed),
+            "ft (packing, 4-D mask)": ft_stepper(masked),
+        }
+        if args.compile:
+            steppers.update(compiled_steppers(plain, packed))
+        results = interleaved(steppers, args.steps)
         peak = matmul_peak_gflops()
         print(
             f"model: {params:,} parameters, LoRA r=16 on all linear layers, fp32, 1 thread; {args.steps} steps "

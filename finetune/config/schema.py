@@ -77,8 +77,8 @@ class DataSection(Section):
     packing: bool = False
     """Pack several samples into each sequence; attention never crosses sample boundaries."""
     template: Annotated[str, checked_template] = "tokenizer"
-    """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain)
-    or a path to a Jinja file."""
+    """Chat template: `tokenizer` (the tokenizer's own), a built-in (chatml, llama3, mistral, gemma, qwen, phi3, plain,
+    alpaca: the instruction format's classic prompt) or a path to a Jinja file."""
     add_special_tokens: list[str] = []
     """Tokens to add to the tokenizer (the model's embeddings grow and are trained)."""
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
@@ -190,6 +190,11 @@ class TrainSection(Section):
     """Update each parameter as soon as its gradient is complete and free that gradient, so that the whole model's
     gradients never exist at once. Needs one process, no gradient accumulation and max_grad_norm: 0; `auto` turns it
     on only when needed to fit."""
+    compile: Auto | bool = AUTO
+    """Compile each decoder layer with torch.compile (regional compilation: one layer is compiled and the others reuse
+    it). Needs torch's code generator (Triton on GPUs, a C++ compiler on CPUs); not under DeepSpeed nor on a
+    bitsandbytes 4/8-bit base. `auto` compiles where it is supported and the run (train.max_steps) is long enough to
+    win back the minute or two compiling takes; `ft plan` says why."""
     seed: Seed = 42
     """Seed for weights of new modules, dropout and data order."""
 
@@ -229,7 +234,8 @@ class OutputSection(Section):
     eval_steps: NonNegSteps = 0
     """Evaluate on the validation split every N steps (0: only at the end)."""
     log_steps: Steps = 10
-    """Write metrics every N steps."""
+    """Write metrics every N steps, and a progress line where the output is not a terminal (a log file, Slurm,
+    Kubernetes), also after any step that ends 30 s or more after the last line."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = []
     """Experiment trackers to log to, besides metrics.jsonl."""
     run_name: Text | None = None

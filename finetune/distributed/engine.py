@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from finetune.compile import compile_layers, failures_explained
 from finetune.distributed import ddp, fsdp
 from finetune.errors import FtError
 
@@ -86,6 +87,7 @@ class TorchEngine:
         self.generation_mode = "gather" if self.sharded else "local"  # plan.generation (set by `build`)
         self.sync_every_micro_batch = False  # FSDP full fine-tuning (set by `build`)
         self.in_backward = False  # plan.optimizer_in_backward: an optim.OptimizerInBackward (set by `build`)
+        self.compiled = False  # plan.compile: the decoder layers compile on their first call (set by `build`)
 
     @property
     def synced_generation(self) -> bool:
@@ -101,10 +103,13 @@ class TorchEngine:
         return ddp.unwrap(self.model)
 
     def accumulating(self, last: bool):
-        """Synchronise gradients only after the last micro-batch of a step."""
+        """Synchronise gradients only after the last micro-batch of a step (and, with compiled layers, explain a failure
+        to compile them: torch compiles on first use, inside a micro-batch)."""
         if self.sharded:
-            return fsdp.accumulating(self.model, last, self.sync_every_micro_batch)
-        return ddp.accumulating(self.model, last)
+            context = fsdp.accumulating(self.model, last, self.sync_every_micro_batch)
+        else:
+            context = ddp.accumulating(self.model, last)
+        return failures_explained(context) if self.compiled else context
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -177,6 +182,8 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
         from finetune.distributed import deepspeed
 
         return deepspeed.wrap(model, plan, train, distributed, total_steps)
+    if plan.compile:  # in place, before DDP wraps the model; FSDP2's units are these layers (see finetune/compile.py)
+        compile_layers(model)
     if plan.backend == "ddp":
         model = ddp.wrap(model, device)
     elif plan.backend == "fsdp":
@@ -193,6 +200,7 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
     engine.in_backward = plan.optimizer_in_backward
+    engine.compiled = plan.compile
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
     engine.generation_mode = plan.generation
     # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
@@ -225,6 +233,11 @@ def check_savers(plan, train) -> None:
         problems.append(
             "train.precision: bf16-pure cannot run under DeepSpeed, whose bf16 mode keeps fp32 master weights and "
             "optimizer states by design; use distributed.backend: fsdp (or single / ddp), or train.precision: bf16"
+        )
+    if plan.compile and plan.backend == "deepspeed":
+        problems.append(
+            "train.compile: ft compiles the models it wraps itself, not under DeepSpeed; plan the job again with "
+            "train.compile: false (ft train writes plan.json) instead of editing plan.json"
         )
     if plan.optimizer_in_backward:
         needs = {

@@ -82,6 +82,7 @@ class Plan:
     checkpoint_layers: int = 0  # decoder layers that recompute their activations (0: none; gradient_checkpointing)
     activation_offload: bool = False  # saved activations moved to host memory until the backward pass
     optimizer_in_backward: bool = False  # each parameter stepped (and its gradient freed) as soon as it is complete
+    compile: bool = False  # each decoder layer compiled with torch.compile (plan/compiling.py, finetune/compile.py)
     step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
     # where a sampling method's rollouts run (plan/rollout.py: engine, placement, GPUs, memory, seconds); {}: none
@@ -159,6 +160,7 @@ class Plan:
             "checkpoint_layers": self.checkpoint_layers,
             "activation_offload": self.activation_offload,
             "optimizer_in_backward": self.optimizer_in_backward,
+            "compile": self.compile,
             "step_seconds_estimate": self.step_seconds,
             "alternatives": list(self.alternatives),
             "rollout": dict(self.rollout),
@@ -223,6 +225,7 @@ class Plan:
         savers = {k: data[k] for k in SAVERS if k in data}  # absent from plans written before they existed
         savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
         savers["alternatives"] = tuple(data.get("alternatives", ()))
+        savers["compile"] = data.get("compile", False)  # absent from plans written before train.compile
         savers["head"] = data.get("head", "lm")  # absent from plans written before reward models
         savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
         cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned

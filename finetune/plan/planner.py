@@ -20,6 +20,7 @@ from finetune.hardware import Hardware
 from finetune.plan.advice import no_fit_error
 from finetune.plan.candidates import Candidate, loading, sharded_params
 from finetune.plan.comm import seconds
+from finetune.plan.compiling import choose_compile
 from finetune.plan.explain import alternatives, record_savers
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.plan import Decision, Plan
@@ -55,6 +56,9 @@ def plan(
         raise no_fit_error(config, hardware, model, topo, precision, batch)
     _record_fit(config, fit, topo, batch, precision, decisions, outcome.why)
     record_savers(config, fit, model, hardware, topo, precision, batch, decisions)
+    compiled = choose_compile(
+        config, hardware, fit.candidate.backend, fit.candidate.quantization, fit.step_seconds, decisions
+    )
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -123,6 +127,7 @@ def plan(
         checkpoint_layers=fit.savers.checkpoint_layers,
         activation_offload=fit.savers.activation_offload,
         optimizer_in_backward=fit.savers.optimizer_in_backward,
+        compile=compiled,
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(outcome.others, model),
         rollout=placed.to_plan(hardware, topo, fit) if placed else {},
