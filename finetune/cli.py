@@ -565,6 +565,9 @@ def explain(
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors print a message (no traceback) and exit with their code (2); anything
     unexpected prints one message and exits 1, its traceback in a log file (`ft --debug` prints it)."""
+    from finetune.quiet import quiet_libraries
+
+    quiet_libraries()  # library notices that are not the user's business (warnings and logging filters only)
     args = sys.argv[1:] if argv is None else list(argv)
     shown = " ".join(a if len(a) <= 60 else a[:40] + "..." for a in args[:4])
     run_main(lambda: _invoke(args), what=f"ft {shown}".strip())

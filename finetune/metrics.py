@@ -9,6 +9,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,14 +89,17 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
-    """Train loss (and eval loss) against step, with the learning rate on a second axis, as a PNG.
+def plot_losses(metrics_path: str | Path, out_png: str | Path, shown: Sequence[str] = ()) -> Path | None:
+    """Train loss (and eval loss) against step, with the learning rate on a second axis, as a PNG; below it, where
+    logged, the method's rewards among `shown` (its section's `progress_metrics`: GRPO's mean reward and each reward
+    function's, a preference method's margin and accuracy), in a second panel of the same PNG.
 
-    Returns the PNG's path, or None (writing nothing) when the metrics hold no loss.
+    Returns the PNG's path, or None (writing nothing) when the metrics hold neither a loss nor such a reward.
     """
     records = read_metrics(metrics_path)
     series = {name: _points(records, name) for name in ("loss", "eval_loss", "lr")}
-    if not series["loss"] and not series["eval_loss"]:
+    rewards = {name: _points(records, name) for name in _reward_names(shown, records)}
+    if not series["loss"] and not series["eval_loss"] and not rewards:
         return None
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -103,9 +107,26 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
     except ImportError as e:
         raise FtError(f"Plotting the loss needs matplotlib ({e}).\n    fix: pip install matplotlib") from None
 
-    fig = Figure(figsize=(8, 4.5), dpi=100)
+    fig = Figure(figsize=(8, 7.5 if rewards else 4.5), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    ax = fig.add_subplot(2, 1, 1) if rewards else fig.add_subplot()
+    _loss_panel(ax, series)
+    if rewards:
+        _reward_panel(fig.add_subplot(2, 1, 2, sharex=ax), rewards)
+    fig.tight_layout()
+    atomic_write(Path(out_png), lambda f: fig.savefig(f, format="png"), binary=True)
+    return Path(out_png)
+
+
+def _reward_names(shown: Sequence[str], records: list[dict]) -> list[str]:
+    """The metrics among `shown` that are rewards (reward, rewards/...) and were logged."""
+    from finetune.progress import expand
+
+    keys = dict.fromkeys(k for r in records for k in r)
+    return [k for k in expand(shown, keys) if k.split("/")[0] in ("reward", "rewards")]
+
+
+def _loss_panel(ax, series: dict) -> None:
     lines = []
     for name, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
         if series[name]:
@@ -119,17 +140,29 @@ def plot_losses(metrics_path: str | Path, out_png: str | Path) -> Path | None:
         ax2.set_ylabel("learning rate")
         ax2.set_ylim(bottom=0)
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    _legend(ax, lines)
+
+
+def _reward_panel(ax, rewards: dict) -> None:
+    lines = []
+    for name, points in rewards.items():
+        if points:
+            lines += ax.plot(*zip(*points), "-", label=name, linewidth=2 if name == "reward" else 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("rewards")
+    ax.grid(alpha=0.3)
+    _legend(ax, lines)
+
+
+def _legend(ax, lines: list) -> None:
     ax.legend(
         lines,
         [line.get_label() for line in lines],
         loc="lower center",
         bbox_to_anchor=(0.5, 1.0),
-        ncol=len(lines),
+        ncol=min(len(lines), 4),
         frameon=False,
     )
-    fig.tight_layout()
-    atomic_write(Path(out_png), lambda f: fig.savefig(f, format="png"), binary=True)
-    return Path(out_png)
 
 
 def _points(records: list[dict], name: str) -> list[tuple[int, float]]:

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
     args = parser.parse_args(argv)
     from finetune.errors import run_main
+    from finetune.quiet import quiet_libraries
+
+    quiet_libraries()
 
     run_main(
         lambda: _rank(Path(args.run_dir), args.resume_from),
@@ -108,13 +111,20 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     from finetune.files import atomic_write_text
     from finetune.metrics import plot_losses
     from finetune.modelcard import model_card
+    from finetune.progress import progress
 
+    _quiet_loading(job_plan, console)
     job = train.setup(config, job_plan, prepared)
     resume_from = checkpoint.agreed(run_dir, resume_from, job.runtime)
     is_main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)
     before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
-    with _progress(console, job.total_steps) if is_main else contextlib.nullcontext(lambda *a: None) as on_step:
+    shown = config.method.progress_metrics
+    with (
+        progress(console, job.total_steps, config.output.log_steps, shown)
+        if is_main
+        else contextlib.nullcontext(lambda *a: None)
+    ) as on_step:
 
         def after_step(step, total, row):
             on_step(step, total, row)
@@ -141,7 +151,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             "artifact": artifact_kind(job_plan),
         }
     )
-    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", shown)
     card = {
         "config": config,
         "plan": job_plan.to_json(),
@@ -206,29 +216,14 @@ def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: 
         trackers.log(step, {f"eval_{config.evaluation.metric}": score})
 
 
-@contextlib.contextmanager
-def _progress(console, total: int):
-    """A progress bar with loss, tokens/s and ETA; yields the per-step callback."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+def _quiet_loading(job_plan, console) -> None:
+    """Before the model loads: no report of a score head that is new on purpose, no loading bars in a log."""
+    from finetune.quiet import quiet_loading_bars, quiet_new_score_head
 
-    columns = (
-        TextColumn("training"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("train", total=total, loss=float("nan"), tps=0.0)
-        yield lambda step, _total, row: bar.update(task, completed=step, loss=row["loss"], tps=row["tokens_per_s"])
+    if job_plan.head == "score":
+        quiet_new_score_head()
+    if not console.is_terminal:
+        quiet_loading_bars()
 
 
 def _report(console, config, result) -> None:

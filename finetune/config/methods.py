@@ -25,6 +25,9 @@ class MethodSection(Section):
     sequences_per_row: ClassVar[int] = 1  # sequences a dataset row puts through the model (DPO: chosen + rejected)
     learning_rates: ClassVar[tuple[float, float]] = (2e-5, 2e-4)  # lr: auto for (full fine-tuning, an adapter)
     head: ClassVar[str] = "lm"  # what the model ends in: lm (next-token logits) or score (one value per sequence)
+    # the metrics.jsonl keys that the progress line, the bar and loss.png show besides the loss (finetune/progress.py;
+    # "prefix/*": every key under prefix/)
+    progress_metrics: ClassVar[tuple[str, ...]] = ()
 
     def default_lr(self, full: bool) -> tuple[float, str]:
         """The peak learning rate `train.lr: auto` gives, and why."""
@@ -66,6 +69,9 @@ def _adapter_or_copy(adapter: str) -> str:
     return "copy" if adapter == "full" else "adapter"
 
 
+PREFERENCE_METRICS = ("rewards/margin", "rewards/accuracy")  # what a preference method's implicit rewards show
+
+
 class SFTMethod(MethodSection):
     """Supervised fine-tuning: next-token loss on the trained tokens."""
 
@@ -82,6 +88,7 @@ class DPOMethod(MethodSection):
     formats: ClassVar[frozenset[str]] = frozenset({"preference"})
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+    progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     name: Literal["dpo"]
     """Method name."""
@@ -222,6 +229,7 @@ class GRPOMethod(MethodSection):
     formats: ClassVar[frozenset[str]] = frozenset({"prompt_only"})
     validates: ClassVar[bool] = False  # no validation loss: the reward on held-out prompts is the measure (ft eval)
     learning_rates: ClassVar[tuple[float, float]] = (1e-6, 1e-5)
+    progress_metrics: ClassVar[tuple[str, ...]] = ("reward", "rewards/*", "kl", "completion_length")
 
     name: Literal["grpo"]
     """Method name."""
@@ -315,6 +323,7 @@ class KTOMethod(MethodSection):
 
     formats: ClassVar[frozenset[str]] = frozenset({"unpaired"})
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+    progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     name: Literal["kto"]
     """Method name."""
@@ -358,6 +367,7 @@ class ORPOMethod(MethodSection):
     formats: ClassVar[frozenset[str]] = frozenset({"preference"})
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (8e-6, 8e-5)
+    progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     name: Literal["orpo"]
     """Method name."""
@@ -372,6 +382,7 @@ class SimPOMethod(MethodSection):
     formats: ClassVar[frozenset[str]] = frozenset({"preference"})
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
+    progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     name: Literal["simpo"]
     """Method name."""
@@ -393,6 +404,7 @@ class RewardMethod(MethodSection):
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (1e-5, 1e-4)
     head: ClassVar[str] = "score"
+    progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
 
     name: Literal["reward"]
     """Method name."""

@@ -62,10 +62,11 @@ class LossHead:
         """Sum of the next-token cross-entropy (fp32) over the trained tokens of the batch."""
         if self.implementation == "plain":
             inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-            logits = model(**inputs, use_cache=False).logits[..., :-1, :].float()
-            targets = batch["labels"][..., 1:].to(logits.device)
+            logits = model(**inputs, use_cache=False).logits
+            # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
+            targets = F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE).to(logits.device)
             return F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+                logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
             )
         with self._hidden(model, batch) as (hidden, targets, mask, head):
             if self.implementation == "chunked":

@@ -1,0 +1,71 @@
+"""Third-party messages that are not the user's business, kept off the console. Each filter is precise (one
+message of one library, read in the version named), so the user's own warnings and real problems stay visible; no
+library function is replaced. Cheap to import (warnings, logging and re only).
+
+- transformers 5.x: `is_gradient_checkpointing` is a deprecated alias that peft 0.21 still reads when it wraps a
+  model (a FutureWarning about peft's code, at every adapter run).
+- DeepSpeed 0.19: importing it logs "Setting accelerator to CPU" on a machine without a GPU; accelerate imports it
+  whenever transformers saves a model (unwrapping a possible DeepSpeedEngine), DeepSpeed backend or not. ft's plan
+  already says which devices it found.
+- transformers 5.x: the LOAD REPORT of a reward model whose score head is not in the base checkpoint: ft starts that
+  head from seeded values on purpose (models.head_value). A report that names anything else is kept.
+- transformers 5.x: its "Loading weights" / "Writing model shards" bars, where the output is a log (carriage returns).
+(bitsandbytes' "kernels-community" notice: finetune.compat.quiet_unused_bitsandbytes_kernel.)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+from collections.abc import Callable
+
+GRADIENT_CHECKPOINTING_ALIAS = "`is_gradient_checkpointing` is deprecated"
+DEEPSPEED_LOGGER, DEEPSPEED_CPU = "DeepSpeed", "Setting accelerator to CPU"
+LOAD_REPORT_LOGGER, LOAD_REPORT = "transformers.modeling_utils", "LOAD REPORT"
+_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DropMessages(logging.Filter):
+    """A logging filter that drops the records whose message `drops` is true of (the others pass)."""
+
+    def __init__(self, name: str, drops: Callable[[str], bool]):
+        super().__init__()
+        self.what, self.drops = name, drops
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.drops(record.getMessage())
+
+
+def _add_filter(logger_name: str, what: str, drops: Callable[[str], bool]) -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, DropMessages) and f.what == what for f in logger.filters):
+        logger.addFilter(DropMessages(what, drops))
+
+
+def quiet_libraries() -> None:
+    """The filters every ft process wants (the CLI's and each rank's entry); installing twice changes nothing."""
+    warnings.filterwarnings("ignore", message=re.escape(GRADIENT_CHECKPOINTING_ALIAS), category=FutureWarning)
+    _add_filter(DEEPSPEED_LOGGER, "accelerator-cpu", lambda message: message.startswith(DEEPSPEED_CPU))
+
+
+def quiet_new_score_head() -> None:
+    """For a job that trains a score head (method: reward): transformers' report that the head was missing from the
+    base checkpoint, when that is all the report says."""
+    _add_filter(LOAD_REPORT_LOGGER, "new-score-head", only_new_score_head)
+
+
+def only_new_score_head(message: str) -> bool:
+    """Whether a LOAD REPORT lists nothing but MISSING `score.*` parameters."""
+    if LOAD_REPORT not in message:
+        return False
+    rows = [[cell.strip() for cell in line.split("|")] for line in _STYLE.sub("", message).splitlines() if "|" in line]
+    rows = [r for r in rows if len(r) >= 2 and r[0] and r[0] != "Key"]
+    return bool(rows) and all(r[1] == "MISSING" and r[0].split(".")[0] == "score" for r in rows)
+
+
+def quiet_loading_bars() -> None:
+    """transformers' own progress bars (loading and writing weights) off: for output that is not a terminal."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
