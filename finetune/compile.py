@@ -5,8 +5,9 @@ recipe): one layer's graph is traced and compiled once and every other layer reu
 of the graph, not constants), so the compile time is that of one layer rather than of the whole model. The module
 tree is unchanged (no `_orig_mod.` wrapper), so parameter names, checkpoints, peft adapters and FSDP2's per-layer
 units stay as they are. `engine.build` calls `compile_layers` on the model it wraps (single, DDP, FSDP2):
-- FSDP2: fully_shard's hooks run around each layer's compiled call; torch's dynamo skips them by default
-  (torch._dynamo.config.skip_fsdp_hooks), so the all-gathers stay eager and the layer's compute is compiled;
+- FSDP2: fully_shard's hooks run inside each layer's compiled call, but torch 2.13 marks them as not to be traced
+  (fully_shard/_fsdp_state.py: _pre_forward, _post_forward under `_dynamo_disable`), so the all-gathers and
+  reshards stay eager and only the layer's compute is compiled;
 - DDP: the layers are compiled before DDP wraps the model, whose gradient hooks are on the parameters;
 - activation checkpointing (non-reentrant, as models.py enables it): transformers 5.24 checkpoints a layer's
   `forward` inside its `__call__`, so the compiled call contains the checkpoint, which dynamo traces as a region to

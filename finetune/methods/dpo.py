@@ -173,16 +173,17 @@ class Precomputed:
         return Precomputed(*(t[:, start:stop] for t in self.tables))
 
     def __call__(self, model, batch: dict, method) -> torch.Tensor:
-        which = int(batch[TABLE]) if TABLE in batch else 0
+        which = batch.get(TABLE, 0)
         table = self.tables[which]
         if table.device != batch["rows"].device:  # the batch's row indices are on the rank's GPU: index there
             table = self.tables[which] = table.to(batch["rows"].device)
         return torch.cat(table[batch["rows"]].unbind(1))
 
 
-def table_index(dataset, held_out) -> torch.Tensor:
-    """TABLE of a micro-batch of `dataset`: 1 for the held-out rows, else 0."""
-    return torch.tensor(int(held_out is not None and dataset is held_out))
+def table_index(dataset, held_out) -> int:
+    """TABLE of a micro-batch of `dataset`: 1 for the held-out rows, else 0 (a Python int: it stays on the host when
+    the batch moves to the device, so reading it never waits for the GPU)."""
+    return int(held_out is not None and dataset is held_out)
 
 
 @torch.no_grad()

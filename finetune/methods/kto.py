@@ -213,7 +213,7 @@ class StepKL:
         if self.value is None:
             total, count = 0.0, 0
             for kl in self.batches:
-                kl = {k: v.to(device) for k, v in kl.items()}
+                kl = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kl.items()}
                 ratios = method.sequence_logps(model, kl) - method.kl_reference(model, kl, method).to(device)
                 total, count = total + ratios.double().sum().item(), count + len(ratios)
             z = total / max(count, 1)

@@ -174,6 +174,9 @@ def _load_classifier(spec, key: str, device, precision: str):
     from finetune.distributed.deepspeed_load import zero3_withdrawn
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    # GPU: straight onto this rank's device (context.device: cuda:LOCAL_RANK), as models.load_model places the policy:
+    # never a whole copy per rank in host memory first (transformers 5.24 from_pretrained: device_map {"": device})
+    placed = {"device_map": {"": device}} if torch.device(device).type == "cuda" else {}
     try:
         with zero3_withdrawn():  # under ZeRO-3 too the reward model is whole on every rank, not partitioned
             model = AutoModelForSequenceClassification.from_pretrained(
@@ -182,6 +185,7 @@ def _load_classifier(spec, key: str, device, precision: str):
                 dtype=dtype,
                 use_safetensors=True,
                 trust_remote_code=spec.trust_remote_code,
+                **placed,
             )
     except (OSError, ValueError) as e:
         raise FtError(
@@ -191,9 +195,7 @@ def _load_classifier(spec, key: str, device, precision: str):
         ) from None
     if model.config.num_labels != 1:
         raise FtError(f"{key}: {spec.model} has {model.config.num_labels} outputs; a reward model has one")
-    # GPU: from_pretrained built it on the CPU (no device_map); .to moves every parameter and buffer to this rank's
-    # device (context.device: cuda:LOCAL_RANK), where the policy is and where _forward sends the inputs
-    model.to(device)
+    model.to(device)  # CPU: where it was built; GPU: already there (a no-op), where _forward sends the inputs
     model.eval()
     model.requires_grad_(False)
     return model
