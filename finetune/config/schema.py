@@ -215,6 +215,12 @@ class DistributedSection(Section):
     """Nodes to use; `auto`: all the hardware has."""
     processes_per_node: Auto | Bounded(int, ge=1, le=1024) = AUTO
     """Processes per node; `auto`: one per GPU (one on a CPU-only machine)."""
+    tensor_parallel: Auto | Bounded(int, ge=1, le=1024) = AUTO
+    """Tensor-parallel degree: each decoder layer's attention and MLP weights are split over this many GPUs of one
+    node, and FSDP2 shards over the rest (a 2-D mesh); `auto`: the planner's choice, 1 unless it pays."""
+    context_parallel: Auto | Bounded(int, ge=1, le=1024) = AUTO
+    """Context-parallel degree: each sequence is split over this many ranks, which exchange keys and values in a ring
+    (long-context training); `auto`: the planner's choice, 1 unless one sequence's activations dominate."""
     timeout_minutes: Bounded(float, gt=0, le=10_080) = 30
     """Time a collective may wait before the job fails with a message naming the rank."""
     deepspeed_config: FilePath | None = None

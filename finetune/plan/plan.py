@@ -83,6 +83,11 @@ class Plan:
     activation_offload: bool = False  # saved activations moved to host memory until the backward pass
     optimizer_in_backward: bool = False  # each parameter stepped (and its gradient freed) as soon as it is complete
     compile: bool = False  # each decoder layer compiled with torch.compile (plan/compiling.py, finetune/compile.py)
+    # Parallelism inside the model (finetune/distributed/mesh.py): ranks are laid out data x context x tensor, tensor
+    # innermost (consecutive ranks, one node); data-parallel degree = world_size / (tensor_parallel * context_parallel)
+    tensor_parallel: int = 1  # each decoder layer's attention and MLP weights split over this many ranks (DTensor)
+    context_parallel: int = 1  # each sequence split over this many ranks (ring attention)
+    scaling: dict = field(default_factory=dict)  # predicted compute/communication/overlap seconds and efficiency
     step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
     # where a sampling method's rollouts run (plan/rollout.py: engine, placement, GPUs, memory, seconds); {}: none
@@ -95,6 +100,11 @@ class Plan:
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data: the world over the tensor- and context-parallel groups."""
+        return self.world_size // (self.tensor_parallel * self.context_parallel)
 
     @property
     def tokens_per_step(self) -> int:
@@ -161,6 +171,9 @@ class Plan:
             "activation_offload": self.activation_offload,
             "optimizer_in_backward": self.optimizer_in_backward,
             "compile": self.compile,
+            "tensor_parallel": self.tensor_parallel,
+            "context_parallel": self.context_parallel,
+            "scaling": dict(self.scaling),
             "step_seconds_estimate": self.step_seconds,
             "alternatives": list(self.alternatives),
             "rollout": dict(self.rollout),
@@ -227,6 +240,10 @@ class Plan:
         savers["alternatives"] = tuple(data.get("alternatives", ()))
         savers["compile"] = data.get("compile", False)  # absent from plans written before train.compile
         savers["head"] = data.get("head", "lm")  # absent from plans written before reward models
+        # absent from plans written before tensor and context parallelism
+        savers["tensor_parallel"] = data.get("tensor_parallel", 1)
+        savers["context_parallel"] = data.get("context_parallel", 1)
+        savers["scaling"] = dict(data.get("scaling", {}))
         savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
         cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned
         savers["cpus_per_node"] = cluster.get("cpus_per_node", 1)
