@@ -1,3 +1,3 @@
-from finetune.cli import main
+from finetune.cli import entry
 
-main()
+entry()

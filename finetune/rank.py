@@ -228,9 +228,10 @@ def _quiet_loading(job_plan, console) -> None:
 
 def _report(console, config, result) -> None:
     line = f"trained {result['steps']} steps in {result['seconds']:.0f} s; final loss {result['final_loss']:.4f}"
+    line += "".join(f", {name} {value:.4g}" for name, value in result.get("final_metrics", {}).items())
     if result.get("final_eval_loss") is not None:
         line += f", validation loss {result['final_eval_loss']:.4f}"
-    console.print(line)
+    console.print(line, soft_wrap=True)  # one line, whatever its length, for grep
     if result.get("task_after") is not None:
         e = config.evaluation
         from finetune.infer.scoring import score_text
@@ -249,4 +250,6 @@ def artifact_kind(plan) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    exit_process(main)

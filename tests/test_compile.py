@@ -53,6 +53,33 @@ def test_compiled_layers_give_the_eager_loss_and_gradients():
     same_step("aot_eager")
 
 
+def test_generation_runs_compiled_layers_eagerly_so_training_stays_compiled():
+    """A generate() call (task evaluation, rollouts) inside engine.generation() compiles nothing: its KV cache would
+    otherwise recompile each layer until torch's limit, after which training would run uncompiled too."""
+    from torch._dynamo.utils import counters
+
+    from finetune.distributed.engine import TorchEngine
+
+    torch._dynamo.reset()
+    model = tiny_llama("sdpa")
+    compile_layers(model, backend="aot_eager")
+    engine = TorchEngine(model, None, None, 1.0, False, torch.device("cpu"))
+    engine.compiled = True
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    graphs = counters["stats"]["unique_graphs"]
+    model.eval()
+    with torch.no_grad(), engine.generation():
+        out = model.generate(ids[:, :5], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 11)
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing compiled for generation
+    with torch.no_grad():  # the control: outside it, generating compiles graphs of its own
+        model.generate(ids[:, :5], max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert counters["stats"]["unique_graphs"] > graphs
+    torch._dynamo.reset()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_CXX, reason="torch's CPU compiler (inductor) needs a C++ compiler")
 def test_inductor_layers_give_the_eager_loss_and_gradients():

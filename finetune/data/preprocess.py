@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config.schema import Config, DatasetSpec
+from finetune.data.rows import Rows
 from finetune.errors import DataError, FtError
 
 DATA_VERSION = 3  # bump when the output of this pipeline changes for the same inputs
@@ -26,8 +27,8 @@ Progress = Callable[[str, int, int], None]  # (stage, done, total)
 class Prepared:
     """The prepared data: datasets on disk (memory-mapped), its summary and cache entry."""
 
-    train: object  # datasets.Dataset
-    validation: object | None
+    train: Rows
+    validation: Rows | None
     summary: dict
     path: Path
     added_tokens: tuple[str, ...]
@@ -37,11 +38,7 @@ class Prepared:
 
 def prepare(config: Config, *, force: bool = False, progress: Progress | None = None) -> Prepared:
     """Prepared data for `config`: from the cache when its fingerprint matches, else built (once)."""
-    from datasets import disable_progress_bars, load_from_disk
-
     from finetune.data.cache import DataCache, fingerprint
-
-    disable_progress_bars()
     from finetune.data.sources import check_paths
 
     problems = check_paths(config)
@@ -55,21 +52,21 @@ def prepare(config: Config, *, force: bool = False, progress: Progress | None = 
             cache.remove(key)
         built = not cache.is_complete(key)
         if built:
+            from datasets import disable_progress_bars
+
+            disable_progress_bars()
             with cache.build(key) as tmp:
                 summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None))
                 summary["added_tokens"] = added
                 (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
     root = cache.path(key)
     summary = json.loads((root / "summary.json").read_text())
-    validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
-    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, built)
+    train, validation = _splits(root)
+    return Prepared(train, validation, summary, root, tuple(added), tokenizer, built)
 
 
 def load_prepared(config: Config, root: Path) -> Prepared:
     """The data a launcher prepared into cache entry `root` (a rank's view: no fingerprinting, no building)."""
-    from datasets import disable_progress_bars, load_from_disk
-
-    disable_progress_bars()
     if not (root / "summary.json").is_file() or not (root / "train").is_dir():
         raise FtError(
             f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train "
@@ -77,8 +74,14 @@ def load_prepared(config: Config, root: Path) -> Prepared:
         )
     tokenizer, _, added = training_tokenizer(config)
     summary = json.loads((root / "summary.json").read_text())
-    validation = load_from_disk(str(root / "validation")) if (root / "validation").exists() else None
-    return Prepared(load_from_disk(str(root / "train")), validation, summary, root, tuple(added), tokenizer, False)
+    train, validation = _splits(root)
+    return Prepared(train, validation, summary, root, tuple(added), tokenizer, False)
+
+
+def _splits(root: Path) -> tuple[Rows, Rows | None]:
+    """The training and (when there is one) validation split of cache entry `root`, memory-mapped."""
+    validation = Rows.load(root / "validation") if (root / "validation").exists() else None
+    return Rows.load(root / "train"), validation
 
 
 def training_tokenizer(config: Config):
