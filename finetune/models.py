@@ -66,15 +66,16 @@ def torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def runtime_attention(model: ModelSection, planned: str) -> str:
+def runtime_attention(model: ModelSection, planned: str, context_parallel: int = 1) -> str:
     """The attention kernel to run: the plan's, upgraded to flash-attention 2 when ft chose it
     (model.attn_implementation
-    auto), flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either."""
+    auto), flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either.
+    Never upgraded under context parallelism: torch's ring attention replaces SDPA (distributed/cp.py)."""
     import importlib.util
 
     import torch
 
-    if model.attn_implementation != "auto" or planned not in ("sdpa", "sdpa_varlen"):
+    if model.attn_implementation != "auto" or planned not in ("sdpa", "sdpa_varlen") or context_parallel > 1:
         return planned
     if (
         torch.cuda.is_available()

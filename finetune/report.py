@@ -61,7 +61,8 @@ def print_plan(plan: Plan, as_json: bool = False, candidates: bool = False) -> N
         )
     console.print(
         f"Step: {plan.global_batch_size} sequences × {plan.seq_len} tokens = {plan.tokens_per_step:,} tokens "
-        f"({plan.micro_batch_size} micro × {plan.gradient_accumulation_steps} accumulation × {plan.world_size} ranks)"
+        f"({plan.micro_batch_size} micro × {plan.gradient_accumulation_steps} accumulation × {plan.data_parallel} "
+        f"{'ranks' if plan.data_parallel == plan.world_size else 'data-parallel ranks'})"
     )
     if plan.communication:
         traffic = ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in plan.communication.items())
@@ -72,6 +73,10 @@ def print_plan(plan: Plan, as_json: bool = False, candidates: bool = False) -> N
     if plan.step_seconds:
         parts = ", ".join(f"{k} {v:.3g}" for k, v in plan.step_seconds.items())
         console.print(f"Estimated step time: {sum(plan.step_seconds.values()):.3g} s ({parts})")
+    if plan.scaling:
+        from finetune.plan.scaling import summary
+
+        console.print(summary(plan.scaling))
     if plan.rollout:
         console.print(rollout_line(plan))
     if plan.stop_seconds:

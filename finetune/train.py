@@ -27,6 +27,7 @@ from finetune.errors import FtError, Stopped  # noqa: F401 (Stopped: where calle
 from finetune.methods import Method
 from finetune.methods.loss import step_normaliser
 from finetune.plan.plan import Plan
+from finetune.progress import method_fields
 
 
 @dataclass
@@ -128,10 +129,10 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
             start(config.distributed.timeout_minutes, needs_group=True)
             if needs_launcher(plan.backend, plan.world_size)
             else Runtime()
-        )
+        ).with_parallel(plan.tensor_parallel, plan.context_parallel)  # the ranks of a tp × cp block share rows
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
-    attn = runtime_attention(config.model, plan.attn_implementation)
+    attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel)
     if plan.process_group and device.type == "cpu":  # sharded CPU ranks allocate and free large buffers over and over
         from finetune.distributed.hostmem import return_freed_memory
 
@@ -159,8 +160,8 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         len(prepared.train),
         rows,
         config.train.seed,
-        runtime.rank,
-        runtime.world_size,
+        runtime.data_rank,
+        runtime.data_world,
         repeat=config.method.steps_per_batch(),
     )
     with activity(f"setting up {config.method.name}"):
@@ -186,7 +187,8 @@ def autocast(job: Job):
 def train_step(job: Job) -> dict:
     """One optimizer step over the global batch; returns its metrics."""
     rt = job.runtime
-    batches = job.method.micro_batches(job.train, job.stream.next_step())
+    # each rank's part of every micro-batch (its share of each sequence under context parallelism) before counting
+    batches = [job.engine.local(b) for b in job.method.micro_batches(job.train, job.stream.next_step())]
     with activity("summing the step's trained tokens over ranks"):
         normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches), rt.world_size, rt.sum)
     loss_total, tokens, reported = 0.0, 0, [batches[0].pop("metrics", {})]  # the rollout's metrics (GRPO)
@@ -208,7 +210,8 @@ def train_step(job: Job) -> dict:
         loss_total = rt.sum(loss_total) / rt.world_size
     with activity("averaging the method's metrics over ranks"):
         extra = rt.mean(_mean_metrics(reported))
-    return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": int(rt.sum(tokens)), **extra}
+    tokens = int(rt.distinct_sum(tokens))  # a tensor-parallel group's ranks all hold the same tokens: counted once
+    return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": tokens, **extra}
 
 
 def _mean_metrics(reported: list[dict]) -> dict:
@@ -312,6 +315,8 @@ def run(
     result = {
         "steps": job.total_steps,
         "final_loss": last.get("loss"),
+        # what the method's progress lines show (GRPO: rewards, KL, completion length; DPO: margin, accuracy)
+        "final_metrics": dict(method_fields(job.config.method.progress_metrics, last)),
         "seconds": state["seconds"],
         "tokens": state["tokens"],
     }

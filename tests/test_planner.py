@@ -324,6 +324,7 @@ def test_estimate_shrinks_with_more_shards():
             "distributed.backend=fsdp",
             "distributed.sharding=full_shard",
             "train.micro_batch_size=1",
+            "distributed.tensor_parallel=1",  # across 4 nodes auto would split each layer inside a node
         ],
         hardware="4x8xH100-80GB",
     )

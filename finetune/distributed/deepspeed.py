@@ -187,6 +187,9 @@ class ZeroEngine:
     def accumulating(self, last: bool):
         return contextlib.nullcontext()  # ZeRO reduces in step() (unmanaged accumulation)
 
+    def local(self, batch: dict) -> dict:
+        return batch  # no context parallelism under DeepSpeed (cp.check)
+
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss, scale_wrt_gas=False)  # the loss is already normalised over the step
 

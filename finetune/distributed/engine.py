@@ -3,7 +3,8 @@
 `create_model` (and `create_reference` for a frozen DPO/GRPO reference) builds the model as `plan.loading`
 says: whole on every rank (replica), on the meta device then sharded and filled (meta, FSDP2), or
 partitioned while constructed (ZeRO-3). `build` wraps it and gives it its optimizer and schedule.
-An `Engine` holds the wrapped model, its optimizer and schedule, and answers: `accumulating(last)` around
+An `Engine` holds the wrapped model, its optimizer and schedule, and answers: `local(batch)` (this rank's part of a
+micro-batch: its share of each sequence under context parallelism, cp.py), `accumulating(last)` around
 each micro-batch, `backward(loss)`, `step()` once per optimizer step (clip, update, schedule, zero the
 gradients; returns the gradient norm), `generation()` around sampling (with `synced_generation`: whether
 generate() needs synced_gpus=True), and `full_state_dict()` (a collective) for the final weights.
@@ -23,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from finetune.compile import compile_layers, failures_explained
-from finetune.distributed import ddp, fsdp
+from finetune.distributed import cp, ddp, fsdp
 from finetune.errors import FtError
 
 REPLICA = "single"  # the checkpoint format of a model whole on every rank: rank 0 writes the one copy
@@ -49,6 +50,10 @@ class Engine(Protocol):
         """generate() must run with synced_gpus=True."""
 
     def accumulating(self, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def local(self, batch: dict) -> dict:
+        """This rank's part of a micro-batch (context parallelism: its share of each sequence); the batch itself
+        otherwise. Called on every micro-batch before its trained tokens are counted."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
@@ -88,6 +93,7 @@ class TorchEngine:
         self.sync_every_micro_batch = False  # FSDP full fine-tuning (set by `build`)
         self.in_backward = False  # plan.optimizer_in_backward: an optim.OptimizerInBackward (set by `build`)
         self.compiled = False  # plan.compile: the decoder layers compile on their first call (set by `build`)
+        self.context = None  # plan.context_parallel > 1: a cp.ContextParallel (set by `build`)
 
     @property
     def synced_generation(self) -> bool:
@@ -104,12 +110,18 @@ class TorchEngine:
 
     def accumulating(self, last: bool):
         """Synchronise gradients only after the last micro-batch of a step (and, with compiled layers, explain a failure
-        to compile them: torch compiles on first use, inside a micro-batch)."""
+        to compile them: torch compiles on first use, inside a micro-batch). Under context parallelism the block's
+        forward and backward passes run torch's ring attention (cp.ContextParallel.attention)."""
         if self.sharded:
             context = fsdp.accumulating(self.model, last, self.sync_every_micro_batch)
         else:
             context = ddp.accumulating(self.model, last)
+        if self.context is not None:
+            context = _both(context, self.context.attention())
         return failures_explained(context) if self.compiled else context
+
+    def local(self, batch: dict) -> dict:
+        return self.context.local(batch) if self.context is not None else batch
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -134,15 +146,22 @@ class TorchEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
+    @contextlib.contextmanager
     def generation(self):
         """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no
         collectives
         inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward
         all-gathers
-        layer by layer; callers pass synced_gpus=True); `local`: the model is whole already."""
-        if self.sharded and self.generation_mode == "gather":
-            return fsdp.unsharded(self.model, self.reshard_after_forward)
-        return contextlib.nullcontext()
+        layer by layer; callers pass synced_gpus=True); `local`: the model is whole already. Compiled layers run
+        eagerly inside it: each decoding step's KV cache would add its own recompiles (transformers' cache guards
+        differ per layer), soon past torch's recompile limit, after which the training steps too would run
+        uncompiled."""
+        with contextlib.ExitStack() as stack:
+            if self.sharded and self.generation_mode == "gather":
+                stack.enter_context(fsdp.unsharded(self.model, self.reshard_after_forward))
+            if self.compiled:
+                stack.enter_context(torch.compiler.set_stance("force_eager"))
+            yield
 
     @property
     def format(self) -> str:
@@ -182,6 +201,7 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
         from finetune.distributed import deepspeed
 
         return deepspeed.wrap(model, plan, train, distributed, total_steps)
+    context = cp.for_plan(plan, model, device)  # None unless plan.context_parallel > 1; refuses what cannot run
     if plan.compile:  # in place, before DDP wraps the model; FSDP2's units are these layers (see finetune/compile.py)
         compile_layers(model)
     if plan.backend == "ddp":
@@ -195,18 +215,27 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
             plan.processes_per_node,
             device,
             offload=plan.offload == "all",
+            tensor_parallel=plan.tensor_parallel,
+            context_parallel=plan.context_parallel,
         )
     optimizer = make_optimizer(model, plan, train)  # after sharding: FSDP2 parameters are DTensors
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
     engine.in_backward = plan.optimizer_in_backward
     engine.compiled = plan.compile
+    engine.context = context
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
     engine.generation_mode = plan.generation
     # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
     # (memory.py counts it)
     engine.sync_every_micro_batch = plan.backend == "fsdp" and plan.adapter == "full"
     return engine
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield
 
 
 def make_optimizer(model, plan, train):
@@ -254,6 +283,20 @@ def check_savers(plan, train) -> None:
                 f"train.optimizer_in_backward needs {'; '.join(unmet)}; set those, or train.optimizer_in_backward: "
                 "false"
             )
+    if plan.tensor_parallel > 1:  # the model's own layout is checked where its layers are split (tp.parallelize)
+        from finetune.distributed import tp
+
+        problems += tp.check(
+            None,
+            plan.tensor_parallel,
+            backend=plan.backend,
+            quantization=plan.quantization,
+            processes_per_node=plan.processes_per_node,
+            world_size=plan.world_size,
+            sharding=plan.sharding,
+            samples=bool(plan.rollout) or plan.method == "grpo",
+            stochastic_rounding=plan.pure_bf16 and plan.compensation == "stochastic_rounding",
+        )
     if problems:
         raise FtError("this plan cannot run: " + ". ".join(problems))
 
@@ -267,14 +310,29 @@ def clip_gradients(params, max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    norm = _global_norm(grads)
     scale = max_norm / (norm + 1e-6)
     if max_norm > 0 and scale < 1:
         with torch.no_grad():
             for g in grads:
                 (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
     return norm
+
+
+def _global_norm(grads: list) -> float:
+    """The L2 norm of all gradients together. Under tensor parallelism the DTensor gradients live on different meshes
+    (a decoder layer's on the 2-D dp × tp mesh, the embeddings' and output head's on the dp mesh alone), which one
+    torch norm cannot combine: each mesh's norm is made whole on its own (full_tensor() reduces its partial sums over
+    that mesh's shard dimensions only; replicated dimensions hold equal values, so nothing is counted twice), then the
+    squares are added."""
+    groups: dict = {}  # in the same order on every rank (the model's parameter order): the reductions pair up
+    for g in grads:
+        groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    return norms[0] if len(norms) == 1 else sum(n * n for n in norms) ** 0.5
 
 
 # ---------------------------------------------------------------- checkpoint formats

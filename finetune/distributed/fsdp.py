@@ -17,6 +17,9 @@ import contextlib
 
 import torch
 
+from finetune.distributed import mesh as meshes
+from finetune.distributed import tp
+
 
 def decoder_layers(model) -> list:
     """The repeated blocks to shard one by one: modules whose class transformers marks as not to be split."""
@@ -29,8 +32,20 @@ def decoder_layers(model) -> list:
     return layers
 
 
-def wrap(model, precision: str, sharding: str, nodes: int, per_node: int, device: torch.device, offload: bool = False):
-    """fully_shard each decoder layer, then the root; a model `create_model` already sharded is returned as it is."""
+def wrap(
+    model,
+    precision: str,
+    sharding: str,
+    nodes: int,
+    per_node: int,
+    device: torch.device,
+    offload: bool = False,
+    tensor_parallel: int = 1,
+    context_parallel: int = 1,
+):
+    """fully_shard each decoder layer, then the root; a model `create_model` already sharded is returned as it is.
+    With tensor (or context) parallelism the ranks form a (dp, cp, tp) mesh (distributed/mesh.py): each decoder layer
+    is first split over tp (distributed/tp.py), then FSDP2 shards every parameter over the dp (× cp) sub-mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -47,10 +62,16 @@ def wrap(model, precision: str, sharding: str, nodes: int, per_node: int, device
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    if sharding == "hybrid_shard":
+    layers = decoder_layers(model)
+    grid = meshes.device_mesh(device.type, nodes * per_node, tensor_parallel, context_parallel)
+    if grid is not None:
+        if tensor_parallel > 1:
+            tp.parallelize(model, grid[meshes.TP], layers)
+        kwargs["mesh"] = meshes.shard_mesh(grid)
+    elif sharding == "hybrid_shard":
         kwargs["mesh"] = init_device_mesh(device.type, (nodes, per_node), mesh_dim_names=("replicate", "shard"))
     reshard = sharding != "shard_grad_op"
-    for layer in decoder_layers(model):
+    for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard, **kwargs)
     fully_shard(runner(model), reshard_after_forward=reshard, **kwargs)
     return model
@@ -186,7 +207,15 @@ def create_model(
     sources = _sources(model, keys)
     buffers = {name: keys[id(b)] for name, b in net.named_buffers() if id(b) in keys}
     wrap(
-        model, plan.precision, plan.sharding, plan.nodes, plan.processes_per_node, device, offload=plan.offload == "all"
+        model,
+        plan.precision,
+        plan.sharding,
+        plan.nodes,
+        plan.processes_per_node,
+        device,
+        offload=plan.offload == "all",
+        tensor_parallel=plan.tensor_parallel,
+        context_parallel=plan.context_parallel,
     )
     # CPU offload keeps the shards in pinned host memory: allocate them there, never on the GPU (torch fully_shard
     # CPUOffloadPolicy: FSDPParam.reset_sharded_param pins CPU shards, which FSDPModule._apply calls after to_empty)
@@ -233,6 +262,38 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     )
 
 
+def local_box(p) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """This rank's part of parameter `p` (its own storage, under no_grad) and the index in the whole tensor of its first
+    element along each dimension. FSDP2 splits dim 0 into torch.chunk pieces over the shard mesh; under tensor
+    parallelism the tp dimension splits dim 0 (column-wise) or dim 1 (row-wise) first, and FSDP2's pieces are chunks of
+    that block (torch _fsdp_param: _StridedShard), so the part is one box of the whole tensor: torch's
+    compute_local_shape_and_global_offset (what DCP uses) gives its corner."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(p, DTensor):
+        return p.data, (0,) * p.ndim
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = p.to_local()
+    if tuple(shape) != tuple(local.shape):
+        raise ValueError(f"unexpected placement {p.placements} for a parameter of shape {tuple(p.shape)}")
+    return local, tuple(offset)
+
+
+def fill_box(ckpt, key: str, offset: tuple[int, ...], out: torch.Tensor) -> None:
+    """Fill `out` with the box of checkpoint tensor `key` that starts at `offset`: its rows (models.fill_rows), cut to
+    out's columns where tensor parallelism splits dim 1 (one slice of this rank's rows is staged whole)."""
+    from finetune import models
+
+    full = ckpt.shape(key) or (1,)
+    if out.ndim < 2 or (tuple(out.shape[1:]) == tuple(full[1:]) and not any(offset[1:])):
+        models.fill_rows(ckpt, key, offset[0] if offset else 0, out)
+        return
+    rows = torch.empty((out.shape[0], *full[1:]), dtype=out.dtype)  # host memory; copy_ below moves the box to a GPU
+    models.fill_rows(ckpt, key, offset[0], rows)
+    out.copy_(rows[(slice(None), *(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:])))])
+
+
 @torch.no_grad()
 def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
     """Every parameter's local rows: checkpoint rows (read straight into the shard), adapter starting values, and DoRA
@@ -241,15 +302,16 @@ def _fill(model, sources: dict[str, str | None], ckpt, seed: int) -> None:
 
     params = dict(model.named_parameters())
     for name, p in params.items():
-        local, start = local_rows(p)
+        local, offset = local_box(p)
         if local.numel() == 0 or adapters.is_dora_magnitude(name):
             continue
+        box = tuple(slice(o, o + n) for o, n in zip(offset, local.shape))
         if sources[name] is not None:
-            models.fill_rows(ckpt, sources[name], start, local)
+            fill_box(ckpt, sources[name], offset, local)
         elif models.is_new_head(name):
-            local.copy_(models.head_value(name, tuple(p.shape), seed, models.head_std(model))[start:][: local.shape[0]])
+            local.copy_(models.head_value(name, tuple(p.shape), seed, models.head_std(model))[box])
         else:
-            local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[start : start + local.shape[0]])
+            local.copy_(adapters.initial_value(name, tuple(p.shape), seed)[box])
     for name, p in params.items():
         if adapters.is_dora_magnitude(name) and p.numel():
             base, _ = local_rows(params[name.split(".lora_magnitude_vector.")[0] + ".base_layer.weight"])

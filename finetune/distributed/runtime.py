@@ -103,10 +103,52 @@ class Runtime:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    # plan.tensor_parallel and plan.context_parallel: consecutive ranks of one tp × cp block train on the same rows
+    # (distributed/mesh.py); those of one tp group also compute on the same tokens
+    tensor_parallel: int = 1
+    context_parallel: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """How many consecutive ranks train on the same rows (one tp × cp block)."""
+        return self.tensor_parallel * self.context_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each step's rows this rank trains on (the same for every rank of a tp × cp block)."""
+        return self.rank // self.replicas
+
+    @property
+    def data_world(self) -> int:
+        """How many shares each step's rows are dealt into (data-parallel groups)."""
+        return self.world_size // self.replicas
+
+    @property
+    def leads_replicas(self) -> bool:
+        """The first rank of its tp × cp block: where a value all ranks of the block hold alike is counted once."""
+        return self.rank % self.replicas == 0
+
+    def with_parallel(self, tensor_parallel: int, context_parallel: int) -> Runtime:
+        """This runtime with the plan's tensor- and context-parallel degrees (a single process keeps 1 and 1)."""
+        from dataclasses import replace
+
+        if self.world_size == 1:
+            return self
+        if self.world_size % (tensor_parallel * context_parallel):
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by tensor_parallel {tensor_parallel} × "
+                f"context_parallel {context_parallel}"
+            )
+        return replace(self, tensor_parallel=tensor_parallel, context_parallel=context_parallel)
+
+    def distinct_sum(self, value: float) -> float:
+        """Sum over ranks of a count that the ranks of one tensor-parallel group hold alike (they compute on the same
+        tokens; context-parallel ranks each count their own part of a sequence): each tp group counted once."""
+        return self.sum(value if self.rank % self.tensor_parallel == 0 else 0.0)
 
     def sum(self, value: float) -> float:
         """Sum of a number over all ranks."""
@@ -131,6 +173,14 @@ class Runtime:
     def barrier(self) -> None:
         if self.world_size > 1:
             torch.distributed.barrier()
+
+
+def data_share(runtime) -> tuple[int, int, bool]:
+    """(data rank, data world, leads its block) of a Runtime, or of any record with only `rank` and `world_size`
+    (plain data parallelism: every rank its own share)."""
+    if isinstance(runtime, Runtime):
+        return runtime.data_rank, runtime.data_world, runtime.leads_replicas
+    return runtime.rank, runtime.world_size, True
 
 
 def launched() -> bool:

@@ -192,12 +192,15 @@ def precompute(model, method, dataset, runtime, device, autocast, batches=None, 
     models need), then a sum over ranks gives every rank the whole table. `batches(dataset, indices)` (default:
     the method's micro_batches) gives batches holding `rows` and, stacked, `columns` sequences per row (first
     column of every row, then the second, ...), which `method.policy_score` scores."""
-    n, world = len(dataset), runtime.world_size
+    from finetune.distributed.runtime import data_share
+
+    data_rank, world, leads = data_share(runtime)  # the ranks of a tp × cp block score the same rows together
+    n = len(dataset)
     table = torch.zeros(n, columns, dtype=torch.float64)
     was_training = model.training
     model.eval()
     per_rank = -(-n // world)
-    own = range(runtime.rank * per_rank, min(n, (runtime.rank + 1) * per_rank))
+    own = range(data_rank * per_rank, min(n, (data_rank + 1) * per_rank))
     mine = list(own) + [0] * (per_rank - len(own))  # padded: the same number of passes on every rank
     seen = set()
     for batch in (batches or method.micro_batches)(dataset, mine):
@@ -206,10 +209,10 @@ def precompute(model, method, dataset, runtime, device, autocast, batches=None, 
         with autocast():
             logps = method.policy_score(model, batch).double().cpu().view(columns, len(rows))
         for j, row in enumerate(rows.tolist()):
-            if row in own and row not in seen:
+            if row in own and row not in seen and leads:  # each row summed in once
                 seen.add(row)
                 table[row] = logps[:, j]
     model.train(was_training)
-    if world > 1:
+    if runtime.world_size > 1:
         torch.distributed.all_reduce(table)
     return Precomputed(table.float())

@@ -64,7 +64,7 @@ class LossHead:
             inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
             logits = model(**inputs, use_cache=False).logits
             # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
-            targets = F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE).to(logits.device)
+            targets = next_tokens(batch).to(logits.device)
             return F.cross_entropy(
                 logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
             )
@@ -100,12 +100,13 @@ class LossHead:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         hidden, logits = final_hidden(model, lm, inputs)
         head = Head(lm.get_output_embeddings(), getattr(lm.config, "final_logit_softcapping", None))
-        targets = batch["labels"][:, 1:].to(hidden.device)
+        shifted = "shift_labels" in batch  # every position has its target (context parallelism: distributed/cp.py)
+        targets = (batch["shift_labels"] if shifted else batch["labels"][:, 1:]).to(hidden.device)
         with whole_head(lm, head.module):
             if lm not in self._checked:
                 check_head(self.implementation, head, hidden, logits)
                 self._checked.add(lm)
-            yield hidden[:, :-1], targets, targets != IGNORE, head
+            yield (hidden if shifted else hidden[:, :-1]), targets, targets != IGNORE, head
 
     def _chunks(self, fn, head, hidden: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """fn(head, hidden, targets) over `chunk_tokens` rows at a time (at least once, so that an empty batch still
@@ -120,6 +121,14 @@ class LossHead:
             else:
                 out.append(fn(head, hidden[rows], targets[rows]))
         return out
+
+
+def next_tokens(batch: dict) -> torch.Tensor:
+    """The target of every position (B, T): the labels shifted left, IGNORE at the end; or the batch's `shift_labels`,
+    already shifted over the whole sequence before it was split over context-parallel ranks (distributed/cp.py)."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE)
 
 
 def chunk_count(head: Head, rows: int, chunk_tokens: int) -> int:

@@ -22,9 +22,10 @@ MODEL_INPUTS = (
 )
 
 
-def trained_tokens(labels: torch.Tensor) -> int:
-    """Positions that are a prediction target once labels are shifted by one."""
-    return int((labels[..., 1:] != IGNORE).sum())
+def trained_tokens(labels: torch.Tensor, shifted: bool = False) -> int:
+    """Positions that are a prediction target once labels are shifted by one (`shifted`: labels already shifted, the
+    `shift_labels` of a context-parallel rank's share of a sequence, distributed/cp.py)."""
+    return int(((labels if shifted else labels[..., 1:]) != IGNORE).sum())
 
 
 def step_normaliser(local_tokens: int, world_size: int = 1, all_reduce=None) -> float:

@@ -44,7 +44,8 @@ class SFT:
         return out
 
     def tokens(self, batch: dict) -> int:
-        return trained_tokens(batch["labels"])
+        shifted = "shift_labels" in batch  # a rank's share of a sequence, shifted before the split (distributed/cp.py)
+        return trained_tokens(batch["shift_labels" if shifted else "labels"], shifted)
 
     def loss(self, model, batch: dict, normaliser: float):
         return causal_lm_loss(model, batch, normaliser, self.head), {}

@@ -127,7 +127,7 @@ def smallest_estimate(config: Config, hw: Hardware, m: ModelFacts, topo, precisi
     t = config.train
     mb = 1 if t.micro_batch_size == "auto" else t.micro_batch_size
     pure = topology.pure_bf16_mode(config, hw) != "never"
-    for cand in candidates.candidates(config, hw, topo):
+    for cand in candidates.candidates(config, hw, topo, m):
         for combo in savers.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
             s = search.setup(config, hw, topo, precision, batch, cand, mb, combo, m)
             est = estimate(m, s, topo.processes_per_node)

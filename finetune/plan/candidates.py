@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.plan.parallel import TP_SHARDINGS, degrees
 from finetune.plan.topology import Topology
 
 
@@ -19,6 +21,13 @@ class Candidate:
     sharding: str | None
     offload: str
     host_load: bool = False  # a 4-bit base under FSDP2 quantized in host memory, then moved to the GPU shard by shard
+    tp: int = 1  # tensor-parallel degree (plan/parallel.py)
+    cp: int = 1  # context-parallel degree
+
+
+def data_parallel(world: int, c: Candidate) -> int:
+    """Ranks that see different rows: the world over the tensor- and context-parallel groups."""
+    return world // (c.tp * c.cp)
 
 
 def sharded_params(c: Candidate) -> bool:
@@ -39,8 +48,9 @@ def loading(c: Candidate) -> str:
     return "partitioned" if c.sharding == "zero3" else "replica"
 
 
-def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
-    """Every setup the config allows, in preference order; host offload (slow) only after all others."""
+def candidates(config: Config, hw: Hardware, topo: Topology, m: ModelFacts | None = None) -> list[Candidate]:
+    """Every setup the config allows, in preference order; host offload (slow) only after all others. With the
+    model's facts, also the tensor- and context-parallel degrees the config allows (plan/parallel.py)."""
     from finetune.config.checks import BNB_OPTIMIZERS
 
     # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
@@ -52,7 +62,21 @@ def candidates(config: Config, hw: Hardware, topo: Topology) -> list[Candidate]:
         if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
     ]
     out = [v for c in out for v in ([c, replace(c, host_load=True)] if host_loadable(c) else [c])]
+    if m is not None:
+        out = _with_degrees(out, degrees(config, hw, topo, m))
     return sorted(out, key=lambda c: c.offload != "none")
+
+
+def _with_degrees(out: list[Candidate], pairs: list[tuple[int, int]]) -> list[Candidate]:
+    """Each candidate at every (tp, cp) pair it can run with: FSDP2 over the data-parallel ranks, on GPUs, a 16-bit
+    base; without (1, 1) among the pairs (an explicit degree) only those."""
+    return [
+        replace(c, tp=tp, cp=cp)
+        for c in out
+        for tp, cp in pairs
+        if (tp, cp) == (1, 1)
+        or (c.backend == "fsdp" and c.sharding in TP_SHARDINGS and c.offload == "none" and c.quantization == "none")
+    ]
 
 
 def host_loadable(c: Candidate) -> bool:

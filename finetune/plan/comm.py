@@ -10,14 +10,43 @@ its constants), k = micro-batches per step.
   FSDP full / ZeRO-3:     all-gather P twice per micro-batch (forward, backward) + reduce-scatter G per step
   FSDP shard_grad_op:     all-gather P once per micro-batch + reduce-scatter G per step
   FSDP hybrid_shard:      full_shard inside a node, plus an all-reduce of each node's shard of G across nodes
+With tensor parallelism over tp ranks (plan/parallel.py) FSDP's group is the dp x cp ranks of one tensor-parallel
+slot, and P and G count one tp rank's share (decoder layers / tp, embeddings and head whole). Per micro-batch of t
+tokens (t / cp on each context-parallel rank), a = bytes of the compute dtype, L layers (r of them recomputed):
+  tensor parallel:        with sequence-parallel norms, an all-gather before and a reduce-scatter after attention
+                          and the MLP: 4 collectives of t*h*a per layer forward, 4 backward, 4 per recomputed layer,
+                          always inside a node
+  context parallel:       ring attention passes every rank's keys and values around the ring: 2*t*kv*a per layer
+                          forward, twice that backward (keys and values again, their gradients), once more per
+                          recomputed layer
 Times assume 100 GB/s per GPU inside a node (NVLink class) and 12.5 GB/s per GPU between nodes
-(100 Gb/s links); they are orders of magnitude, for comparing setups, not promises.
+(100 Gb/s links), unless the hardware says otherwise (`links`); they are orders of magnitude, for comparing setups,
+not promises.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 INTRA_NODE_BPS = 100e9
 INTER_NODE_BPS = 12.5e9
+TENSOR_PARALLEL = "tensor-parallel activations (in node)"
+CONTEXT_PARALLEL = "context-parallel keys and values (ring)"
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bytes per second per GPU inside a node and between nodes."""
+
+    intra: float = INTRA_NODE_BPS
+    inter: float = INTER_NODE_BPS
+
+
+def links(hw) -> Links:
+    """The link speeds the hardware knows (`intra_node_bps`, `inter_node_bps`), else this module's assumptions."""
+    intra = getattr(hw, "intra_node_bps", None) or INTRA_NODE_BPS
+    inter = getattr(hw, "inter_node_bps", None) or INTER_NODE_BPS
+    return Links(float(intra), float(inter))
 
 
 def _ring(n: int) -> float:
@@ -34,6 +63,7 @@ def step_traffic(
     bytes_per_param: float,
     micro_batches: int,
     grad_bytes: float = 4,
+    tensor_parallel: int = 1,
 ) -> dict[str, float]:
     """Bytes each rank sends per optimizer step, by collective (bytes_per_param: as gathered, e.g. 2 for bf16, ~0.55 for
     nf4)."""
@@ -48,7 +78,7 @@ def step_traffic(
         }
     if backend == "ddp":
         return {"all-reduce gradients": 2 * _ring(world) * grads}
-    group = per_node if sharding == "hybrid_shard" else world
+    group = (per_node if sharding == "hybrid_shard" else world) // tensor_parallel
     gathers = 1 if sharding == "shard_grad_op" else 2
     out = {
         "all-gather parameters": gathers * micro_batches * _ring(group) * weights,
@@ -56,13 +86,66 @@ def step_traffic(
     }
     if sharding == "hybrid_shard":
         out["all-reduce gradient shards across nodes"] = 2 * _ring(nodes) * grads / per_node
+    return out if tensor_parallel == 1 else {k: v for k, v in out.items() if v}
+
+
+def parallel_traffic(
+    tokens: float,
+    hidden: int,
+    kv_dim: int,
+    layers: int,
+    recomputed: int,
+    act_bytes: int,
+    micro_batches: int,
+    tp: int,
+    cp: int,
+) -> dict[str, float]:
+    """Bytes each rank sends per step for tensor- and context-parallel activations (tokens: per micro-batch, whole
+    sequences; see the module docstring)."""
+    out = {}
+    local = tokens / cp
+    if tp > 1:
+        collectives = 8 * layers + 4 * recomputed
+        out[TENSOR_PARALLEL] = micro_batches * collectives * _ring(tp) * local * hidden * act_bytes
+    if cp > 1:
+        passes = 3 * layers + recomputed
+        out[CONTEXT_PARALLEL] = micro_batches * passes * 2 * _ring(cp) * tokens * kv_dim / tp * act_bytes
     return out
 
 
-def seconds(traffic: dict[str, float], nodes: int, sharding: str | None) -> float:
-    """Time at the assumed bandwidths: inter-node links for collectives spanning nodes."""
-    total = 0.0
-    for name, size in traffic.items():
-        crosses = nodes > 1 and (sharding != "hybrid_shard" or "across nodes" in name)
-        total += size / (INTER_NODE_BPS if crosses else INTRA_NODE_BPS)
-    return total
+def crosses(name: str, nodes: int, sharding: str | None, per_node: int = 1, inner: int = 1) -> bool:
+    """Whether a collective runs over inter-node links: tensor parallelism never does (it stays in a node), a
+    context-parallel ring does when tp x cp ranks (`inner`) outgrow a node, hybrid_shard only for its across-nodes
+    all-reduce, every other collective whenever the job spans nodes."""
+    if name == TENSOR_PARALLEL:
+        return False
+    if name == CONTEXT_PARALLEL:
+        return nodes > 1 and inner > per_node
+    return nodes > 1 and (sharding != "hybrid_shard" or "across nodes" in name)
+
+
+def collective_seconds(
+    traffic: dict[str, float],
+    nodes: int,
+    sharding: str | None,
+    per_node: int = 1,
+    inner: int = 1,
+    speeds: Links = Links(),
+) -> dict[str, float]:
+    """Seconds of each collective at the link speeds (inter-node links for collectives spanning nodes)."""
+    return {
+        name: size / (speeds.inter if crosses(name, nodes, sharding, per_node, inner) else speeds.intra)
+        for name, size in traffic.items()
+    }
+
+
+def seconds(
+    traffic: dict[str, float],
+    nodes: int,
+    sharding: str | None,
+    per_node: int = 1,
+    inner: int = 1,
+    speeds: Links = Links(),
+) -> float:
+    """Time at the link speeds: inter-node links for collectives spanning nodes."""
+    return sum(collective_seconds(traffic, nodes, sharding, per_node, inner, speeds).values())

@@ -23,13 +23,22 @@ COMPILE_SECONDS = {"gpu": 60.0, "cpu": 120.0}
 GAIN = 0.1  # share of a step's estimated time that compiled layers save (fused norms, activations, rotary embeddings)
 
 
-def choose_compile(config: Config, hw: Hardware, backend: str, quantization: str, step_seconds: float, out) -> bool:
+def choose_compile(
+    config: Config,
+    hw: Hardware,
+    backend: str,
+    quantization: str,
+    step_seconds: float,
+    out,
+    context_parallel: int = 1,
+) -> bool:
     """The plan's `compile`, with its Decision appended to `out`; PlanError for `true` where it cannot work."""
     asked = config.train.compile
     if asked is False:
         out.append(Decision("compile", False, "as set in the config", "config"))
         return False
-    blocker = unsupported(backend, quantization) or missing_toolchain(hw)
+    ring = "context parallelism replaces each layer's attention at run time (ring attention)" * (context_parallel > 1)
+    blocker = unsupported(backend, quantization) or ring or missing_toolchain(hw)
     if asked is True:
         if blocker:
             raise PlanError(f"train.compile: true cannot run here: {blocker}. Set train.compile: false (or auto)")

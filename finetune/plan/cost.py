@@ -3,7 +3,8 @@
 The figures are orders of magnitude for ranking setups on one piece of hardware, not promises:
   compute         6·N·t for full fine-tuning (forward 2·N·t, backward 4·N·t), 4·N·t with an adapter (the frozen
                   weights need no weight gradients), plus causal attention 2·seq·q per token per layer and pass;
-                  at 40% of the accelerator's dense half-precision peak (fp32: a quarter of it)
+                  at 40% of the accelerator's dense half-precision peak (fp32: a quarter of it); per rank, the
+                  decoder layers' share / tensor_parallel (the output head is whole), the tokens / context_parallel
   recompute       the forward pass of each checkpointed layer again; the chunked loss recomputes the output head
   quantization    4-bit / 8-bit bases dequantize every linear weight in forward and backward: memory-bound reads and
                   writes of the weights at the accelerator's memory bandwidth, per micro-batch
@@ -96,8 +97,9 @@ def step_seconds(
     if s.precision == "fp32":
         flops /= 4
     speed = flops * MFU
-    t = tokens_per_micro_batch(s)
-    forward = forward_flops_per_token(m, s.seq_len) * t
+    t = tokens_per_micro_batch(s) / s.context_parallel  # a context-parallel rank computes its share of each sequence
+    head = 2 * (m.lm_head_params or m.embedding_params)  # the output head is not split by tensor parallelism
+    forward = ((forward_flops_per_token(m, s.seq_len) - head) / s.tensor_parallel + head) * t
     backward = (2 if s.adapter == "full" else 1) * forward
     recompute = forward * checkpointed_layers(m, s) / m.num_layers
     if s.loss == "chunked":

@@ -68,11 +68,16 @@ offloaded each layer's shard is staged on the device before its all-gather. Offl
 states (`optimizer`) or weights, gradients and optimizer states (`all`) into host RAM, which is checked per
 node with ~2.5 GiB per process for the runtime. ZeRO-1/2 shard the fp32 master weights with the optimizer
 states; the half-precision parameters stay whole on every rank.
+
+Tensor parallelism over tp ranks (plan/parallel.py) divides each decoder layer's share of the state (weights,
+adapter, gradients, optimizer states, gathered layers) by tp, and with sequence-parallel norms its activations too;
+embeddings, output head and final norm stay whole on each tp rank. Context parallelism over cp ranks divides the
+tokens each rank holds: activations and logits / cp. S is then the FSDP group (dp x cp ranks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from finetune.catalog import ModelFacts
 
@@ -147,6 +152,10 @@ class Setup:
     checkpoint_layers: int | None = None  # None: all layers when gradient_checkpointing, else none
     activation_offload: bool = False
     optimizer_in_backward: bool = False
+    # parallelism inside the model (plan/parallel.py): decoder layers split over tensor_parallel ranks (sequence
+    # parallel norms), each sequence over context_parallel ranks; shard_size then counts the FSDP group (dp x cp)
+    tensor_parallel: int = 1
+    context_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -194,8 +203,10 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
         "optimizer": optimizer_bytes(s, trainable),
         "reference model": weight_bytes(m, s, a, frozen=True) if s.reference_copy else 0,
     }
+    state = _split_layers(m, s, trainable, state)
     device, host = _shard_and_offload(m, s, a, state)
-    acts, logits = activation_bytes(m, s, a), logits_bytes(m, s, a)
+    split = s.tensor_parallel * s.context_parallel  # tokens (context) and layer widths (tensor) per rank
+    acts, logits = activation_bytes(m, s, a) / split, logits_bytes(m, s, a) / s.context_parallel
     device[REWARD_MODEL] = sum(a * reward_model_params(f) for f, _ in s.reward_models)
     gen_peak, scoring = generation_bytes(m, s, a), scoring_bytes(s, a)
     engine = s.rollout_bytes / (1 + FRAGMENTATION) if s.accelerator else s.rollout_bytes  # no reserve counts on it
@@ -208,7 +219,7 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
         host[PINNED_ACTIVATIONS] = offloaded_activation_bytes(m, s, a)
     if s.sharding in FSDP and s.accumulation > 1 and s.adapter != "full":
         # FSDP2 keeps whole fp32 gradients while sync is off (full fine-tuning syncs every micro-batch instead)
-        device["unsharded gradients (accumulation)"] = 4 * trainable
+        device["unsharded gradients (accumulation)"] = 4 * trainable * tp_shares(m, s, trainable)[1]
     if s.accelerator:
         device[RESERVE] = int(FRAGMENTATION * sum(device.values()))
         device[CONTEXT] = CUDA_CONTEXT
@@ -220,6 +231,28 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
     return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)
+
+
+def tp_shares(m: ModelFacts, s: Setup, trainable: int) -> tuple[float, float]:
+    """The shares of (all parameters, trained parameters) one tensor-parallel rank holds: the decoder layers' split
+    over tensor_parallel ranks (their linears column- or row-wise, a LoRA adapter's matrices with them), embeddings,
+    output head and final norm whole (sharded over the data-parallel ranks only)."""
+    tp = s.tensor_parallel
+    if tp == 1:
+        return 1.0, 1.0
+    layers = m.num_layers * m.layer_params
+    params = (layers / tp + m.num_params - layers) / m.num_params
+    if s.adapter == "full":
+        return params, params
+    lora = trainable_params(m, replace(s, modules_to_save=()))
+    return params, (lora / tp + trainable - lora) / max(trainable, 1)
+
+
+def _split_layers(m: ModelFacts, s: Setup, trainable: int, state: dict[str, float]) -> dict[str, float]:
+    """What one tensor-parallel rank holds of each state term (see tp_shares)."""
+    params, trained = tp_shares(m, s, trainable)
+    per_param = ("weights", "compute copy", "reference model")
+    return {k: v * (params if k in per_param else trained) for k, v in state.items()}
 
 
 def deepspeed(s: Setup) -> bool:
@@ -300,7 +333,7 @@ def _shard_and_offload(
         host[f"offloaded {k}"] = device.pop(k)
     if params_sharded:
         stored = a if s.quantization == "none" else 0.5 + 2 / 64
-        device["gathered layers"] = 2 * m.layer_params * (a if s.adapter == "full" else stored)
+        device["gathered layers"] = 2 * m.layer_params * (a if s.adapter == "full" else stored) / s.tensor_parallel
         if s.sharding in FSDP:  # the root unit (embeddings, head, final norm) stays gathered for the whole step
             device["gathered layers"] += a * (m.num_params - m.num_layers * m.layer_params)
         if s.offload == "all":  # each layer's shard is copied to the device before it is gathered

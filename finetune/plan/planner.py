@@ -18,27 +18,45 @@ from finetune.config.schema import Config
 from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.hardware import Hardware
 from finetune.plan.advice import no_fit_error
-from finetune.plan.candidates import Candidate, loading, sharded_params
-from finetune.plan.comm import seconds
+from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
+from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
-from finetune.plan.explain import alternatives, record_savers
+from finetune.plan.explain import alternatives, record_parallel, record_savers, scaling
 from finetune.plan.memory import LOADING, GiB
+from finetune.plan.parallel import asked
+from finetune.plan.parallel import check as check_parallel
 from finetune.plan.plan import Decision, Plan
 from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
-from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, traffic
+from finetune.plan.search import (
+    Fit,
+    comm_seconds,
+    compensation,
+    device_capacity,
+    host_capacity,
+    search,
+    setup,
+    traffic,
+)
 from finetune.plan.stopping import checkpoint_bytes_per_node, stop_seconds
 from finetune.plan.topology import Topology, choose_global_batch, choose_precision, choose_topology
 
 
 def plan(
-    config: Config, hardware: Hardware, model: ModelFacts, config_path: str = "config.yaml", new_tokens: int = 0
+    config: Config,
+    hardware: Hardware,
+    model: ModelFacts,
+    config_path: str = "config.yaml",
+    new_tokens: int = 0,
+    speeds: Links | None = None,
 ) -> Plan:
     """Compile `config` for `hardware`; raise PlanError when it cannot run there.
 
     new_tokens: tokens the data pipeline adds beyond data.add_special_tokens (a built-in template's
     markers missing from the vocabulary); the embeddings grow and are trained.
+    speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
     """
+    speeds = speeds or links(hardware)
     if new_tokens or config.data.add_special_tokens:
         config = _train_embeddings(config)
     decisions: list[Decision] = []
@@ -49,16 +67,19 @@ def plan(
         topo = choose_topology(config, hardware, decisions, placed.server_gpus, placed.share)
         decisions.extend(placed.decisions)
     precision = choose_precision(config, hardware, decisions)
-    batch = choose_global_batch(config, topo, decisions)
-    outcome = search(config, hardware, model, topo, precision, batch)
+    d = config.distributed
+    check_parallel(config, hardware, topo, model)  # explicit degrees' refusals before the batch arithmetic uses them
+    fixed = (asked(d.tensor_parallel) or 1) * (asked(d.context_parallel) or 1)  # auto degrees divide world / fixed
+    batch = choose_global_batch(config, topo, decisions, topo.world // fixed if fixed > 1 else None)
+    outcome = search(config, hardware, model, topo, precision, batch, speeds)
     fit = outcome.chosen
     if fit is None:
         raise no_fit_error(config, hardware, model, topo, precision, batch)
     _record_fit(config, fit, topo, batch, precision, decisions, outcome.why)
+    record_parallel(config, hardware, fit, outcome.others, model, topo, decisions)
     record_savers(config, fit, model, hardware, topo, precision, batch, decisions)
-    compiled = choose_compile(
-        config, hardware, fit.candidate.backend, fit.candidate.quantization, fit.step_seconds, decisions
-    )
+    c = fit.candidate
+    compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -71,9 +92,9 @@ def plan(
         )
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     attn = choose_attention(config, hardware, decisions)
-    c = fit.candidate
-    accumulation = batch // topo.world // fit.micro_batch_size
-    step = traffic(fit, topo, model, precision, batch)
+    s = setup(config, hardware, topo, precision, batch, c, fit.micro_batch_size, fit.savers, model)
+    accumulation = s.accumulation
+    step = traffic(fit, topo, model, s)
     written = checkpoint_bytes_per_node(
         fit.estimate, c.adapter, c.sharding is not None, sharded_params(c), topo.processes_per_node
     )
@@ -112,7 +133,7 @@ def plan(
             )
         ),
         communication=step,
-        communication_seconds=seconds(step, topo.nodes, c.sharding),
+        communication_seconds=comm_seconds(step, topo, c, speeds),
         quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
         train_embeddings=bool(new_tokens or config.data.add_special_tokens),
         reference=config.method.reference_kind(c.adapter),
@@ -128,6 +149,9 @@ def plan(
         activation_offload=fit.savers.activation_offload,
         optimizer_in_backward=fit.savers.optimizer_in_backward,
         compile=compiled,
+        tensor_parallel=c.tp,
+        context_parallel=c.cp,
+        scaling=scaling(fit, topo, model, s, step, speeds),
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(outcome.others, model),
         rollout=placed.to_plan(hardware, topo, fit) if placed else {},
@@ -190,13 +214,16 @@ def _record_fit(
             else f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)",
         )
     )
-    per_rank = batch // topo.world
+    dp = data_parallel(topo.world, c)
+    per_rank = batch // dp
+    ranks = f"{dp} ranks" if dp == topo.world else f"{dp} data-parallel ranks ({topo.world} / (tp {c.tp} × cp {c.cp}))"
     out.append(
         _choice(
             "micro_batch_size",
             fit.micro_batch_size,
             t.micro_batch_size,
-            f"largest divisor of the {per_rank} sequences per rank that fits ({gib})",
+            f"largest divisor of the {per_rank} sequences per {'rank' if dp == topo.world else 'data-parallel rank'} "
+            f"that fits ({gib})",
         )
     )
     out.append(
@@ -204,7 +231,7 @@ def _record_fit(
             "gradient_accumulation_steps",
             per_rank // fit.micro_batch_size,
             f"{batch} global = {fit.micro_batch_size} micro × {per_rank // fit.micro_batch_size} accumulation × "
-            f"{topo.world} ranks",
+            f"{ranks}",
         )
     )
     if c.host_load:
@@ -240,6 +267,8 @@ def _backend_reason(c: Candidate, topo: Topology) -> str:
         return "one device: no distributed backend needed"
     if c.backend == "ddp":
         return f"a full replica fits on each of the {topo.world} devices: DDP only all-reduces gradients"
+    if c.backend == "fsdp" and c.tp * c.cp > 1:
+        return "tensor and context parallelism compose with FSDP2 only: it shards the rest over the data-parallel ranks"
     if c.backend == "fsdp":
         return "a full replica does not fit per device; FSDP2 shards it" + (
             " and offloads to host RAM" if c.offload != "none" else ""
@@ -255,7 +284,10 @@ def _sharding_reason(c: Candidate, topo: Topology) -> str:
         "hybrid_shard": f"sharded inside each node ({topo.processes_per_node} GPUs), "
         f"replicated across the {topo.nodes} nodes: "
         "all-gathers stay on the fast intra-node links",
-        "full_shard": f"parameters, gradients and optimizer states sharded over all {topo.world} ranks",
+        "full_shard": f"parameters, gradients and optimizer states sharded over all {topo.world} ranks"
+        if c.tp == 1
+        else f"parameters, gradients and optimizer states sharded over the {topo.world // c.tp} ranks that hold "
+        "the same tensor-parallel slice",
         "zero1": "optimizer states sharded",
         "zero2": "gradients and optimizer states sharded",
         "zero3": "parameters, gradients and optimizer states sharded",

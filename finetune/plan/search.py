@@ -14,11 +14,21 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.plan import parallel
 from finetune.plan import savers as saver_options
-from finetune.plan.candidates import Candidate, candidates, loading
-from finetune.plan.comm import seconds, step_traffic
+from finetune.plan.candidates import Candidate, candidates, data_parallel, loading
+from finetune.plan.comm import Links, parallel_traffic, seconds, step_traffic
 from finetune.plan.cost import step_seconds
-from finetune.plan.memory import PINNED_ACTIVATIONS, Estimate, Setup, estimate
+from finetune.plan.memory import (
+    DTYPE_BYTES,
+    PINNED_ACTIVATIONS,
+    Estimate,
+    Setup,
+    checkpointed_layers,
+    estimate,
+    tokens_per_micro_batch,
+    tp_shares,
+)
 from finetune.plan.savers import Savers, chunk_tokens
 from finetune.plan.topology import Topology, pure_bf16_mode
 
@@ -55,15 +65,18 @@ class Outcome:
 
 
 # ---------------------------------------------------------------- the search
-def search(config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int) -> Outcome:
+def search(
+    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, speeds: Links = Links()
+) -> Outcome:
     """The fastest setup that fits (plan/cost.py), among the candidates of the least compromising adapter and
     quantization unless another is at least SPEEDUP_TO_COMPROMISE times faster (a 4-bit base beats a 16-bit one
     streamed from host RAM). Pure bf16 only when nothing fits in mixed precision (unless the config asks for it)."""
     saver_options.check_in_backward(config, topo.world)
+    parallel.check(config, hw, topo, m)
     mode = pure_bf16_mode(config, hw)
-    outcome = _search(config, hw, m, topo, precision, batch, pure=mode == "always")
+    outcome = _search(config, hw, m, topo, precision, batch, pure=mode == "always", speeds=speeds)
     if outcome.chosen is None and mode == "fallback":
-        return _search(config, hw, m, topo, precision, batch, pure=True)
+        return _search(config, hw, m, topo, precision, batch, pure=True, speeds=speeds)
     return outcome
 
 
@@ -71,19 +84,27 @@ SPEEDUP_TO_COMPROMISE = 2.0
 
 
 def _search(
-    config: Config, hw: Hardware, m: ModelFacts, topo: Topology, precision: str, batch: int, pure: bool
+    config: Config,
+    hw: Hardware,
+    m: ModelFacts,
+    topo: Topology,
+    precision: str,
+    batch: int,
+    pure: bool,
+    speeds: Links = Links(),
 ) -> Outcome:
     fits = []
-    for cand in candidates(config, hw, topo):
-        fit = fit_candidate(config, hw, m, topo, precision, batch, cand, pure)
+    for cand in candidates(config, hw, topo, m):
+        fit = fit_candidate(config, hw, m, topo, precision, batch, cand, pure, speeds)
         if fit is not None:
             fits.append(fit)
     if not fits:
         return Outcome(None)
     ranked = sorted(fits, key=lambda f: f.step_seconds)  # stable: ties keep the order of `candidates`
     groups = list(dict.fromkeys((f.candidate.adapter, f.candidate.quantization) for f in fits))
-    fastest, why = ranked[0], ""
+    fastest, why = _plain_unless_it_pays(config, ranked[0], ranked), ""
     chosen = next(f for f in ranked if (f.candidate.adapter, f.candidate.quantization) == groups[0])
+    chosen = _plain_unless_it_pays(config, chosen, ranked)
     if chosen.step_seconds > SPEEDUP_TO_COMPROMISE * fastest.step_seconds:
         why = (
             f"{chosen.candidate.adapter} with quantization {chosen.candidate.quantization} only fits as "
@@ -94,6 +115,31 @@ def _search(
     return Outcome(chosen, tuple(f for f in ranked if f is not chosen), why)
 
 
+def plain(config: Config, c: Candidate) -> bool:
+    """No tensor or context parallelism beyond what the config asks for."""
+    d = config.distributed
+    return (c.tp, c.cp) == (parallel.asked(d.tensor_parallel) or 1, parallel.asked(d.context_parallel) or 1)
+
+
+def best_plain(config: Config, fit: Fit, ranked: list[Fit]) -> Fit | None:
+    """The fastest fit of the same adapter and quantization as `fit` without tensor or context parallelism of its
+    own choosing."""
+    group = (fit.candidate.adapter, fit.candidate.quantization)
+    return next(
+        (f for f in ranked if plain(config, f.candidate) and (f.candidate.adapter, f.candidate.quantization) == group),
+        None,
+    )
+
+
+def _plain_unless_it_pays(config: Config, chosen: Fit, ranked: list[Fit]) -> Fit:
+    """Tensor or context parallelism only where it pays: more than parallel.PAYS faster than the best setup without,
+    or the only one that fits."""
+    if plain(config, chosen.candidate):
+        return chosen
+    other = best_plain(config, chosen, ranked)
+    return other if other is not None and other.step_seconds <= parallel.PAYS * chosen.step_seconds else chosen
+
+
 def describe(fit: Fit, m: ModelFacts) -> str:
     """One line for a setup: adapter, backend, micro-batch and savers."""
     c = fit.candidate
@@ -101,24 +147,45 @@ def describe(fit: Fit, m: ModelFacts) -> str:
     backend = (
         c.backend + (f" {c.sharding}" if c.sharding else "") + (f", offload {c.offload}" if c.offload != "none" else "")
     )
-    return f"{adapter}, {backend}, micro-batch {fit.micro_batch_size}, {fit.savers.describe(m.num_layers)}"
+    inner = "".join(f", {k} {v}" for k, v in (("tensor parallel", c.tp), ("context parallel", c.cp)) if v > 1)
+    return f"{adapter}, {backend}{inner}, micro-batch {fit.micro_batch_size}, {fit.savers.describe(m.num_layers)}"
 
 
-def traffic(fit: Fit, topo: Topology, m: ModelFacts, precision: str, batch: int) -> dict[str, float]:
+def traffic(fit: Fit, topo: Topology, m: ModelFacts, s: Setup) -> dict[str, float]:
+    """Bytes each rank sends per step, by collective (plan/comm.py), for `fit` whose memory view is `s`."""
     c = fit.candidate
-    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if precision == "fp32" else 2
-    accumulation = batch // topo.world // fit.micro_batch_size
-    return step_traffic(
+    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if s.precision == "fp32" else 2
+    params, trained = tp_shares(m, s, fit.estimate.trainable_params)
+    out = step_traffic(
         c.backend,
         c.sharding,
         topo.nodes,
         topo.processes_per_node,
-        fit.estimate.trainable_params,
-        m.num_params,
+        round(fit.estimate.trainable_params * trained),
+        round(m.num_params * params),
         stored,
-        accumulation,
-        grad_bytes=2 if fit.savers.pure_bf16 or (c.backend == "deepspeed" and precision != "fp32") else 4,
+        s.accumulation,
+        grad_bytes=2 if fit.savers.pure_bf16 or (c.backend == "deepspeed" and s.precision != "fp32") else 4,
+        tensor_parallel=c.tp,
     )
+    out.update(
+        parallel_traffic(
+            tokens_per_micro_batch(s),
+            m.hidden_size,
+            m.kv_dim,
+            m.num_layers,
+            checkpointed_layers(m, s),
+            DTYPE_BYTES[s.precision],
+            s.accumulation,
+            c.tp,
+            c.cp,
+        )
+    )
+    return out
+
+
+def comm_seconds(traffic: dict[str, float], topo: Topology, c: Candidate, speeds: Links = Links()) -> float:
+    return seconds(traffic, topo.nodes, c.sharding, topo.processes_per_node, c.tp * c.cp, speeds)
 
 
 def fit_candidate(
@@ -130,30 +197,33 @@ def fit_candidate(
     batch: int,
     cand: Candidate,
     pure: bool = False,
+    speeds: Links = Links(),
 ) -> Fit | None:
     """The fastest combination of micro-batch and savers that fits this candidate: for each combination the config
     allows, the largest micro-batch that fits (memory grows with it), then the least estimated step time."""
-    per_rank = batch // topo.world
+    dp = data_parallel(topo.world, cand)
+    per_rank = batch // dp
     t = config.train
     sizes = divisors(per_rank) if t.micro_batch_size == "auto" else [t.micro_batch_size]
     if t.micro_batch_size != "auto" and per_rank % t.micro_batch_size:
         raise PlanError(
             f"train.micro_batch_size: {t.micro_batch_size} does not divide the {per_rank} sequences each rank "
-            f"gets per step (global batch {batch} over {topo.world} ranks); use one of {divisors(per_rank)} or auto"
+            f"gets per step (global batch {batch} over {dp}{' data-parallel' if dp < topo.world else ''} ranks); "
+            f"use one of {divisors(per_rank)} or auto"
         )
     if t.optimizer_in_backward is True and per_rank not in sizes:
         raise PlanError(
             f"train.optimizer_in_backward: true steps after every backward pass, so a step must be one micro-batch, "
             f"but micro_batch_size {t.micro_batch_size} is less than the {per_rank} sequences each rank gets per step; "
             f"set train.micro_batch_size: {per_rank} (or auto), or train.global_batch_size: "
-            f"{t.micro_batch_size * topo.world}"
+            f"{t.micro_batch_size * dp}"
         )
     best: Fit | None = None
     for combo in saver_options.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
         allowed = [per_rank] if combo.optimizer_in_backward else sizes  # no accumulation with the step in backward
         if combo.optimizer_in_backward and per_rank not in sizes:
             continue
-        fit = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed)
+        fit = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds)
         if fit is not None and (best is None or fit.step_seconds < best.step_seconds):
             best = fit
         if best is not None and best.micro_batch_size == sizes[-1] and best.savers == combo and _free(combo):
@@ -165,7 +235,7 @@ def _free(combo: Savers) -> bool:
     return combo.loss not in ("chunked",) and not combo.checkpoint_layers and not combo.activation_offload
 
 
-def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes) -> Fit | None:
+def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, speeds=Links()) -> Fit | None:
     """Binary search over ascending `sizes` for the largest micro-batch whose estimate fits."""
     lo, hi, found = 0, len(sizes) - 1, None
     while lo <= hi:
@@ -182,8 +252,8 @@ def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes) -> F
     mb, est = found
     s = setup(config, hw, topo, precision, batch, cand, mb, combo, m)
     fit = Fit(cand, mb, combo, est)
-    comm = seconds(traffic(fit, topo, m, precision, batch), topo.nodes, cand.sharding)
-    return Fit(cand, mb, combo, est, step_seconds(m, s, hw, batch // topo.world // mb, comm))
+    comm = comm_seconds(traffic(fit, topo, m, s), topo, cand, speeds)
+    return Fit(cand, mb, combo, est, step_seconds(m, s, hw, s.accumulation, comm))
 
 
 def divisors(n: int) -> list[int]:
@@ -207,7 +277,9 @@ def setup(
 ) -> Setup:
     """The memory estimator's view of one candidate."""
     a, method = config.adapter, config.method
-    shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world
+    dp = data_parallel(topo.world, cand)
+    # FSDP's group: a node (hybrid_shard), else the data- and context-parallel ranks of one tensor-parallel slot
+    shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world // cand.tp
     attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
     gen_tokens = method.generation_tokens(config.data.seq_len) if topo.engine.samples else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
@@ -239,15 +311,17 @@ def setup(
         sequences_per_row=method.sequences_per_row,
         reference_copy=method.reference_kind(cand.adapter) == "copy",
         generation_tokens=gen_tokens,
-        generation_batch=batch // topo.world if gen_tokens else 0,
+        generation_batch=batch // dp if gen_tokens else 0,
         accelerator=not hw.is_cpu,
         loading=loading(cand),
-        accumulation=batch // topo.world // mb,
+        accumulation=batch // dp // mb,
         rollout_bytes=topo.engine.device_bytes,
         rollout_sleeps=topo.engine.sleeps,
         rollout_host_bytes=topo.engine.host_bytes,
         reward_models=reward_models(method),
         head=method.head,
+        tensor_parallel=cand.tp,
+        context_parallel=cand.cp,
     )
 
 

@@ -143,16 +143,20 @@ def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
     return "fp16"
 
 
-def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> int:
-    t, world = config.train, topo.world
+def choose_global_batch(config: Config, topo: Topology, out: list[Decision], data_parallel: int | None = None) -> int:
+    """Sequences per optimizer step: split evenly over the data-parallel ranks (the world, unless the config fixes
+    tensor- or context-parallel degrees: then world / (tp x cp); see plan/parallel.py)."""
+    t, world = config.train, data_parallel or topo.world
+    what = "ranks" if world == topo.world else "data-parallel ranks"
     if t.global_batch_tokens is not None:
         seqs = max(world, round(t.global_batch_tokens / config.data.seq_len / world) * world)
         out.append(
             Decision(
                 "global_batch_size",
                 seqs,
-                f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of world "
-                f"size {world}: {seqs * config.data.seq_len} tokens per step",
+                f"{t.global_batch_tokens} tokens / seq_len {config.data.seq_len}, rounded to a multiple of "
+                f"{'world size' if what == 'ranks' else 'the data-parallel ranks'} {world}: "
+                f"{seqs * config.data.seq_len} tokens per step",
             )
         )
         return seqs
@@ -161,13 +165,13 @@ def choose_global_batch(config: Config, topo: Topology, out: list[Decision]) -> 
         options = " or ".join(str(n) for n in (lower, upper) if n)
         raise PlanError(
             f"train.global_batch_size: {t.global_batch_size} sequences cannot be split evenly over {world} "
-            f"ranks; set it to {options}, or change distributed.processes_per_node / nodes"
+            f"{what}; set it to {options}, or change distributed.processes_per_node / nodes"
         )
     out.append(
         Decision(
             "global_batch_size",
             t.global_batch_size,
-            f"{t.global_batch_size // world} sequences per rank × {world} ranks",
+            f"{t.global_batch_size // world} sequences per {what[:-1]} × {world} {what}",
             "config" if t.explicit("global_batch_size") else "auto",
         )
     )
