@@ -300,8 +300,30 @@ ProcessesOption = typer.Option(
     None,
     "--processes",
     "-n",
-    help="Processes generating in parallel (default: one per GPU, per --tensor-parallel GPUs with vLLM; 1 on CPU).",
+    help="Processes generating in parallel on this node (default: one per GPU, per --tensor-parallel GPUs with vLLM; "
+    "1 on CPU).",
 )
+# ft generate / ft eval across nodes: ft train's flags, with SLURM's variables read the same way (NodeRole.from_env)
+NodesOption = typer.Option(
+    None,
+    "--nnodes",
+    help="Nodes generating together (default: SLURM's, else 1). Run the same command on every node; the output "
+    "(and --predictions) must be on a filesystem every node shares.",
+)
+NodeRankOption = typer.Option(
+    None, "--node-rank", help="This node's rank, 0 .. nnodes-1 (default: SLURM_NODEID or 0); node 0 writes the output."
+)
+MasterAddrOption = typer.Option(None, "--master-addr", help="Address of node 0 (default: SLURM's first node).")
+MasterPortOption = typer.Option(None, "--master-port", help="Port on node 0 for the rendezvous (default 29500).")
+RdzvIdOption = typer.Option(
+    None, "--rdzv-id", help="Meet the other nodes through torchrun's c10d rendezvous with this id instead."
+)
+
+
+def _node_role(nnodes, node_rank, master_addr, master_port, rdzv_id):
+    from finetune.workflow import NodeRole
+
+    return NodeRole.from_env(nnodes, node_rank, master_addr, master_port, rdzv_id)
 
 
 @app.command()
@@ -372,9 +394,14 @@ def generate(
     ),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    nnodes: int | None = NodesOption,
+    node_rank: int | None = NodeRankOption,
+    master_addr: str | None = MasterAddrOption,
+    master_port: int | None = MasterPortOption,
+    rdzv_id: str | None = RdzvIdOption,
 ) -> None:
-    """Generate completions for a prompt file, data-parallel over GPUs or processes; a restart continues where it
-    stopped."""
+    """Generate completions for a prompt file, data-parallel over GPUs, processes or nodes; a restart continues where
+    it stopped."""
     from finetune.infer.commands import run_generate
 
     run_generate(
@@ -404,6 +431,7 @@ def generate(
         overwrite=overwrite,
         trust_remote_code=trust_remote_code,
         progress=not quiet,
+        role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id),
     )
 
 
@@ -475,6 +503,11 @@ def eval_(
     overwrite: bool = typer.Option(False, "--overwrite", help="Generate again even when --predictions holds answers."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    nnodes: int | None = NodesOption,
+    node_rank: int | None = NodeRankOption,
+    master_addr: str | None = MasterAddrOption,
+    master_port: int | None = MasterPortOption,
+    rdzv_id: str | None = RdzvIdOption,
 ) -> None:
     """Measure a model: task metrics on a prompt/answer set, loss and perplexity, lm-eval-harness tasks. A table, or
     JSON."""
@@ -509,6 +542,7 @@ def eval_(
         base=base,
         trust_remote_code=trust_remote_code,
         progress=not quiet,
+        role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id),
     )
 
 
@@ -571,6 +605,13 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     shown = " ".join(a if len(a) <= 60 else a[:40] + "..." for a in args[:4])
     run_main(lambda: _invoke(args), what=f"ft {shown}".strip())
+
+
+def entry() -> None:
+    """The `ft` command (and `python -m finetune`): main(), then a quick exit once everything is written."""
+    from finetune.errors import exit_process
+
+    exit_process(main)
 
 
 def _invoke(args: list[str]) -> int:

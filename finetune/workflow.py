@@ -344,7 +344,7 @@ def write_generate_script(
     args: list[str], output: str, hardware: str | None, out, time_limit: str, partition: str | None
 ):
     """`ft launch generate --slurm -- ARGS`: the sbatch script that runs `ft generate ARGS` (checked by the CLI; its
-    --out is `output`) on one node of `hardware`."""
+    --out is `output`) on the nodes of `hardware` (one, or several sharing a filesystem)."""
     from pathlib import Path
 
     from finetune.distributed.slurm import Allocation, generate_script
@@ -352,15 +352,13 @@ def write_generate_script(
     from finetune.plan.stopping import MIN_STOP_S
 
     if not hardware:
-        raise FtError("ft launch generate needs --hardware: the devices of one cluster node, e.g. 8xH100")
+        raise FtError("ft launch generate needs --hardware: the cluster's nodes and devices, e.g. 8xH100 or 2x8xH100")
     node = hardware_for(hardware)
-    if node.nodes != 1:
-        raise FtError(f"ft generate runs on one node; --hardware {hardware} describes {node.nodes}: describe one")
     log_dir = Path(output).expanduser().parent
     out = Path(out) if out else log_dir / "generate.sbatch"
     gpus = 0 if node.is_cpu else node.devices_per_node
     allocation = Allocation(
-        "ft-generate", 1, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
+        "ft-generate", node.nodes, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, generate_script(list(args), allocation))

@@ -1,4 +1,4 @@
-"""sbatch scripts that run ft on a Slurm cluster: `ft train` (one per node, torchrun inside) or `ft generate`.
+"""sbatch scripts that run ft on a Slurm cluster: `ft train` or `ft generate` (one per node, torchrun inside).
 
 What a shared cluster needs, and where the script does it:
 - Whole nodes: `--exclusive`, `--mem=0` (all of the node's memory) and `--cpus-per-task` (the node's cores for the
@@ -80,9 +80,16 @@ def sbatch_script(
 
 
 def generate_script(args: list[str], allocation: Allocation) -> str:
-    """The script of `ft generate ARGS` on one node; a requeued job continues where it stopped (its rows are kept)."""
+    """The script of `ft generate ARGS` on the allocation's nodes (each node's task runs it with its node rank, as for
+    training); a requeued job continues where it stopped (its rows are kept)."""
     command = "exec ft generate " + " ".join(shlex.quote(a) for a in args)
-    about = f"`ft generate` on one node with {allocation.gpus_per_node or 'no'} GPU(s)"
+    if allocation.nodes > 1:
+        command += (
+            f' --nnodes "${{SLURM_NNODES:-{allocation.nodes}}}" --node-rank "${{SLURM_NODEID:-$SLURM_PROCID}}" '
+            '--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"'
+        )
+    where = f"{allocation.nodes} nodes" if allocation.nodes > 1 else "one node"
+    about = f"`ft generate` on {where} with {allocation.gpus_per_node or 'no'} GPU(s) each"
     # ft generate's workers stop on SIGTERM (torchrun passes it on); the finished batches stay in OUT.parts
     return _script(allocation, about, command, forward="TERM", stopped_code=None)
 

@@ -7,6 +7,7 @@ store.py     per-process part files, resume, and the merge into one output in in
 job.py       GenerateJob: what one `ft generate` produces (OUT.parts/job.json)
 generate.py  the launcher of `ft generate`
 worker.py    one process of `ft generate`: its share of the batches
+nodes.py     `ft generate` / `ft eval` across nodes: each node's torchrun command, the ranks' attempt and final barrier
 scoring.py   task metrics: exact_match, contains, regex, user functions
 evaluation.py `ft eval`: task metrics, loss and perplexity, lm-eval-harness tasks; the task metric in training
 lmeval.py    lm-eval-harness tasks on the loaded model

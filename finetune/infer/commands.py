@@ -36,8 +36,10 @@ def run_generate(
     overwrite=False,
     trust_remote_code=False,
     progress=True,
+    role=None,
 ):
-    """`ft generate`: build the job from the options, generate, print the summary."""
+    """`ft generate`: build the job from the options, generate, print the summary. `role` (finetune.workflow.NodeRole):
+    this node's place in a job across nodes."""
     from finetune.artifacts import resolve
     from finetune.infer.engines import Sampling
     from finetune.infer.generate import generate
@@ -57,7 +59,7 @@ def run_generate(
         dtype=dtype,
         output_field=output_field,
     )
-    result = generate(job, processes=processes, overwrite=overwrite, progress=progress)
+    result = generate(job, processes=processes, overwrite=overwrite, progress=progress, role=role)
     _console().print(str(result))
     return result
 
@@ -92,8 +94,10 @@ def run_eval(
     base=None,
     trust_remote_code=False,
     progress=True,
+    role=None,
 ):
-    """`ft eval`: the metrics asked for (or the run's `evaluation:` section), as a table or JSON, and to --out."""
+    """`ft eval`: the metrics asked for (or the run's `evaluation:` section), as a table or JSON, and to --out. Across
+    nodes (`role`), every node generates its share of the answers and node 0 reports."""
     from finetune.artifacts import resolve
     from finetune.infer.evaluation import LOSS, EvalJob, evaluate, from_run, print_table
     from finetune.infer.prompts import PromptSpec
@@ -134,7 +138,10 @@ def run_eval(
         lm_eval_limit,
         lm_eval_chat,
     )
-    result = evaluate(job, processes=processes, overwrite=overwrite, progress=progress)
+    result = evaluate(job, processes=processes, overwrite=overwrite, progress=progress, role=role)
+    if result.node_rank:
+        _console().print(result.node_summary())
+        return result
     text = json.dumps(result.to_json(), indent=2)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

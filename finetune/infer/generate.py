@@ -5,6 +5,9 @@ out which batches still have prompts without output (finetune.infer.store), and 
 this attempt's plan into OUT.parts/. One process runs here; several are started with torchrun, each
 running finetune.infer.worker on its share of the batches. When they are done, the parts are merged
 into OUT in input order.
+
+Across nodes (finetune.infer.nodes) every node runs the same command: node 0 does all of the above, the
+others only start their ranks, which read node 0's plan from OUT.parts/ on the shared filesystem.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class GenerateResult:
     processes: int
     engine: str
     padding: float  # share of padding in the prompt batches
+    nodes: int = 1
+    node_rank: int = 0  # a node other than 0 of a job across nodes reports only that its processes finished
 
     @property
     def prompts_per_s(self) -> float:
@@ -43,6 +48,11 @@ class GenerateResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def __str__(self) -> str:
+        if self.node_rank:
+            return (
+                f"node {self.node_rank} of {self.nodes}: its share is done ({self.processes} process"
+                f"{'es' if self.processes > 1 else ''}); node 0 writes {self.out}"
+            )
         kept = self.rows - self.generated
         if not self.generated:
             return (
@@ -53,20 +63,62 @@ class GenerateResult:
             f"wrote {self.out}: {self.rows} rows ({self.generated} generated "
             f"now{f', {kept} kept from before' if kept else ''}), "
             f"{self.prompts_per_s:.2f} prompts/s, {self.tokens_per_s:,.0f} tokens/s on {self.processes} "
-            f"process{'es' if self.processes > 1 else ''} ({self.engine})"
+            f"process{'es' if self.processes > 1 else ''}{f' over {self.nodes} nodes' if self.nodes > 1 else ''} "
+            f"({self.engine})"
         )
 
 
 def generate(
-    job: GenerateJob, processes: int | None = None, overwrite: bool = False, progress: bool = True
+    job: GenerateJob, processes: int | None = None, overwrite: bool = False, progress: bool = True, role=None
 ) -> GenerateResult:
-    """Generate what OUT lacks, then write OUT in input order; see the module docstring."""
+    """Generate what OUT lacks, then write OUT in input order; see the module docstring. `role` (a
+    finetune.workflow.NodeRole): this node's place in a job across nodes (finetune.infer.nodes); None: this machine."""
+    from finetune.infer import batches, nodes, store
+
+    job.sampling.check()
+    out = _output_path(job.out)
+    role = role if nodes.spans_nodes(role) else None
+    if role is not None:
+        nodes.check_role(role)
+        if role.node_rank != 0:  # node 0 plans and merges; this node runs its share of the ranks
+            return _join(job, out, processes, role)
+    job, keys, lengths, plan = _planned(job, out, overwrite)
+    parts = _claim(store.parts_dir(out), job)
+    done = store.done_rows(out, job.prompts.id_field, set(keys))
+    todo = [b for b, batch in enumerate(plan) if any(keys[i] not in done for i in batch)]
+    stats, world = store.Stats(0, 0, 0.0), 0
+    if todo or role is not None:  # across nodes, the other nodes' ranks are waiting for node 0's: always start them
+        attempt, gpus = store.next_attempt(parts), _gpus()
+        skip = sorted(i for b in todo for i in plan[b] if keys[i] in done)
+        world = _processes(processes, gpus, job.tensor_parallel, len(todo) if role is None else None)
+        (parts / f"plan-{attempt}.json").write_text(
+            json.dumps(
+                {"keys": keys, "batches": plan, "todo": todo, "skip": skip, "longest": max(lengths), "gpus": gpus}
+            )
+        )
+        _run(parts, attempt, world, sum(len(plan[b]) for b in todo) - len(skip), progress, role, gpus)
+        stats = store.read_stats(parts, attempt)
+    rows = store.merge(out, keys, job.prompts.id_field)
+    return GenerateResult(
+        out,
+        rows,
+        stats.rows,
+        stats.tokens,
+        stats.seconds,
+        world if role is None else stats.processes,
+        job.engine,
+        batches.padding_share(lengths, plan),
+        nodes=role.nnodes if role is not None else 1,
+    )
+
+
+def _planned(job: GenerateJob, out: Path, overwrite: bool):
+    """The job with its engine, batch size and template settled; the prompts' id keys, their token lengths, and the
+    batches. With `overwrite`, OUT and its parts are removed once the prompts have been read."""
     from finetune.artifacts import load_tokenizer
     from finetune.infer import batches, engines, store
     from finetune.infer.prompts import encode, read_prompts, template_for
 
-    job.sampling.check()
-    out = _output_path(job.out)
     prompt_set = read_prompts(job.prompts)
     engine = engines.choose(job.engine, job.tensor_parallel)
     job = dataclasses.replace(
@@ -85,26 +137,20 @@ def generate(
     if overwrite:  # only now: a mistake in the prompts above leaves the earlier output alone
         out.unlink(missing_ok=True)
         shutil.rmtree(store.parts_dir(out), ignore_errors=True)
-    parts = _claim(store.parts_dir(out), job)
-    keys = [store.id_key(p.id) for p in prompts]
-    done = store.done_rows(out, job.prompts.id_field, set(keys))
-    todo = [b for b, batch in enumerate(plan) if any(keys[i] not in done for i in batch)]
-    stats, world = store.Stats(0, 0, 0.0), 0
-    if todo:
-        attempt, gpus = store.next_attempt(parts), _gpus()
-        skip = sorted(i for b in todo for i in plan[b] if keys[i] in done)
-        world = _processes(processes, gpus, job.tensor_parallel, len(todo))
-        (parts / f"plan-{attempt}.json").write_text(
-            json.dumps(
-                {"keys": keys, "batches": plan, "todo": todo, "skip": skip, "longest": max(lengths), "gpus": gpus}
-            )
-        )
-        _run(parts, attempt, world, sum(len(plan[b]) for b in todo) - len(skip), progress)
-        stats = store.read_stats(parts, attempt)
-    rows = store.merge(out, keys, job.prompts.id_field)
-    return GenerateResult(
-        out, rows, stats.rows, stats.tokens, stats.seconds, world, engine, batches.padding_share(lengths, plan)
-    )
+    return job, [store.id_key(p.id) for p in prompts], lengths, plan
+
+
+def _join(job: GenerateJob, out: Path, processes: int | None, role) -> GenerateResult:
+    """A node other than 0 of a job across nodes: start this node's ranks, which read node 0's plan from OUT.parts/."""
+    from finetune.infer import engines, nodes, store
+
+    engine = engines.choose(job.engine, job.tensor_parallel)  # as node 0 chooses; the ranks follow node 0's job.json
+    gpus = _gpus()
+    per_node = _processes(processes, gpus, job.tensor_parallel, None)
+    cmd = nodes.worker_command(store.parts_dir(out), None, role, per_node, gpus)
+    _say_launch(role, cmd)
+    _check_code(_launch(cmd, None))
+    return GenerateResult(out, 0, 0, 0, 0.0, per_node, engine, 0.0, nodes=role.nnodes, node_rank=role.node_rank)
 
 
 def _output_path(out: str) -> Path:
@@ -161,9 +207,10 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _processes(asked: int | None, gpus: int, tensor_parallel: int, batches_todo: int) -> int:
-    """Processes to run: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never more than
-    batches. (`engines.choose` has refused tensor_parallel > 1 without GPUs.)"""
+def _processes(asked: int | None, gpus: int, tensor_parallel: int, batches_todo: int | None) -> int:
+    """Processes to run on this node: asked, else one per GPU (per tensor_parallel GPUs with vLLM), else one; never
+    more than the batches to do where known (on one node). (`engines.choose` has refused tensor_parallel > 1 without
+    GPUs.)"""
     if asked is not None and asked < 1:
         raise FtError(f"--processes {asked}: must be at least 1")
     if gpus and asked and asked * tensor_parallel > gpus:
@@ -176,18 +223,46 @@ def _processes(asked: int | None, gpus: int, tensor_parallel: int, batches_todo:
             f"--tensor-parallel {tensor_parallel}: only {gpus} GPUs are visible.\n    fix: --tensor-parallel {gpus}"
         )
     default = max(1, gpus // tensor_parallel) if gpus else 1
-    return max(1, min(asked or default, batches_todo))
+    count = asked or default
+    return count if batches_todo is None else max(1, min(count, batches_todo))
 
 
-def _run(parts: Path, attempt: int, world: int, total: int, progress: bool) -> None:
-    """Run the workers: here when one, else through torchrun; the bar follows the part files."""
-    from finetune.infer import worker
+def _run(parts: Path, attempt: int, world: int, total: int, progress: bool, role, gpus: int) -> None:
+    """Run this node's workers: here when one on one node, else through torchrun; the bar follows the part files
+    (of every node: they share OUT.parts/)."""
+    from finetune.distributed.launch import torchrun
+    from finetune.infer import nodes, worker
 
     with _Bar(total, progress) as bar:
-        if world == 1:
+        if world == 1 and role is None:
+            (parts / "launch.txt").write_text("# one process: the ft generate process itself\n")
             worker.run(parts, attempt, 0, 1, on_rows=bar.advance, hooks=worker.batch_hooks())
             return
-        code = _launch(parts, attempt, world, bar)
+        if role is None:
+            cmd = torchrun(["-m", "finetune.infer.worker", str(parts), str(attempt)], 1, world, python=sys.executable)
+        else:
+            cmd = nodes.worker_command(parts, attempt, role, world, gpus)
+            _say_launch(role, cmd)
+        (parts / "launch.txt").write_text(_launch_record(cmd, role))
+        code = _launch(cmd, bar, parts, attempt)
+    _check_code(code)
+
+
+def _launch_record(cmd: list[str], role) -> str:
+    """launch.txt: the command that started the workers (of node 0; the other nodes run it with their --node-rank)."""
+    import shlex
+
+    head = "" if role is None else f"# node 0 of {role.nnodes}; node R runs the same with --node-rank=R\n"
+    return head + " ".join(shlex.quote(a) for a in cmd) + "\n"
+
+
+def _say_launch(role, cmd: list[str]) -> None:
+    import shlex
+
+    sys.stderr.write(f"ft generate, node {role.node_rank} of {role.nnodes}: {' '.join(map(shlex.quote, cmd))}\n")
+
+
+def _check_code(code: int) -> None:
     if code:
         raise FtError(
             f"generation failed: a process exited with code {code} (its error is printed above).\n"
@@ -195,17 +270,18 @@ def _run(parts: Path, attempt: int, world: int, total: int, progress: bool) -> N
         )
 
 
-def _launch(parts: Path, attempt: int, world: int, bar) -> int:
+def _launch(cmd: list[str], bar, parts: Path | None = None, attempt: int = 0) -> int:
+    """Run torchrun (`cmd`); with a bar, follow attempt `attempt`'s part files in `parts` meanwhile."""
     import torch
 
-    from finetune.distributed.launch import torchrun
     from finetune.distributed.lifecycle import run_forwarding_signals
     from finetune.infer.store import PartsWatcher
 
-    cmd = torchrun(["-m", "finetune.infer.worker", str(parts), str(attempt)], 1, world, python=sys.executable)
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
+    if bar is None:
+        return run_forwarding_signals(cmd, env)
     watcher, stop = PartsWatcher(parts, attempt), threading.Event()
 
     def follow() -> None:

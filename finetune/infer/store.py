@@ -138,6 +138,7 @@ class Stats:
     rows: int
     tokens: int
     seconds: float  # from the first process starting to generate to the last one finishing
+    processes: int = 0  # that wrote their stats: every process of the attempt, on every node
 
 
 def write_stats(folder: Path, attempt: int, rank: int, rows: int, tokens: int, start: float, end: float) -> None:
@@ -151,7 +152,7 @@ def read_stats(folder: Path, attempt: int) -> Stats:
     if not found:
         return Stats(0, 0, 0.0)
     seconds = max(s["end"] for s in found) - min(s["start"] for s in found)
-    return Stats(sum(s["rows"] for s in found), sum(s["tokens"] for s in found), seconds)
+    return Stats(sum(s["rows"] for s in found), sum(s["tokens"] for s in found), seconds, len(found))
 
 
 def merge(out: Path, keys: list[str], id_field: str) -> int:

@@ -1,8 +1,11 @@
 """One process of `ft generate`: its share of the planned batches, appended to its part file.
 
     python -m finetune.infer.worker OUT.parts ATTEMPT      (started by torchrun; rank from RANK/WORLD_SIZE)
+    python -m finetune.infer.worker OUT.parts ATTEMPT|- --nodes N --gpus G      (a job across N nodes)
 
-Processes do not talk to each other: the plan fixes who does which batch, and the launcher merges.
+Processes do not talk to each other while they generate: the plan fixes who does which batch, and the
+launcher merges. Across nodes (finetune.infer.nodes) they share, through torchrun's store, the attempt
+node 0 planned ("-": read it there) and a barrier at the end; G is this node's GPU count.
 """
 
 from __future__ import annotations
@@ -31,9 +34,20 @@ _LAUNCHER_VARS = (
 )
 
 
-def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, on_rows=None, hooks=()) -> None:
+def run(
+    parts: Path,
+    attempt: int,
+    rank: int,
+    world: int,
+    local_rank: int = 0,
+    on_rows=None,
+    hooks=(),
+    gpus: int | None = None,
+    local_world: int | None = None,
+) -> None:
     """Generate this rank's batches of attempt `attempt`; `on_rows(rows, tokens)` after each batch, then each of
-    `hooks` (tests and debugging; see batch_hooks) as hook(rank, batches_done)."""
+    `hooks` (tests and debugging; see batch_hooks) as hook(rank, batches_done). `gpus`: this node's GPU count (default:
+    the one the launcher counted on node 0); `local_world`: the processes of this node (default `world`)."""
     from finetune.infer.batches import deal
     from finetune.infer.job import GenerateJob
     from finetune.infer.store import PartWriter, write_stats
@@ -41,10 +55,11 @@ def run(parts: Path, attempt: int, rank: int, world: int, local_rank: int = 0, o
     job = GenerateJob.from_json(json.loads((parts / "job.json").read_text()))
     plan = json.loads((parts / f"plan-{attempt}.json").read_text())
     mine = deal(plan["todo"], rank, world)
+    gpus = plan["gpus"] if gpus is None else gpus
     if job.engine == "vllm" and world > 1:
-        _own_devices(local_rank, world, job.tensor_parallel, plan["gpus"])
+        _own_devices(local_rank, local_world or world, job.tensor_parallel, gpus)
     prompts, tokenizer, jinja = _inputs(job, plan["keys"])
-    engine = _engine(job, tokenizer, local_rank, plan) if mine else None
+    engine = _engine(job, tokenizer, local_rank, plan["longest"], gpus) if mine else None
     skip, writer = set(plan["skip"]), PartWriter(parts, attempt, rank)
     start, rows, tokens = time.time(), 0, 0
     try:
@@ -92,14 +107,14 @@ def _row(job, prompt, text: str) -> str:
     return row_text(prompt.fields, job.prompts.id_field, prompt.id, job.output_field, text)
 
 
-def _engine(job, tokenizer, local_rank: int, plan: dict):
+def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int):
     import torch
 
     from finetune.infer import engines
 
     if job.engine == "vllm":
         return engines.VllmEngine(
-            job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype, plan["longest"], plan["gpus"] > 0
+            job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype, longest, gpus > 0
         )
     from transformers.utils import logging
 
@@ -113,11 +128,12 @@ def _engine(job, tokenizer, local_rank: int, plan: dict):
 
 def _own_devices(local_rank: int, local_world: int, tensor_parallel: int, gpus: int) -> None:
     """Give this process's vLLM engine its own devices, and hide torchrun's variables from vLLM (each engine is a
-    model of its own, not a rank of one). GPUs: its group of `tensor_parallel` GPUs, set before CUDA starts here
-    (`gpus`, counted by the launcher, stands in for asking CUDA). CPU: its share of the cores for vLLM's thread
-    binding, where the user has not set one (vLLM binds where its engine runs in a process of its own,
-    VLLM_ENABLE_V1_MULTIPROCESSING=1, and would bind every engine to the same cores)."""
+    model of its own, not a rank of one). GPUs: its group of `tensor_parallel` GPUs of this node, set before CUDA
+    starts here (`gpus`, counted by this node's launcher, stands in for asking CUDA). CPU: its share of the cores
+    for vLLM's thread binding, where the user has not set one (vLLM binds where its engine runs in a process of its
+    own, VLLM_ENABLE_V1_MULTIPROCESSING=1, and would bind every engine to the same cores)."""
     if gpus:
+        # local_rank counts this node's processes only (torchrun's LOCAL_RANK), so each group lies on this node's GPUs
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
@@ -151,11 +167,32 @@ def batch_hooks() -> tuple:
     return (load_function(spec, BATCH_HOOK),)
 
 
+def _arguments(argv: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m finetune.infer.worker")
+    parser.add_argument("parts", type=Path)
+    parser.add_argument("attempt", help='the attempt to run, or "-": the one node 0 planned')
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=None)
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    args = _arguments(sys.argv[1:] if argv is None else argv)
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    planned = None if args.attempt == "-" else int(args.attempt)
     try:
-        run(Path(args[0]), int(args[1]), rank, world, local, hooks=batch_hooks())
+        group = None
+        if args.nodes > 1:
+            from finetune.infer.nodes import NodeGroup
+
+            group = NodeGroup(rank, world)  # before run(): vLLM's set-up hides MASTER_ADDR/MASTER_PORT
+            planned = group.attempt(planned)
+        run(args.parts, planned, rank, world, local, hooks=batch_hooks(), gpus=args.gpus, local_world=local_world)
+        if group is not None:
+            group.finish()
     except FtError as e:
         sys.stderr.write(f"error (process {rank}): {e}\n")
         sys.exit(e.exit_code)
