@@ -1,9 +1,12 @@
-"""ft on a GPU with a ~1B-parameter Llama built offline: loading memory per rank against the plan, and throughput.
+"""ft on GPUs with a ~1B-parameter Llama built offline: loading memory per rank against the plan, throughput, and
+scaling from one GPU to all of them.
 
     python bench/gpu_bench.py build      --model DIR [--size 1b|small]
     python bench/gpu_bench.py memory     --model DIR [--work DIR] [--json FILE] [--steps 3] [--hardware DESC]
     python bench/gpu_bench.py throughput --model DIR [--work DIR] [--json FILE] [--steps 20] [--hardware DESC]
-    python bench/gpu_bench.py summary    [--memory FILE] [--throughput FILE]
+    python bench/gpu_bench.py scaling    --model DIR [--work DIR] [--json FILE] [--steps 20] [--hardware DESC]
+                                         [--adapter full|lora] [--tensor-parallel K]
+    python bench/gpu_bench.py summary    [--memory FILE] [--throughput FILE] [--scaling FILE]
 
 build: a LlamaForCausalLM with random weights (hidden 2048, 16 layers, 32 heads, MLP 5632, vocab 32000:
 ~0.95B parameters), saved with save_pretrained as bf16 safetensors, with ft's tiny tokenizer (its ~500
@@ -23,7 +26,16 @@ FLOPs not counted; LoRA does less work than 6N, about 4N: no weight gradients fo
 6N figure is "model FLOPs" as if fully trained). Peaks are NVIDIA's datasheet figures (below), and an
 8192^3 bf16 matmul measured here is shown beside them.
 
-On CPU (`--hardware cpu`, `--size small`) every step runs too, to check the pipeline without a GPU.
+scaling: the same job (full fine-tuning by default, bf16, packed sequences, one micro-batch of the same size per
+device and step, no accumulation: every device does the same work) with `ft train` on one device, then on all N
+visible devices with the plan's backend (`--tensor-parallel K`: `--set distributed.tensor_parallel=K`, each tp group
+of K devices on the same rows). Measured efficiency = tokens/s on N / (N x tokens/s on one), after the warm-up steps,
+next to the plan's predicted `scaling.efficiency` (the N-device run's plan.json) with its compute and communication
+seconds per step. With fewer than 2 devices it says so and exits 0. `--hardware cpu:2` runs 2 CPU processes (gloo)
+against `--hardware cpu`.
+
+On CPU (`--hardware cpu`, `--size small`) every step runs too, to check the pipeline without a GPU (its figures say
+nothing about GPUs).
 """
 
 from __future__ import annotations
@@ -174,6 +186,14 @@ def gpu_count() -> int:
 
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def steady_rate(steps: list[dict], warmup: int) -> tuple[float, float, int]:
+    """(real tokens/s, ms per step, steps timed) over metrics.jsonl step rows after the first `warmup` (the last step
+    is always timed); each row's seconds are its tokens / tokens_per_s."""
+    timed = steps[min(warmup, max(0, len(steps) - 1)) :]
+    seconds = sum(r["tokens"] / r["tokens_per_s"] for r in timed)
+    return sum(r["tokens"] for r in timed) / seconds, 1000 * seconds / len(timed), len(timed)
 
 
 # ---------------------------------------------------------------- memory per rank
@@ -481,10 +501,7 @@ def throughput(args) -> int:
             continue
         plan = json.loads((run / "plan.json").read_text())
         steps = [r for r in rows if "tokens_per_s" in r]
-        skip = min(args.warmup, max(0, len(steps) - 1))
-        steady = steps[skip:]
-        seconds = sum(r["tokens"] / r["tokens_per_s"] for r in steady)
-        tps = sum(r["tokens"] for r in steady) / seconds
+        tps, step_ms, timed = steady_rate(steps, args.warmup)
         n = plan["params"]["total"]
         mfu = 6 * n * tps / (peak * 1e12) if peak else None
         runs.append(
@@ -493,8 +510,8 @@ def throughput(args) -> int:
                 "params": n,
                 "trainable": plan["params"]["trainable"],
                 "steps": len(steps),
-                "timed_steps": len(steady),
-                "step_ms": 1000 * seconds / len(steady),
+                "timed_steps": timed,
+                "step_ms": step_ms,
                 "tokens_per_s": tps,
                 "mfu": mfu,
                 "mfu_measured_peak": 6 * n * tps / (measured * 1e12) if measured else None,
@@ -556,9 +573,177 @@ def throughput_report(b: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- scaling: N devices against one
+def scaling_devices(hardware: str | None) -> tuple[int, str | None, bool]:
+    """(N, the one-device run's --hardware, on CPU?): the GPUs this process sees (ft probes those it is shown), or a
+    described single machine (`cpu:2`: 2 processes against `cpu`; `2xH200`: 2 GPUs against `1xH200`)."""
+    if hardware is None:
+        return gpu_count(), None, gpu_count() == 0
+    import re
+
+    from finetune.hardware import parse
+
+    hw = parse(hardware)
+    if hw.nodes > 1:
+        raise SystemExit(f"--hardware {hardware}: scaling runs on one machine; describe one node")
+    return hw.world_size, "cpu" if hw.is_cpu else "1x" + re.sub(r"^\s*\d+\s*x\s*", "", hardware, flags=re.I), hw.is_cpu
+
+
+def shown(devices: int, cpu: bool) -> dict:
+    """The environment of an `ft train` that sees the first `devices` of this process's GPUs (one thread per rank)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if not cpu:  # ft probes only the GPUs CUDA_VISIBLE_DEVICES shows and starts one rank per GPU, on cuda:LOCAL_RANK
+        seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(seen[:devices] if seen else map(str, range(devices)))
+    return env
+
+
+def scaling_run(args, work: Path, data: Path, devices: int, hardware: str | None, cpu: bool) -> dict:
+    """`ft train` of the job on `devices` devices (each one micro-batch of args.micro sequences a step, no
+    accumulation), with the plan's backend; its plan and its tokens/s after the warm-up steps."""
+    import shutil
+
+    tp = args.tensor_parallel if devices > 1 else 1
+    run, config = work / f"run-{devices}", work / f"scaling-{devices}.yaml"
+    shutil.rmtree(run, ignore_errors=True)
+    text = job_yaml(Path(args.model), data, run, work / "cache", adapter=args.adapter, seq_len=args.seq_len,
+                    precision="fp32" if cpu else "bf16", micro=args.micro, batch=args.micro * devices // tp,
+                    steps=args.steps)  # fmt: skip
+    config.write_text(text)
+    cmd = [sys.executable, "-m", "finetune", "train", str(config), *(["--hardware", hardware] if hardware else [])]
+    cmd += ["--set", f"distributed.tensor_parallel={tp}"] if tp > 1 else []
+    print(f"scaling: ft {' '.join(cmd[3:])}  ({devices} device{'s' if devices > 1 else ''})", flush=True)
+    start = time.perf_counter()
+    r = subprocess.run(cmd, cwd=REPO, env=shown(devices, cpu), capture_output=True, text=True)
+    (work / f"train-{devices}.log").write_text(r.stdout + r.stderr)
+    if r.returncode:
+        raise RuntimeError(f"ft train on {devices} device(s) exited with {r.returncode}:\n{r.stderr[-4000:]}")
+    plan = json.loads((run / "plan.json").read_text())
+    steps = [row for row in rows_of(run / "metrics.jsonl") if "tokens_per_s" in row]
+    tps, step_ms, timed = steady_rate(steps, args.warmup)
+    shutil.rmtree(run / "final", ignore_errors=True)  # the full model's weights: GBs
+    return {
+        "devices": devices,
+        "world_size": plan["world_size"],
+        "backend": plan["backend"],
+        "sharding": plan.get("sharding"),
+        "tensor_parallel": plan.get("tensor_parallel", 1),
+        "micro_batch_size": plan["micro_batch_size"],
+        "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
+        "steps": len(steps),
+        "timed_steps": timed,
+        "tokens_per_step": sum(row["tokens"] for row in steps) / len(steps),
+        "step_ms": step_ms,
+        "tokens_per_s": tps,
+        "plan_step_seconds": plan.get("step_seconds_estimate"),
+        "plan_scaling": plan.get("scaling") or {},
+        "wall_s": time.perf_counter() - start,
+        "loss_first_last": [steps[0]["loss"], steps[-1]["loss"]],
+    }
+
+
+def scaling_problems(runs: list[dict], micro: int) -> list[str]:
+    """What makes the two runs incomparable: a device count other than asked, or unequal per-device work."""
+    problems = []
+    for r in runs:
+        if r["world_size"] != r["devices"]:
+            problems.append(f"the {r['devices']}-device run was planned for {r['world_size']} processes")
+        if (r["micro_batch_size"], r["gradient_accumulation_steps"]) != (micro, 1):
+            problems.append(
+                f"the {r['devices']}-device run has micro-batch {r['micro_batch_size']} x "
+                f"{r['gradient_accumulation_steps']} accumulation steps, not {micro} x 1"
+            )
+    if len(runs) == 2 and not runs[1]["plan_scaling"]:
+        problems.append(f"the {runs[1]['devices']}-device plan.json has no scaling figures")
+    return problems
+
+
+def scaling(args) -> int:
+    devices, one, cpu = scaling_devices(args.hardware)
+    result = {"devices": devices, "hardware": args.hardware, "adapter": args.adapter, "seq_len": args.seq_len,
+              "micro_batch": args.micro, "tensor_parallel": args.tensor_parallel, "steps": args.steps,
+              "warmup": args.warmup}  # fmt: skip
+    if devices < 2:
+        what = f"--hardware {args.hardware} describes" if args.hardware else "this machine shows"
+        plural = "s" if devices != 1 else ""
+        result["skipped"] = f"{what} {devices} device{plural}: the scaling check needs at least 2"
+    elif devices % args.tensor_parallel:
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel} does not divide the {devices} devices")
+    else:
+        import torch
+
+        result["device"] = "CPU process" if cpu else torch.cuda.get_device_name(0)
+        result["precision"] = "fp32" if cpu else "bf16"
+        work = Path(args.work)
+        build(Path(args.model), args.size)
+        data = write_data(work / "data.jsonl", records=400 if args.size == "small" else 1500)
+        runs, problems = [], []
+        for n, hardware in ((1, one), (devices, args.hardware)):
+            try:
+                runs.append(scaling_run(args, work, data, n, hardware, cpu))
+            except RuntimeError as e:
+                problems.append(str(e))
+                break
+        problems += scaling_problems(runs, args.micro)
+        result.update(runs=runs, problems=problems)
+        if len(runs) == 2:
+            predicted = runs[1]["plan_scaling"]
+            result["measured_efficiency"] = runs[1]["tokens_per_s"] / (devices * runs[0]["tokens_per_s"])
+            result["predicted_efficiency"] = predicted.get("efficiency")
+            result["predicted"] = {k: v for k, v in predicted.items() if k != "efficiency"}
+    print(scaling_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    for p in result.get("problems", []):
+        print(f"FAIL: {p}", file=sys.stderr)
+    return 1 if result.get("problems") or not (result.get("skipped") or "measured_efficiency" in result) else 0
+
+
+def scaling_report(b: dict) -> str:
+    if b.get("skipped"):
+        return f"scaling: skipped ({b['skipped']})"
+    n = b["devices"]
+    lines = [
+        f"scaling of {b['adapter']} fine-tuning ({b.get('precision')}) on {n} x {b.get('device')} against one: "
+        f"{b['micro_batch']} x {b['seq_len']} packed tokens per device and step, {b['steps']} steps, the first "
+        f"{b['warmup']} untimed",
+        f"  {'devices':>7} {'backend':>9} {'sharding':>13} {'tp':>3} {'tokens/step':>11} {'step ms':>9} "
+        f"{'tokens/s':>11} {'per device':>11} {'plan step s':>11}",
+    ]
+    for r in b.get("runs", []):
+        planned = sum((r.get("plan_step_seconds") or {}).values())
+        lines.append(
+            f"  {r['devices']:>7} {r['backend']:>9} {str(r['sharding'] or '-'):>13} {r['tensor_parallel']:>3} "
+            f"{r['tokens_per_step']:>11,.0f} {r['step_ms']:>9.1f} {r['tokens_per_s']:>11,.0f} "
+            f"{r['tokens_per_s'] / r['devices']:>11,.0f} {planned:>11.4g}"
+        )
+    if "measured_efficiency" not in b:
+        return "\n".join(lines + ["  (no efficiency: a run failed)"])
+    one, many = b["runs"]
+    ideal_ms = many["tokens_per_step"] / (n * one["tokens_per_s"]) * 1000  # every device at one device's rate
+    lost_ms = many["step_ms"] - ideal_ms
+    p = b["predicted"]
+    lines.append(
+        f"  measured efficiency:  {b['measured_efficiency']:7.1%}  tokens/s on {n} / ({n} x tokens/s on 1); a step "
+        f"takes {many['step_ms']:.1f} ms against {ideal_ms:.1f} ms at one device's rate: {lost_ms:.1f} ms lost"
+    )
+    if b.get("predicted_efficiency") is None:
+        return "\n".join(lines + [f"  predicted efficiency: none (the {n}-device plan.json has no scaling figures)"])
+    lines += [
+        f"  predicted efficiency: {b['predicted_efficiency']:7.1%}  plan.json of the {n}-device run: compute "
+        f"{p['compute_seconds']:.4g} s, communication {p['communication_seconds']:.4g} s per step, of which "
+        f"{p['overlapped_seconds']:.4g} s overlaps compute and {p['exposed_seconds']:.4g} s is exposed",
+    ]
+    for name, c in p.get("collectives", {}).items():
+        lines.append(f"    {name}: {c['seconds']:.4g} s ({c['hidden_seconds']:.4g} s hidden), {c['link']}")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- summary for scripts/gpu-check.sh
 def summary(args) -> int:
-    for path, report in ((args.memory, memory_report), (args.throughput, throughput_report)):
+    reports = ((args.memory, memory_report), (args.throughput, throughput_report), (args.scaling, scaling_report))
+    for path, report in reports:
         if path and Path(path).exists():
             print(report(json.loads(Path(path).read_text())))
         elif path:
@@ -594,16 +779,28 @@ def main() -> None:
     t.add_argument("--adapters", default="lora,full")
     t.add_argument("--hardware", help="ft --hardware (default: GPU 0's preset, e.g. 1xH200)")
     t.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak, if not in the table")
-    s = sub.add_parser("summary", help="print the figures of earlier memory/throughput runs")
+    c = sub.add_parser("scaling", parents=[common], help="tokens/s on all visible devices against one: efficiency")
+    c.add_argument("--work", default="/tmp/ft-gpu-bench/scaling")
+    c.add_argument("--json", help="write the figures here")
+    c.add_argument("--steps", type=int, default=20)
+    c.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+    c.add_argument("--seq-len", type=int, default=1024)
+    c.add_argument("--micro", type=int, default=8, help="micro-batch (sequences per device per step)")
+    c.add_argument("--adapter", choices=["full", "lora"], default="full")
+    c.add_argument("--tensor-parallel", type=int, default=1, help="distributed.tensor_parallel of the N-device run")
+    c.add_argument("--hardware", help="ft --hardware of the N-device run, e.g. cpu:2 (default: the visible GPUs)")
+    s = sub.add_parser("summary", help="print the figures of earlier memory/throughput/scaling runs")
     s.add_argument("--memory")
     s.add_argument("--throughput")
+    s.add_argument("--scaling")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     if args.command == "build":
         build(Path(args.model), args.size)
         sys.exit(0)
-    sys.exit({"memory": memory, "throughput": throughput, "summary": summary}[args.command](args))
+    commands = {"memory": memory, "throughput": throughput, "scaling": scaling, "summary": summary}
+    sys.exit(commands[args.command](args))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu-check.sh                  every section, then a summary; exit 1 if any section failed
 #   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): pytest memory loss bf16pure savers bench
-#                                              rollout
+#                                              scaling rollout
 #   bash scripts/gpu-check.sh --fetch-wheels   on a machine with PyPI: download into .whl/ the Python 3.12 wheels that a
 #                                              GPU machine without network lacks; carry .whl/ along (installed from there)
 # Sections:
@@ -16,6 +16,10 @@
 #           and after each step next to the plan's per-device estimate (bench/gpu_bench.py memory); $OUT/memory.json
 #   bench   tokens/s, MFU and peak memory of the same model, LoRA and full fine-tuning, bf16, 20 steps
 #           (bench/gpu_bench.py throughput); $OUT/bench.json
+#   scaling the same model's full fine-tuning, bf16, 8 x 1024 packed tokens per GPU and step, on one GPU and then on all
+#           the visible GPUs with the plan's backend: measured scaling efficiency (tokens/s on N / (N x tokens/s on
+#           one)) next to the plan's predicted scaling.efficiency, compute and communication seconds per step
+#           (bench/gpu_bench.py scaling); skipped (passes) with fewer than two GPUs; $OUT/scaling.json
 #   savers  activation offload on vs off in ft's loop (full fine-tuning of a ~170M Llama, bf16, 4 x 2048 tokens):
 #           max_memory_allocated and step time; fails unless offload lowers the peak and gives plain's losses and
 #           gradient norms (bench/memory_savers_bench.py); $OUT/savers.json
@@ -31,7 +35,8 @@
 #           and wakes with new weights; full weights reach a rollout server over NCCL (two GPUs); $OUT/rollout.log
 # Environment: OUT (default gpu-check-out), FT_GPU_CHECK_WORK (default /tmp/ft-gpu-check: the model, runs; removed at
 # the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the whole script, default 460),
-# FT_GPU_CHECK_BENCH_ARGS (more options for both bench/gpu_bench.py commands), FT_GPU_CHECK_PYTHON (the Python to use),
+# FT_GPU_CHECK_BENCH_ARGS (more options for the bench/gpu_bench.py commands: memory, bench, scaling),
+# FT_GPU_CHECK_PYTHON (the Python to use),
 # FT_WHEEL_DIR (default .whl).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -64,14 +69,14 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit
 fi
 
-SECTIONS=${*:-pytest memory loss bf16pure savers bench}
+SECTIONS=${*:-pytest memory loss bf16pure savers bench scaling}
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 WORK=${FT_GPU_CHECK_WORK:-/tmp/ft-gpu-check}
 BUDGET=${FT_GPU_CHECK_BUDGET:-460}
 mkdir -p "$WORK"
 rm -f "$OUT"/gpu-check.log "$OUT"/pytest-gpu.log "$OUT"/pytest-gpu.xml "$OUT"/memory.json "$OUT"/bench.json "$OUT"/summary.txt
-rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json "$OUT"/rollout.log
+rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json "$OUT"/rollout.log "$OUT"/scaling.json
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # ft importable without an install
@@ -400,14 +405,15 @@ for s in $SECTIONS; do
     setup) ;;
     pytest) section pytest 220 130 bash -c run_pytest ;;
     memory) section memory 100 110 "$PY" bench/gpu_bench.py memory --model "$WORK/llama-1b" --work "$WORK/memory" --json "$OUT/memory.json" "${EXTRA[@]}" ;;
-    bench) section bench 120 5 "$PY" bench/gpu_bench.py throughput --model "$WORK/llama-1b" --work "$WORK/bench" --json "$OUT/bench.json" "${EXTRA[@]}" ;;
+    bench) section bench 120 35 "$PY" bench/gpu_bench.py throughput --model "$WORK/llama-1b" --work "$WORK/bench" --json "$OUT/bench.json" "${EXTRA[@]}" ;;
+    scaling) section scaling 120 0 "$PY" bench/gpu_bench.py scaling --model "$WORK/llama-1b" --work "$WORK/scaling" --json "$OUT/scaling.json" "${EXTRA[@]}" ;;
     savers) section savers 90 0 "$PY" bench/memory_savers_bench.py --device cuda --columns "plain,activation offload" \
       --expect-lower "activation offload" --loss-tolerance 2e-3 --hidden 1024 --layers 8 --seq-len 2048 --micro 4 \
       --steps 5 --json "$OUT/savers.json" ;;
     bf16pure) section bf16pure 150 0 bash -c run_bf16_pure ;;
     loss) section loss 90 0 bash -c run_loss ;;
     rollout) section rollout 180 0 bash -c run_rollout ;;
-    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, savers, bf16pure, loss, rollout)" ;;
+    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, scaling, savers, bf16pure, loss, rollout)" ;;
   esac
 done
 
@@ -424,9 +430,10 @@ done
   figures=()
   [[ " $SECTIONS " == *" memory "* ]] && figures+=(--memory "$OUT/memory.json")
   [[ " $SECTIONS " == *" bench "* ]] && figures+=(--throughput "$OUT/bench.json")
+  [[ " $SECTIONS " == *" scaling "* ]] && figures+=(--scaling "$OUT/scaling.json")
   ((${#figures[@]})) && "$PY" bench/gpu_bench.py summary "${figures[@]}" 2>/dev/null
   echo
-  echo "logs and figures: $OUT (gpu-check.log, pytest-gpu.log/.xml, memory.json, bench.json)"
+  echo "logs and figures: $OUT (gpu-check.log, pytest-gpu.log/.xml, memory.json, bench.json, scaling.json)"
   [ "$FAILED" = 0 ] && echo "ALL PASSED" || echo "SOME SECTIONS FAILED"
 } | tee "$OUT/summary.txt"
 [ "${FT_GPU_CHECK_KEEP:-0}" = 1 ] || rm -rf "$WORK"

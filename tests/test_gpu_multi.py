@@ -6,7 +6,10 @@ CUDA_VISIBLE_DEVICES shows one or two) and the backend is forced with --set. The
 (the planner picks bf16 on these GPUs unless told): the ranks see the same rows and differ only in the order
 of sums, rel 1e-3. bf16 (autocast) rounds each matmul; over 6 steps the runs drift apart by a few 1e-3
 relative, rel 2e-2. Then DPO and GRPO under FSDP (GRPO generates with sharded weights: each rank samples its
-own completion lengths) and a two-rank QLoRA FSDP run, which must finish and learn.
+own completion lengths) and a two-rank QLoRA FSDP run, which must finish and learn. Tensor parallelism
+(distributed.tensor_parallel: 2, one tp group: both GPUs on the same rows, NCCL between the split matmuls)
+against one GPU with the same accumulation, full and LoRA. (Context parallelism on two GPUs:
+tests/test_context_parallel.py.)
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import pytest
 
 from finetune.tiny import preference_records, prompt_records, write_jsonl
-from tests.helpers import GPU_TIMEOUT, ft_train, job, losses, metric_rows, visible_gpus
+from tests.helpers import GPU_TIMEOUT, LORA, ft_train, job, losses, metric_rows, visible_gpus
 
 
 def _gpus() -> int:
@@ -90,6 +93,47 @@ def test_two_gpus_match_one_gpu_with_twice_the_accumulation(tmp_path, one_gpu, b
     if sharding:
         assert p["sharding"] == sharding
     assert losses(tmp_path / "two") == pytest.approx(one_gpu[precision], **(FP32 if precision == "fp32" else BF16))
+
+
+@pytest.fixture(scope="module")
+def one_gpu_lora(tmp_path_factory):
+    """The tiny job with LoRA (tests/helpers.py LORA) on one GPU, bf16: its losses and its run folder."""
+    tmp = tmp_path_factory.mktemp("one-gpu-lora")
+    train(job(tmp, "lora"), 1, "train.precision=bf16", *LORA[1::2])
+    trace = losses(tmp / "lora")
+    assert len(trace) == 6 and trace[-1] < trace[0], trace
+    return trace, tmp / "lora"
+
+
+def _shapes(safetensors_file) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(safetensors_file), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+
+
+@pytest.mark.parametrize("adapter,precision", [("full", "fp32"), ("full", "bf16"), ("lora", "bf16")])
+def test_tensor_parallel_on_two_gpus_matches_one_gpu(tmp_path, one_gpu, one_gpu_lora, adapter, precision):
+    """distributed.tensor_parallel: 2 under FSDP2 on two GPUs: both ranks train on the same rows (one data-parallel
+    group, so the same 2 micro-batches a step as one GPU), each holding half of every projection (LoRA's A/B split
+    with them); the per-step losses equal one GPU's, and the final weights are saved whole."""
+    lora = LORA[1::2] if adapter == "lora" else []
+    sets = [f"train.precision={precision}", "distributed.backend=fsdp", "distributed.tensor_parallel=2", *lora]
+    train(job(tmp_path, "tp"), 2, *sets)
+    p = plan_of(tmp_path / "tp")
+    got = (p["backend"], p["world_size"], p["tensor_parallel"], p["gradient_accumulation_steps"], p["precision"])
+    assert got == ("fsdp", 2, 2, 2, precision) and p["adapter"] == adapter, p
+    reference = one_gpu_lora[0] if adapter == "lora" else one_gpu[precision]
+    assert losses(tmp_path / "tp") == pytest.approx(reference, **(FP32 if precision == "fp32" else BF16))
+    final = tmp_path / "tp" / "final"
+    if adapter == "lora":  # every adapter matrix gathered whole: the one-GPU adapter's names and shapes
+        name = "adapter_model.safetensors"
+        assert _shapes(final / name) == _shapes(one_gpu_lora[1] / "final" / name)
+        return
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(str(final), output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 
 
 def test_dpo_under_fsdp_on_two_gpus(tmp_path):
