@@ -202,16 +202,27 @@ def train_step(job: Job) -> dict:
             with autocast(job), offloading(job.plan.activation_offload):  # saved activations in host memory if planned
                 loss, metrics = job.method.loss(job.model, batch, normaliser)
             job.engine.backward(loss)
-        loss_total += float(loss.detach())
+        loss_total = loss_total + loss.detach()  # summed on the device: read once, after the step
         reported.append(metrics)
     with activity("optimizer step (gradient reduction, clipping, update)"):
         grad_norm = job.engine.step()
+        loss_total, grad_norm = host_values(loss_total, grad_norm)
         # each rank's share is scaled by world size (see methods/loss.py)
         loss_total = rt.sum(loss_total) / rt.world_size
     with activity("averaging the method's metrics over ranks"):
         extra = rt.mean(_mean_metrics(reported))
     tokens = int(rt.distinct_sum(tokens))  # a tensor-parallel group's ranks all hold the same tokens: counted once
     return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": tokens, **extra}
+
+
+def host_values(*values) -> list[float]:
+    """Python floats of `values` (numbers or 0-dim tensors), with one wait for the device for all the tensors on it:
+    the step's only host sync besides the method's own metrics."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().to(tensors[0].device, torch.float64) for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
 
 
 def _mean_metrics(reported: list[dict]) -> dict:

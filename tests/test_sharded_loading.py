@@ -251,12 +251,19 @@ def test_memory_estimate_counts_loading_as_its_own_peak():
     )
 
 
-def test_gradient_clipping_returns_a_float_and_scales_to_the_limit():
+def test_gradient_clipping_returns_the_norm_as_a_tensor_and_scales_to_the_limit():
+    """The norm stays a 0-dim tensor on the gradients' device (the loop reads it with the loss, one host sync per
+    step); gradients above the limit are scaled to it, those below are left exactly as they are."""
     from finetune.distributed.engine import clip_gradients
+    from finetune.train import host_values
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([0.0, 4.0, 0.0, 0.0])
     norm = clip_gradients(params, 1.0)
-    assert isinstance(norm, float) and norm == pytest.approx(5.0)
+    assert torch.is_tensor(norm) and norm.dim() == 0 and float(norm) == pytest.approx(5.0)
     assert math.sqrt(sum(float(p.grad.pow(2).sum()) for p in params)) == pytest.approx(1.0, rel=1e-5)
-    assert clip_gradients(params, 0.0) == pytest.approx(1.0, rel=1e-5)  # 0: measured, not clipped
+    assert float(clip_gradients(params, 0.0)) == pytest.approx(1.0, rel=1e-5)  # 0: measured, not clipped
+    before = [p.grad.clone() for p in params]
+    assert float(clip_gradients(params, 10.0)) == pytest.approx(1.0, rel=1e-5)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))  # under the limit: untouched
+    assert host_values(torch.tensor(2.5), 3, torch.tensor([7.0]).sum()) == [2.5, 3.0, 7.0]

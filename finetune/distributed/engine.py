@@ -126,7 +126,9 @@ class TorchEngine:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self) -> float:
+    def step(self):
+        """Clip, update, schedule, zero the gradients; returns the gradient norm before clipping (a float, or a 0-dim
+        tensor the loop reads together with the loss)."""
         if self.in_backward:  # every parameter was updated, and its gradient freed, in the backward pass
             self.optimizer.step()  # nothing to do; the schedule counts it
             self.scheduler.step()
@@ -301,38 +303,44 @@ def check_savers(plan, train) -> None:
         raise FtError("this plan cannot run: " + ". ".join(problems))
 
 
-def clip_gradients(params, max_norm: float) -> float:
+def clip_gradients(params, max_norm: float):
     """Scale the gradients down so that their global L2 norm is at most max_norm (0: no clipping); returns the norm
-    before clipping. Sharded (DTensor) gradients: torch's norm is a partial DTensor whose full_tensor() all-reduces the
-    per-rank sums on the device the shards live on: the GPU (NCCL), or the CPU under FSDP CPU offload, which the process
-    group serves with gloo ("cpu:gloo,cuda:nccl", runtime.py; torch distributed/tensor/_redistribute.py reduces the
-    local tensor where it is). The scaling multiplies each rank's local shard by a Python float: no device to match."""
+    before clipping, a 0-dim tensor on the gradients' device: nothing here waits for the device (the training loop
+    reads the norm with the loss, once per step). Sharded (DTensor) gradients: torch's norm is a partial DTensor whose
+    full_tensor() all-reduces the per-rank sums on the device the shards live on: the GPU (NCCL), or the CPU under FSDP
+    CPU offload, which the process group serves with gloo ("cpu:gloo,cuda:nccl", runtime.py; torch
+    distributed/tensor/_redistribute.py reduces the local tensor where it is). The scaling multiplies each rank's local
+    shard by the clamped coefficient, moved to that shard's device."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
     norm = _global_norm(grads)
-    scale = max_norm / (norm + 1e-6)
-    if max_norm > 0 and scale < 1:
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # 1 when under the limit: an exact no-op
         with torch.no_grad():
             for g in grads:
-                (g.to_local() if hasattr(g, "to_local") else g).mul_(scale)
+                local = g.to_local() if hasattr(g, "to_local") else g
+                local.mul_(coefficient.to(local.device, non_blocking=True))
     return norm
 
 
-def _global_norm(grads: list) -> float:
-    """The L2 norm of all gradients together. Under tensor parallelism the DTensor gradients live on different meshes
-    (a decoder layer's on the 2-D dp × tp mesh, the embeddings' and output head's on the dp mesh alone), which one
-    torch norm cannot combine: each mesh's norm is made whole on its own (full_tensor() reduces its partial sums over
-    that mesh's shard dimensions only; replicated dimensions hold equal values, so nothing is counted twice), then the
-    squares are added."""
+def _global_norm(grads: list) -> torch.Tensor:
+    """The L2 norm of all gradients together, as a 0-dim tensor. Under tensor parallelism the DTensor gradients live on
+    different meshes (a decoder layer's on the 2-D dp × tp mesh, the embeddings' and output head's on the dp mesh
+    alone), which one torch norm cannot combine: each mesh's norm is made whole on its own (full_tensor() reduces its
+    partial sums over that mesh's shard dimensions only; replicated dimensions hold equal values, so nothing is counted
+    twice), then the squares are added."""
     groups: dict = {}  # in the same order on every rank (the model's parameter order): the reductions pair up
     for g in grads:
         groups.setdefault(getattr(g, "device_mesh", None), []).append(g)
     norms = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-    return norms[0] if len(norms) == 1 else sum(n * n for n in norms) ** 0.5
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    return torch.stack([n.to(device) for n in norms]).square().sum().sqrt()
 
 
 # ---------------------------------------------------------------- checkpoint formats
