@@ -10,6 +10,10 @@ library function is replaced. Cheap to import (warnings, logging and re only).
 - transformers 5.x: the LOAD REPORT of a reward model whose score head is not in the base checkpoint: ft starts that
   head from seeded values on purpose (models.head_value). A report that names anything else is kept.
 - transformers 5.x: its "Loading weights" / "Writing model shards" bars, where the output is a log (carriage returns).
+- torch 2.13, under tensor parallelism only (`quiet_tensor_parallel`): FSDP2's warning that a decoder layer returned
+  a view (the tensor-parallel plan's last layer hands back its gathered output as one; the supported families never
+  change a layer's output in place, and the tests compare every gradient with one process's), and DTensor's notes
+  that a redistribution over the 2-D mesh takes two collectives (clipping's norm, the final gather).
 (bitsandbytes' "kernels-community" notice: finetune.compat.quiet_unused_bitsandbytes_kernel.)
 """
 
@@ -47,6 +51,16 @@ def quiet_libraries() -> None:
     """The filters every ft process wants (the CLI's and each rank's entry); installing twice changes nothing."""
     warnings.filterwarnings("ignore", message=re.escape(GRADIENT_CHECKPOINTING_ALIAS), category=FutureWarning)
     _add_filter(DEEPSPEED_LOGGER, "accelerator-cpu", lambda message: message.startswith(DEEPSPEED_CPU))
+
+
+FSDP_VIEW_OUTPUT = r"FSDP2-wrapped module \(FSDP\w*DecoderLayer\) returned a view tensor"
+REDISTRIBUTE_LOGGER, REDISTRIBUTE_NOTE = "torch.distributed.tensor._redistribute", "While redistributing from"
+
+
+def quiet_tensor_parallel() -> None:
+    """For a process that applies tensor parallelism (distributed/tp.py): the two torch notices above."""
+    warnings.filterwarnings("ignore", message=FSDP_VIEW_OUTPUT, category=UserWarning)
+    _add_filter(REDISTRIBUTE_LOGGER, "sequential-collectives", lambda message: message.startswith(REDISTRIBUTE_NOTE))
 
 
 def quiet_new_score_head() -> None:

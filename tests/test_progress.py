@@ -144,3 +144,26 @@ def test_piped_output_has_a_step_line_per_log_steps_and_no_library_noise(tmp_pat
     assert steps == [2, 4], r.stdout
     everything = r.stdout + r.stderr
     assert not [s for s in SILENCED if s in everything], everything
+
+
+def test_quiet_tensor_parallel_drops_only_torch_notices_of_the_split_layers():
+    from finetune.quiet import REDISTRIBUTE_LOGGER, REDISTRIBUTE_NOTE, quiet_tensor_parallel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_tensor_parallel()
+        warnings.warn(
+            "FSDP2-wrapped module (FSDPQwen2DecoderLayer) returned a view tensor. An in-place op",
+            UserWarning,
+            stacklevel=1,
+        )
+        warnings.warn(
+            "FSDP2-wrapped module (FSDPMyBlock) returned a view tensor. An in-place op", UserWarning, stacklevel=1
+        )
+    assert [str(w.message)[:40] for w in caught] == ["FSDP2-wrapped module (FSDPMyBlock) retur"]
+    logger = logging.getLogger(REDISTRIBUTE_LOGGER)
+    note = logger.makeRecord(
+        REDISTRIBUTE_LOGGER, logging.WARNING, __file__, 1, f"{REDISTRIBUTE_NOTE} (x) to (y)", (), None
+    )
+    other = logger.makeRecord(REDISTRIBUTE_LOGGER, logging.WARNING, __file__, 1, "a real problem", (), None)
+    assert not logger.filter(note) and logger.filter(other)

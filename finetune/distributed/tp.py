@@ -28,6 +28,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from finetune.errors import FtError
+from finetune.quiet import quiet_tensor_parallel
 
 KEY = "distributed.tensor_parallel"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -144,6 +145,7 @@ def parallelize(model, tp_mesh, layers: list) -> None:
     problems = check(facts_of(model.config), tp, backend="fsdp", processes_per_node=tp, dora=dora)
     if problems:
         raise FtError(". ".join(problems))
+    quiet_tensor_parallel()
     kind = model.config.model_type
     for layer in layers:
         frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
