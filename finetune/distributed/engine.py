@@ -209,17 +209,7 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     if plan.backend == "ddp":
         model = ddp.wrap(model, device)
     elif plan.backend == "fsdp":
-        model = fsdp.wrap(
-            model,
-            plan.precision,
-            plan.sharding,
-            plan.nodes,
-            plan.processes_per_node,
-            device,
-            offload=plan.offload == "all",
-            tensor_parallel=plan.tensor_parallel,
-            context_parallel=plan.context_parallel,
-        )
+        model = fsdp.wrap_planned(model, plan, device)
     optimizer = make_optimizer(model, plan, train)  # after sharding: FSDP2 parameters are DTensors
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)

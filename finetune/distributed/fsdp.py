@@ -77,6 +77,21 @@ def wrap(
     return model
 
 
+def wrap_planned(model, plan, device: torch.device):
+    """`wrap` with the plan's precision, sharding, topology, offload and tensor/context-parallel degrees."""
+    return wrap(
+        model,
+        plan.precision,
+        plan.sharding,
+        plan.nodes,
+        plan.processes_per_node,
+        device,
+        offload=plan.offload == "all",
+        tensor_parallel=plan.tensor_parallel,
+        context_parallel=plan.context_parallel,
+    )
+
+
 def runner(model):
     """The module whose forward both training and generate() go through, made FSDP's root: the transformers
     model itself (under a peft wrapper, whose generate() bypasses the wrapper's own forward)."""
@@ -206,17 +221,7 @@ def create_model(
         model = adapters.apply_adapter(net, adapter_section, plan)
     sources = _sources(model, keys)
     buffers = {name: keys[id(b)] for name, b in net.named_buffers() if id(b) in keys}
-    wrap(
-        model,
-        plan.precision,
-        plan.sharding,
-        plan.nodes,
-        plan.processes_per_node,
-        device,
-        offload=plan.offload == "all",
-        tensor_parallel=plan.tensor_parallel,
-        context_parallel=plan.context_parallel,
-    )
+    wrap_planned(model, plan, device)
     # CPU offload keeps the shards in pinned host memory: allocate them there, never on the GPU (torch fully_shard
     # CPUOffloadPolicy: FSDPParam.reset_sharded_param pins CPU shards, which FSDPModule._apply calls after to_empty)
     model.to_empty(device=torch.device("cpu") if plan.offload == "all" else device)
