@@ -14,7 +14,8 @@ projection, fp32, one thread (OMP_NUM_THREADS=1). Each tool trains in a process 
 Figures: real (non-padding) tokens per CPU-second of the process over steps 2..N-1 (CPU time read at the start of
 each step), as a ratio to the plain loop without packing of the same round; startup: seconds from starting the
 process to the start of its first step (imports, tokenizing, model loading; for ft also planning), wall-clock and
-the process's CPU time (the wall-clock figure grows on a busy machine, the CPU figure much less). Rounds run every
+the process's CPU time (the wall-clock figure grows on a busy machine, the CPU figure much less); exit: seconds from
+the last file the tool wrote (ft: anything in its run folder) to the end of its process. Rounds run every
 tool in turn, so machine noise hits them alike; the table shows each round's ratios and then their medians.
 
     python bench/peers.py [--rounds 3] [--steps 30] [--records 2000] [--warm-cache]
@@ -155,43 +156,52 @@ output: {{dir: {folder / "run"}, log_steps: 1, save_steps: 0}}
     return job
 
 
-def child(command: list[str], folder: Path) -> tuple[float, dict[int, tuple[float, float]]]:
-    """Start a tool's process; its start time and its step stamps."""
+def child(command: list[str], folder: Path) -> tuple[float, float, dict[int, tuple[float, float]]]:
+    """Start a tool's process; its start time, the time it ended, and its step stamps."""
     timeline = folder / "timeline.txt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     env.update({TIMELINE: str(timeline), "FT_STEP_HOOK": f"{Path(__file__).resolve()}:ft_hook"})
     with open(folder / "output.txt", "w") as log:
         started = time.time()
         code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder).returncode
+        ended = time.time()
     if code:
         raise SystemExit(f"{' '.join(command)} failed ({code}):\n{(folder / 'output.txt').read_text()[-3000:]}")
-    return started, read_stamps(timeline)
+    return started, ended, read_stamps(timeline)
 
 
-def figures(started: float, stamps: dict, tokens: dict[int, int]) -> dict:
+def figures(started: float, stamps: dict, tokens: dict[int, int], ended: float, last_write: float) -> dict:
     """Tokens per CPU-second over steps 2..N-1 (they end at the stamp of step N); the startup in wall-clock and in
-    CPU seconds (the process's CPU time at its first step)."""
+    CPU seconds (the process's CPU time at its first step); the exit: seconds from the last file the tool wrote to the
+    end of its process."""
     last = max(stamps)
     cpu = stamps[last][1] - stamps[2][1]
     tps = sum(tokens[s] for s in range(2, last)) / cpu
-    return {"tps": tps, "startup": stamps[1][0] - started, "startup_cpu": stamps[1][1]}
+    return {"tps": tps, "startup": stamps[1][0] - started, "startup_cpu": stamps[1][1], "exit": ended - last_write}
+
+
+def newest_write(folder: Path) -> float:
+    """The modification time of the newest file under `folder`."""
+    return max(p.stat().st_mtime for p in folder.rglob("*") if p.is_file())
 
 
 def run_ft(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path) -> dict:
     ft = Path(sys.executable).with_name("ft")
     command = [str(ft)] if ft.exists() else [sys.executable, "-m", "finetune"]
     job = ft_job(folder, model, data, packing, steps, cache)
-    started, stamps = child([*command, "train", str(job), "--hardware", "cpu"], folder)
+    started, ended, stamps = child([*command, "train", str(job), "--hardware", "cpu"], folder)
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
-    return figures(started, stamps, {r["step"]: r["tokens"] for r in rows if "tokens" in r})
+    tokens = {r["step"]: r["tokens"] for r in rows if "tokens" in r}
+    return figures(started, stamps, tokens, ended, newest_write(folder / "run"))
 
 
 def run_plain(folder: Path, model: Path, data: Path, packing: bool, steps: int) -> dict:
     out = folder / "tokens.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "plain", "--model", str(model)]
     command += ["--data", str(data), "--steps", str(steps), "--out", str(out)] + (["--packing"] if packing else [])
-    started, stamps = child(command, folder)
-    return figures(started, stamps, dict(enumerate(json.loads(out.read_text()), start=1)))
+    started, ended, stamps = child(command, folder)
+    tokens = dict(enumerate(json.loads(out.read_text()), start=1))
+    return figures(started, stamps, tokens, ended, out.stat().st_mtime)
 
 
 # ---------------------------------------------------------------- the table
@@ -206,13 +216,15 @@ def row(name: str, rounds: list[dict], k: int | None) -> str:
         return statistics.median(values)
 
     startup = f"{pick('startup'):.1f} ({pick('startup_cpu'):.1f} CPU)"
-    return f"| {TOOLS[name]} | {pick('no packing'):.2f} | {pick('packing'):.2f} | {startup} |"
+    return f"| {TOOLS[name]} | {pick('no packing'):.2f} | {pick('packing'):.2f} | {startup} | {pick('exit'):.2f} |"
 
 
 def table(results: dict[str, list[dict]], k: int | None) -> str:
     title = "medians of all rounds" if k is None else f"round {k + 1}"
-    head = f"{title}\n| tool | no packing (x plain loop) | packing (x plain loop without packing) | startup s |\n"
-    return head + "|---|---|---|---|\n" + "\n".join(row(name, rounds, k) for name, rounds in results.items())
+    head = (
+        f"{title}\n| tool | no packing (x plain loop) | packing (x plain loop without packing) | startup s | exit s |\n"
+    )
+    return head + "|---|---|---|---|---|\n" + "\n".join(row(name, rounds, k) for name, rounds in results.items())
 
 
 def ratios(runs: dict[tuple[str, bool], dict]) -> dict[str, dict]:
@@ -223,6 +235,7 @@ def ratios(runs: dict[tuple[str, bool], dict]) -> dict[str, dict]:
             "packing": runs[(name, True)]["tps"] / base,
             "startup": runs[(name, False)]["startup"],
             "startup_cpu": runs[(name, False)]["startup_cpu"],
+            "exit": runs[(name, False)]["exit"],
         }
         for name in TOOLS
     }
@@ -263,7 +276,7 @@ def bench(args) -> None:
         print(table(results, None))
         print(
             "ratios: real tokens per CPU-second over steps 2..N-1; startup: process start to its first step without "
-            "packing, wall-clock (the process's CPU seconds)"
+            "packing, wall-clock (the process's CPU seconds); exit: the last file written to the end of the process"
         )
 
 
