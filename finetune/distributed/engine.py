@@ -307,10 +307,13 @@ def clip_gradients(params, max_norm: float):
     norm = _global_norm(grads)
     if max_norm > 0:
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # 1 when under the limit: an exact no-op
+        groups: dict = {}  # one fused multiply per device and dtype, as torch's own clip_grads_with_norm_ does
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            groups.setdefault((local.device, local.dtype), []).append(local)
         with torch.no_grad():
-            for g in grads:
-                local = g.to_local() if hasattr(g, "to_local") else g
-                local.mul_(coefficient.to(local.device, non_blocking=True))
+            for (device, _), locals_ in groups.items():
+                torch._foreach_mul_(locals_, coefficient.to(device, non_blocking=True))
     return norm
 
 
