@@ -22,6 +22,7 @@ import contextlib
 
 from finetune.errors import FtError
 
+RECOMPILE_LIMIT = 32  # variants of the shared layer code kept compiled (compile_layers)
 BACKEND = "inductor"  # torch's default compiler: Triton kernels on GPUs, C++ (needs a compiler) on CPUs
 
 
@@ -40,6 +41,13 @@ def compile_layers(model, backend: str = BACKEND) -> int:
         raise FtError(
             f"train.compile: {e}; ft compiles a model one decoder layer at a time. Set train.compile: false"
         ) from None
+    import torch._dynamo
+
+    # Every layer runs one code object (the layer class's forward), so its variants add up in one cache: the first
+    # layer's input needs no gradient (a frozen embedding) and the others' do, training and evaluation (grad mode),
+    # static then dynamic shapes: about eight in one job, torch's default limit, past which dynamo silently runs the
+    # layers eagerly. A setting of dynamo's (not a patch); never lowered.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in layers:
         layer.compile(backend=backend)
     return len(layers)

@@ -53,6 +53,21 @@ def test_compiled_layers_give_the_eager_loss_and_gradients():
     same_step("aot_eager")
 
 
+def test_compiling_raises_dynamos_recompile_limit_and_never_lowers_it(monkeypatch):
+    """The layers share one code object, whose variants (first layer or not, training or evaluation, static or dynamic
+    shapes) exceed torch's default of 8; past the limit dynamo would run them eagerly without a word."""
+    import torch._dynamo
+
+    from finetune.compile import RECOMPILE_LIMIT
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    compile_layers(tiny_llama("sdpa"), backend="aot_eager")
+    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT > 8
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 100)
+    compile_layers(tiny_llama("sdpa"), backend="aot_eager")
+    assert torch._dynamo.config.recompile_limit == 100
+
+
 def test_generation_runs_compiled_layers_eagerly_so_training_stays_compiled():
     """A generate() call (task evaluation, rollouts) inside engine.generation() compiles nothing: its KV cache would
     otherwise recompile each layer until torch's limit, after which training would run uncompiled too."""
