@@ -53,19 +53,24 @@ def test_compiled_layers_give_the_eager_loss_and_gradients():
     same_step("aot_eager")
 
 
-def test_compiling_raises_dynamos_recompile_limit_and_never_lowers_it(monkeypatch):
+def test_compiling_raises_dynamos_recompile_limit_and_never_lowers_it():
     """The layers share one code object, whose variants (first layer or not, training or evaluation, static or dynamic
     shapes) exceed torch's default of 8; past the limit dynamo would run them eagerly without a word."""
     import torch._dynamo
 
     from finetune.compile import RECOMPILE_LIMIT
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    compile_layers(tiny_llama("sdpa"), backend="aot_eager")
-    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT > 8
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 100)
-    compile_layers(tiny_llama("sdpa"), backend="aot_eager")
-    assert torch._dynamo.config.recompile_limit == 100
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    try:
+        config.recompile_limit = 8
+        compile_layers(tiny_llama("sdpa"), backend="aot_eager")
+        assert config.recompile_limit == RECOMPILE_LIMIT > 8
+        config.recompile_limit = 100
+        compile_layers(tiny_llama("sdpa"), backend="aot_eager")
+        assert config.recompile_limit == 100
+    finally:
+        config.recompile_limit = before
 
 
 def test_generation_runs_compiled_layers_eagerly_so_training_stays_compiled():
