@@ -202,7 +202,7 @@ def train_step(job: Job) -> dict:
             with autocast(job), offloading(job.plan.activation_offload):  # saved activations in host memory if planned
                 loss, metrics = job.method.loss(job.model, batch, normaliser)
             job.engine.backward(loss)
-        loss_total = loss_total + loss.detach()  # summed on the device: read once, after the step
+        loss_total = loss_total + loss.detach().double()  # summed on the device (float64): read once, after the step
         reported.append(metrics)
     with activity("optimizer step (gradient reduction, clipping, update)"):
         grad_norm = job.engine.step()

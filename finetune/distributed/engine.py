@@ -306,7 +306,9 @@ def clip_gradients(params, max_norm: float):
         return 0.0
     norm = _global_norm(grads)
     if max_norm > 0:
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # 1 when under the limit: an exact no-op
+        # in float64, then fp32 (the math dtype of fp32/bf16/fp16 gradients): the value a Python float gives, so
+        # clipping rounds as it did when the norm was read on the host; 1 under the limit, an exact no-op
+        coefficient = torch.clamp(max_norm / (norm.double() + 1e-6), max=1.0).float()
         groups: dict = {}  # one fused multiply per device and dtype, as torch's own clip_grads_with_norm_ does
         for g in grads:
             local = g.to_local() if hasattr(g, "to_local") else g
@@ -333,7 +335,7 @@ def _global_norm(grads: list) -> torch.Tensor:
     if len(norms) == 1:
         return norms[0]
     device = norms[0].device
-    return torch.stack([n.to(device) for n in norms]).square().sum().sqrt()
+    return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum().sqrt()
 
 
 # ---------------------------------------------------------------- checkpoint formats
