@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LORA, built_across_sessions, built_once, ft_train, make_examples, trained
+from tests.helpers import LORA, built_across_sessions, built_once, make_examples, train_here, trained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -63,8 +63,7 @@ adapter: {{type: full}}
 train: {{global_batch_size: 64, lr: 2.0e-3, max_steps: 250, warmup_steps: 25}}
 output: {{dir: {tmp / "run"}, save_steps: 0, log_steps: 50}}
 """)
-        r = ft_train(str(cfg), "--hardware", "cpu", timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        train_here(cfg)  # in this process: a new one would spend seconds importing
 
     return built_across_sessions("sft", build) / "run" / "final"  # the vLLM suite uses it too
 
@@ -82,19 +81,21 @@ def packed_rows():
     return examples, rows
 
 
-# The test files that take longest, longest first (seconds of a whole run on 2 cores, measured with --durations:
-# alignment 336, distributed 295, deepspeed 275, signals 124, slurm 90, train 80, sharded_loading 74).
+# The test files that take longest, longest first (seconds of a whole file alone on 2 busy cores, --durations:
+# alignment 200 (of which the sft_model build 60-110), deepspeed 150-275, distributed 150, preference_distributed
+# 90-250 (DeepSpeed's first CPU op build), signals 124, train 80, sharded_loading 74, slurm 65). One-process runs
+# that a test compares with train in the test's process (tests/helpers.py train_here): a new one imports for 10-15 s.
 # scripts/test.sh runs whole files on 2 workers (--dist loadfile) in collection order: a long file that started last
 # would run alone.
 LONGEST_FIRST = (
     "test_alignment.py",
-    "test_distributed.py",
     "test_deepspeed.py",
+    "test_distributed.py",
     "test_preference_distributed.py",
     "test_signals.py",
-    "test_slurm.py",
     "test_train.py",
     "test_sharded_loading.py",
+    "test_slurm.py",
     "test_memory_measured.py",
     "test_generate.py",
     "test_qlora_sharded.py",

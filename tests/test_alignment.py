@@ -11,7 +11,7 @@ import json
 import pytest
 
 from finetune.tiny import preference_records, prompt_records, write_jsonl
-from tests.helpers import REPO, ft_train, losses, step_hook
+from tests.helpers import REPO, ft_train, losses, step_hook, train_here
 
 pytestmark = pytest.mark.slow  # every test here trains
 
@@ -45,8 +45,7 @@ output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 
 
 def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_path, sft_model):
-    one = ft_train(dpo_job(tmp_path, "one", sft_model), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here(dpo_job(tmp_path, "one", sft_model))  # in this process (a new one spends seconds importing)
     two = ft_train(dpo_job(tmp_path, "two", sft_model), "--hardware", "cpu:2")
     assert two.returncode == 0, two.stderr[-3000:]
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["backend"] == "ddp"
@@ -64,22 +63,14 @@ def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_pa
 
 def test_dpo_full_fine_tuning_with_precomputed_reference_matches_a_frozen_copy(tmp_path, sft_model):
     full = "{type: full}"
-    copy = ft_train(
-        dpo_job(tmp_path, "copy", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: copy}", steps=3),
-        "--hardware",
-        "cpu",
-    )
-    assert copy.returncode == 0, copy.stderr[-3000:]
-    pre = ft_train(
-        dpo_job(
-            tmp_path, "pre", sft_model, adapter=full, method="{name: dpo, beta: 0.1, reference: precomputed}", steps=3
-        ),
-        "--hardware",
-        "cpu",
-    )
-    assert pre.returncode == 0, pre.stderr[-3000:]
-    assert losses(tmp_path / "pre") == pytest.approx(losses(tmp_path / "copy"), rel=1e-5)
-    plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("copy", "pre")]
+    for name in ("copy", "precomputed"):
+        train_here(
+            dpo_job(
+                tmp_path, name, sft_model, adapter=full, method=f"{{name: dpo, beta: 0.1, reference: {name}}}", steps=3
+            )
+        )
+    assert losses(tmp_path / "precomputed") == pytest.approx(losses(tmp_path / "copy"), rel=1e-5)
+    plans = [json.loads((tmp_path / n / "plan.json").read_text()) for n in ("copy", "precomputed")]
     memory = [
         p["memory"]["per_device_breakdown_gib"].get("reference model", 0)
         + p["memory"]["host_breakdown_gib"].get("reference model", 0)
@@ -123,19 +114,19 @@ def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model):
         "rewards/digits_right",  # a reward's metric is named after its function
         "completion_length",
     } <= row.keys()
+    closing = next(line for line in (r.stdout + r.stderr).splitlines() if line.startswith("trained 40 steps"))
+    assert f"reward {row['reward']:.4g}" in closing and "rewards/exact_match" in closing, closing
 
 
 def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_model):
     """Two updates per rollout, stopped between them: the checkpoint carries the rollout the next step reuses, and
     the rollout after it samples from the restored RNG."""
     two = ("--set", "method.num_iterations=2")
-    straight = ft_train(grpo_job(tmp_path, "straight", sft_model, steps=6), "--hardware", "cpu", *two)
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    train_here(grpo_job(tmp_path, "straight", sft_model, steps=6), *two)  # the reference: in this process
     job = grpo_job(tmp_path, "stopped", sft_model, steps=6)
     stopped = ft_train(job, "--hardware", "cpu", *two, env=step_hook(tmp_path, stop_at=3))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    resumed = ft_train(job, "--hardware", "cpu", *two, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_here(job, *two, resume=True)["steps"] == 6
     # the same samples: the reused rollout kept, RNG restored
     assert rewards(tmp_path / "stopped") == pytest.approx(rewards(tmp_path / "straight"), abs=1e-6)
     assert len(set(rewards(tmp_path / "straight"))) > 1  # new rollouts after the stop, not one reused throughout

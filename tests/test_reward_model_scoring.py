@@ -15,7 +15,7 @@ from finetune.errors import FtError
 from finetune.methods.grpo import GRPO
 from finetune.methods.reward_model import classifier_config, model_name
 from finetune.methods.rewards import load_rewards
-from tests.helpers import ft_train
+from tests.helpers import train_here
 
 PROMPTS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Name a colour, please."}]]
 TEXTS = ["5", "It is 5.", "", "blue and a much longer answer " * 3]
@@ -233,8 +233,7 @@ adapter: {{type: full}}
 train: {{global_batch_size: 16, micro_batch_size: 8, max_steps: 2, lr: 1.0e-4, scheduler: constant}}
 output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
 """)
-    r = ft_train(str(job), "--hardware", "cpu", timeout=120)
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(job)  # in this process (a new one spends seconds importing)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     got = [row for row in map(json.loads, lines) if "reward" in row]
     assert len(got) == 2
