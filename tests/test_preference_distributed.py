@@ -14,7 +14,7 @@ import json
 import pytest
 
 from finetune.tiny import preference_records, unpaired_records, write_jsonl
-from tests.helpers import ft_train, losses, metric_rows
+from tests.helpers import ZERO3_XFAIL, ft_train, losses, metric_rows, train_here
 
 pytestmark = pytest.mark.slow  # every test here trains, on one and two processes
 
@@ -49,8 +49,7 @@ output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 
 def one_and_two(tmp_path, model, method: str, adapter: str, backend: list[str], **job) -> dict:
     """Trains the job on one process and on two under `backend` (--set overrides); returns the two plans."""
-    one = ft_train(preference_job(tmp_path, "one", model, method, adapter, **job), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here(preference_job(tmp_path, "one", model, method, adapter, **job))  # the reference: in this process
     two = ft_train(preference_job(tmp_path, "two", model, method, adapter, **job), "--hardware", "cpu:2", *backend)
     assert two.returncode == 0, two.stderr[-3000:]
     got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
@@ -65,6 +64,7 @@ def test_orpo_with_lora_under_fsdp_on_two_processes_equals_one_process(tmp_path,
     assert (tmp_path / "two" / "final" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.xfail(**ZERO3_XFAIL)
 def test_simpo_full_fine_tuning_under_zero3_on_two_processes_equals_one_process(tmp_path, sft_model):
     pytest.importorskip("deepspeed")
     zero3 = ["--set", "distributed.backend=deepspeed", "--set", "distributed.sharding=zero3"]
@@ -83,12 +83,12 @@ def test_kto_full_fine_tuning_with_a_reference_copy_under_fsdp_on_two_processes_
     assert (tmp_path / "two" / "final" / "model.safetensors").exists()
 
 
+@pytest.mark.xfail(**ZERO3_XFAIL)
 def test_a_reward_model_under_fsdp_and_zero3_on_two_processes_equals_one_process(tmp_path, sft_model):
     """Full fine-tuning: FSDP2 builds the classifier on the meta device and ZeRO-3 partitioned, each filling the score
     head (absent from the causal LM's checkpoint) with the values one process gives it."""
     pytest.importorskip("deepspeed")
-    one = ft_train(preference_job(tmp_path, "one", sft_model, "{name: reward}", "{type: full}"), "--hardware", "cpu")
-    assert one.returncode == 0, one.stderr[-3000:]
+    train_here(preference_job(tmp_path, "one", sft_model, "{name: reward}", "{type: full}"))
     want = losses(tmp_path / "one")
     assert len(want) == 3 and len(set(want)) > 1
     for name, backend in (
