@@ -250,6 +250,4 @@ def artifact_kind(plan) -> str:
 
 
 if __name__ == "__main__":
-    from finetune.errors import exit_process
-
-    exit_process(main)
+    main()

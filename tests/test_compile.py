@@ -181,6 +181,8 @@ def test_auto_compiles_when_the_steps_repay_the_compile_time(monkeypatch):
     assert planned(["train.compile=false"]).decision("compile").reason == "as set in the config"
     assert planned(["train.compile=true"]).to_json()["compile"] is True
     assert type(long).from_json(long.to_json()).compile is True
+    packed = planned(["train.max_steps=1000000", "data.packing=true"], model="ft-tiny")
+    assert packed.compile is False and "new sample lengths" in packed.decision("compile").reason
 
 
 def test_auto_is_off_on_gpus_without_triton(monkeypatch):

@@ -83,6 +83,11 @@ def missing_toolchain(hw: Hardware) -> str:
 def repays(config: Config, hw: Hardware, step_seconds: float) -> tuple[bool, str]:
     """On when the time compiled steps save (GAIN of each) exceeds the time compiling takes."""
     cost = COMPILE_SECONDS["cpu" if hw.is_cpu else "gpu"]
+    if config.data.packing and config.model.attn_implementation in ("auto", "sdpa_varlen"):
+        return False, (
+            "packed rows attend sample by sample (sdpa_varlen): every batch brings new sample lengths, which "
+            "recompile the layers (measured on CPU: 0.42x the eager speed); set train.compile: true to compile anyway"
+        )
     if config.method.generation_tokens(config.data.seq_len):
         return False, (
             "the model also samples completions, whose lengths change at every token and would recompile the "
