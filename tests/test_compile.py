@@ -171,10 +171,10 @@ def test_auto_is_off_on_cpu_without_a_cxx_compiler(monkeypatch):
 @pytest.mark.skipif(not HAS_CXX, reason="needs a C++ compiler")
 def test_auto_compiles_when_the_steps_repay_the_compile_time(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
-    short, long = (planned([f"train.max_steps={n}"], model="ft-tiny") for n in (10, 1_000_000))
+    short, long = (planned([f"train.max_steps={n}", "data.packing=false"], model="ft-tiny") for n in (10, 1_000_000))
     assert short.compile is False and "would not repay" in short.decision("compile").reason
     assert long.compile is True and "repays its cost" in long.decision("compile").reason
-    unknown = planned(["train.max_steps=null", "train.epochs=1"])
+    unknown = planned(["train.max_steps=null", "train.epochs=1", "data.packing=false"])
     assert unknown.compile is False and "not known when planning" in unknown.decision("compile").reason
     forced = planned(["train.compile=true", "train.max_steps=10"])
     assert forced.compile is True and forced.decision("compile").source == "config"
