@@ -139,7 +139,7 @@ def exit_process(main) -> None:
     without the interpreter's teardown: with torch loaded, freeing every module and object takes 1–2 s and writes
     nothing. Before leaving, what a normal exit would still do is done: other non-daemon threads are joined, the exit
     handlers run (logging's flush and close, trackers, temporary files), and stdout and stderr are flushed. Only for
-    processes (the `ft` command, each rank): a caller that imports `main` keeps the SystemExit, and so does a process
+    processes (the `ft` command): a caller that imports `main` keeps the SystemExit, and so does a process
     under a profiler or a tracer (cProfile, coverage), which writes its report at exit."""
     import atexit
     import os
