@@ -40,7 +40,10 @@ def refusal(model, hardware, overrides, text=MINIMAL) -> str:
 CHOICES = [
     # FSDP of a big model across nodes: each layer split inside a node, so that each rank gathers 1/tp of it
     (L70, "2x8xH100-80GB", ["distributed.sharding=full_shard", "distributed.backend=fsdp"], MINIMAL, (None, 1)),
-    (L8, "4x8xH100-80GB", ["distributed.sharding=full_shard", "train.micro_batch_size=1"], FULL, (None, 1)),
+    (L8, "4x8xH100-80GB", ["distributed.sharding=full_shard"], FULL, (None, 1)),
+    # ... but not at a pinned micro-batch of 1: a split halves what each micro-batch gathers and reduces and doubles
+    # each rank's micro-batches (a full fine-tune reduces gradients after every one), so no split pays
+    (L8, "4x8xH100-80GB", ["distributed.sharding=full_shard", "train.micro_batch_size=1"], FULL, (1, 1)),
     # one node, a model whose replica fits: no split pays
     (L8, "8xH100-80GB", [], MINIMAL, (1, 1)),
     (L8, "8xH100-80GB", [], FULL, (1, 1)),
@@ -239,6 +242,60 @@ def test_scaling_is_in_the_json_and_the_table(capsys):
     assert f"communication {data['communication_seconds']:.3g} s" in out
     single = make(L8, "1xH100-80GB")
     assert single.scaling == {}
+
+
+# backend, sharding, adapter -> gradient reductions per step of k micro-batches (distributed/engine.py: FSDP2 syncs
+# every micro-batch of a full fine-tune; DDP uses no_sync; deepspeed 0.19 with ft's unmanaged accumulation reduces
+# ZeRO-2/3 partitions in every backward and ZeRO-1 in step())
+REDUCTIONS = [
+    ("fsdp", "full_shard", "full", "k"),
+    ("fsdp", "shard_grad_op", "full", "k"),
+    ("fsdp", "hybrid_shard", "full", "k"),
+    ("fsdp", "full_shard", "lora", 1),
+    ("deepspeed", "zero3", "full", "k"),
+    ("deepspeed", "zero3", "lora", "k"),
+    ("deepspeed", "zero2", "full", "k"),
+    ("deepspeed", "zero1", "full", 1),
+    ("ddp", None, "full", 1),
+]
+
+
+@pytest.mark.parametrize("backend, sharding, adapter, reductions", REDUCTIONS)
+def test_gradients_are_counted_as_often_as_the_engine_reduces_them(backend, sharding, adapter, reductions):
+    from finetune.plan.comm import step_traffic
+
+    n, t = 8_030_261_248, 41_943_040
+    trained = n if adapter == "full" else t
+    one, four = (step_traffic(backend, sharding, 2, 8, trained, n, 2, k, adapter=adapter) for k in (1, 4))
+    grads = next(name for name in one if "gradient" in name)
+    assert four[grads] == pytest.approx((4 if reductions == "k" else 1) * one[grads])
+    if sharding == "hybrid_shard":  # the across-nodes all-reduce of each node's shard too
+        cross = "all-reduce gradient shards across nodes"
+        assert four[cross] == pytest.approx(4 * one[cross])
+
+
+def test_zero_1_and_2_gather_only_the_parameters_they_update():
+    """After the optimizer step each rank gathers the trained parameters the others updated: an adapter's, not the
+    frozen base."""
+    from finetune.plan.comm import step_traffic
+
+    n, t = 8_030_261_248, 41_943_040
+    lora = step_traffic("deepspeed", "zero1", 1, 8, t, n, 2, 4, adapter="lora", grad_bytes=2)
+    full = step_traffic("deepspeed", "zero1", 1, 8, n, n, 2, 4, adapter="full", grad_bytes=2)
+    assert lora["all-gather updated parameters"] == pytest.approx(7 / 8 * 2 * t)
+    assert full["all-gather updated parameters"] == pytest.approx(7 / 8 * 2 * n)
+
+
+def test_a_full_fine_tune_counts_a_reduce_scatter_per_micro_batch():
+    """8 x H100, Llama 3.1 8B in full under FSDP2: the plan's traffic is one reduce-scatter of the fp32 gradients per
+    micro-batch, and its one step time is the work plus the communication that does not hide behind it."""
+    p = make(L8, "8xH100-80GB", ["distributed.backend=fsdp"], FULL)
+    k, n = p.gradient_accumulation_steps, p.estimate.trainable_params
+    assert k > 1
+    assert p.communication["reduce-scatter gradients"] == pytest.approx(k * 7 / 8 * 4 * n)
+    s = p.scaling
+    assert sum(p.step_seconds.values()) == pytest.approx(s["step_seconds"], abs=1e-4)
+    assert p.step_seconds.get("communication", 0) == pytest.approx(s["exposed_seconds"], abs=1e-5)
 
 
 BANDWIDTHS = [(25e9, 3e9), (50e9, 6e9), (100e9, 12.5e9), (400e9, 50e9), (900e9, 200e9)]

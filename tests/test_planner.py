@@ -99,11 +99,13 @@ CASES = [
         ["distributed.backend=deepspeed"],
         dict(backend="deepspeed", sharding="zero1"),
     ),
+    # full fine-tuning: ZeRO-2 and ZeRO-3 both reduce gradients every micro-batch, and ZeRO-2's all-gather of the
+    # updated parameters after the optimizer step is exposed, where ZeRO-3's gathers hide behind the layers' compute
     (
         "meta-llama/Llama-3.1-8B",
         "8xH100-80GB",
         ["adapter.type=full", "distributed.backend=deepspeed"],
-        dict(backend="deepspeed", sharding="zero2"),
+        dict(backend="deepspeed", sharding="zero3"),
     ),
     (
         "meta-llama/Llama-3.1-8B",
@@ -347,17 +349,18 @@ def test_communication_estimate_by_backend():
     from finetune.plan.comm import step_traffic
 
     n, t = 8_030_261_248, 41_943_040
-    ddp = step_traffic("ddp", None, 1, 8, t, n, 2, 4)
+    ddp = step_traffic("ddp", None, 1, 8, t, n, 2, 4, adapter="lora")
     assert ddp == {"all-reduce gradients": pytest.approx(2 * 7 / 8 * 4 * t)}
-    full = step_traffic("fsdp", "full_shard", 1, 8, n, n, 2, 4)
-    grad_op = step_traffic("fsdp", "shard_grad_op", 1, 8, n, n, 2, 4)
+    full = step_traffic("fsdp", "full_shard", 1, 8, n, n, 2, 4, adapter="full")
+    grad_op = step_traffic("fsdp", "shard_grad_op", 1, 8, n, n, 2, 4, adapter="full")
     assert (
         full["all-gather parameters"]
         == pytest.approx(2 * grad_op["all-gather parameters"])
         == pytest.approx(2 * 4 * 7 / 8 * 2 * n)
     )
-    hybrid = step_traffic("fsdp", "hybrid_shard", 2, 8, n, n, 2, 4)
-    assert "all-reduce gradient shards across nodes" in hybrid and step_traffic("single", None, 1, 1, t, n, 2, 4) == {}
+    hybrid = step_traffic("fsdp", "hybrid_shard", 2, 8, n, n, 2, 4, adapter="full")
+    assert "all-reduce gradient shards across nodes" in hybrid
+    assert step_traffic("single", None, 1, 1, t, n, 2, 4, adapter="lora") == {}
     p = make(["adapter.type=full"], hardware="2x8xH100-80GB")
     j = p.to_json()["communication"]
     assert j["seconds_per_step_estimate"] > 0 and j["per_rank_gib_per_step"]
@@ -481,3 +484,51 @@ def test_host_loading_gives_the_gpu_nothing_until_fsdp_moves_it(monkeypatch):
             load_model(cfg.model, dataclasses.replace(p, loading=loading), attn_implementation="sdpa")
         assert ("device_map" in seen) is placed
         assert "quantization_config" in seen
+
+
+# ---------------------------------------------------------------- headroom
+def _fit(share: float, seconds: float):
+    """A fit filling `share` of the usable memory of one H100, with a step of `seconds`."""
+    from finetune.plan.candidates import Candidate
+    from finetune.plan.memory import Estimate
+    from finetune.plan.search import Fit, Savers, device_capacity
+
+    used = int(share * device_capacity(parse("1xH100-80GB")))
+    return Fit(
+        Candidate("lora", "none", "single", None, "none"),
+        1,
+        Savers(),
+        Estimate({"weights": used}, {}, 1, 1),
+        {"compute": seconds},
+    )
+
+
+@pytest.mark.parametrize(
+    "ranked, chosen",
+    [
+        ([(1.0, 10.0), (0.8, 10.5)], 1),  # filling the memory buys 5%: the room is worth more
+        ([(1.0, 10.0), (0.8, 12.0)], 0),  # it buys 20%: it pays
+        ([(0.95, 10.0), (0.99, 10.2)], 0),  # nothing leaves room: the fastest
+        ([(0.5, 10.0), (0.4, 10.2)], 0),  # the fastest leaves room already
+    ],
+)
+def test_a_setup_that_fills_the_memory_is_chosen_only_where_it_pays(ranked, chosen):
+    from finetune.plan.search import prefer_room
+
+    fits = [_fit(*r) for r in ranked]
+    got = prefer_room(fits, parse("1xH100-80GB"))
+    assert got.estimate == fits[chosen].estimate
+    assert (got.fuller is fits[0]) == (chosen != 0)
+
+
+def test_a_full_fine_tune_leaves_room_where_filling_the_memory_barely_pays():
+    """8B in full on 8 x H100 under FSDP full_shard: micro-batches of 4 with no saver fill the whole usable memory for
+    a step under 2% faster than one that leaves room; the plan leaves room and says what it gave up."""
+    from finetune.plan.search import FILLING_PAYS, ROOMY
+
+    pins = ["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard"]
+    p = make(pins, hardware="8xH100-80GB")
+    assert p.estimate.device_bytes <= ROOMY * p.device_capacity_bytes
+    why = p.decision("memory_headroom").reason
+    assert "would fill 100%" in why and f"only when over {FILLING_PAYS:.0%} faster" in why
+    assert "with room to spare" in p.decision("micro_batch_size").reason

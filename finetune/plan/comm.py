@@ -4,15 +4,19 @@ Ring collectives over n ranks move (n-1)/n of the buffer per rank for all-gather
 twice that for all-reduce. G = trained parameters x 4 bytes (fp32 gradients; 2 where they are half precision:
 DeepSpeed's bf16/fp16 modes and pure bf16), P = all parameters in
 the dtype they are stored in (what sharded backends gather: 2 bytes for bf16, about 0.55 for nf4 with
-its constants), k = micro-batches per step.
-  DDP:                    all-reduce of G once per step
-  ZeRO-1/2:               reduce-scatter of G once per step, then an all-gather of the updated parameters
-  FSDP full / ZeRO-3:     all-gather P twice per micro-batch (forward, backward) + reduce-scatter G per step
-  FSDP shard_grad_op:     all-gather P once per micro-batch + reduce-scatter G per step
-  FSDP hybrid_shard:      full_shard inside a node, plus an all-reduce of each node's shard of G across nodes
+its constants), k = micro-batches per step, r = gradient reductions per step: k where the engine reduces after every
+micro-batch (`reduces_every_micro_batch`), else 1.
+  DDP:                    all-reduce of G once per step (no_sync until the last micro-batch)
+  ZeRO-1:                 reduce-scatter of G once per step (in step()), then an all-gather of the updated trained
+                          parameters (as many bytes as G: DeepSpeed keeps them in the gradients' dtype; frozen
+                          weights are not partitioned, so an adapter's base is never gathered)
+  ZeRO-2:                 reduce-scatter of G every micro-batch, then the same all-gather as ZeRO-1
+  FSDP full / ZeRO-3:     all-gather P twice per micro-batch (forward, backward) + reduce-scatter G r times
+  FSDP shard_grad_op:     all-gather P once per micro-batch + reduce-scatter G r times
+  FSDP hybrid_shard:      full_shard inside a node, plus r all-reduces of each node's shard of G across nodes
 With tensor parallelism over tp ranks (plan/parallel.py) FSDP's group is the dp x cp ranks of one tensor-parallel
 slot, and P and G count one tp rank's share (decoder layers / tp, embeddings and head whole). Per micro-batch of t
-tokens (t / cp on each context-parallel rank), a = bytes of the compute dtype, L layers (r of them recomputed):
+tokens (t / cp on each context-parallel rank), a = bytes of the compute dtype, L layers (c of them recomputed):
   tensor parallel:        with sequence-parallel norms, an all-gather before and a reduce-scatter after attention
                           and the MLP: 4 collectives of t*h*a per layer forward, 4 backward, 4 per recomputed layer,
                           always inside a node
@@ -53,6 +57,15 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def reduces_every_micro_batch(backend: str, sharding: str | None, adapter: str) -> bool:
+    """Whether the engine reduces gradients after every micro-batch rather than once per step. ZeRO-2 and ZeRO-3
+    partition gradients as each backward produces them (deepspeed 0.19, unmanaged accumulation: engine.step "stage 2/3
+    already reduced/partitioned per backward", stage_1_and_2 reduce_ready_partitions_and_remove_grads); FSDP2 full
+    fine-tuning syncs every micro-batch (distributed/engine.py `sync_every_micro_batch`: an unsharded fp32 gradient of
+    the whole model would not fit). DDP (no_sync), ZeRO-1 (reduced in step()) and FSDP2 with an adapter reduce once."""
+    return sharding in ("zero2", "zero3") or (backend == "fsdp" and adapter == "full")
+
+
 def step_traffic(
     backend: str,
     sharding: str | None,
@@ -62,19 +75,25 @@ def step_traffic(
     params: int,
     bytes_per_param: float,
     micro_batches: int,
+    *,
+    adapter: str,
     grad_bytes: float = 4,
     tensor_parallel: int = 1,
 ) -> dict[str, float]:
     """Bytes each rank sends per optimizer step, by collective (bytes_per_param: as gathered, e.g. 2 for bf16, ~0.55 for
-    nf4)."""
+    nf4; adapter: full | lora | qlora, which decides how often FSDP2 reduces)."""
     world = nodes * per_node
     grads, weights = grad_bytes * trainable, bytes_per_param * params
     if world == 1 or backend == "single":
         return {}
-    if sharding in ("zero1", "zero2"):  # each rank reduces only its partition, then gathers the updated parameters
+    reductions = micro_batches if reduces_every_micro_batch(backend, sharding, adapter) else 1
+    if sharding in (
+        "zero1",
+        "zero2",
+    ):  # each rank reduces its partition, then gathers the trained parameters it updated
         return {
-            "reduce-scatter gradients": _ring(world) * grads,
-            "all-gather updated parameters": _ring(world) * weights,
+            "reduce-scatter gradients": reductions * _ring(world) * grads,
+            "all-gather updated parameters": _ring(world) * grads,
         }
     if backend == "ddp":
         return {"all-reduce gradients": 2 * _ring(world) * grads}
@@ -82,10 +101,10 @@ def step_traffic(
     gathers = 1 if sharding == "shard_grad_op" else 2
     out = {
         "all-gather parameters": gathers * micro_batches * _ring(group) * weights,
-        "reduce-scatter gradients": _ring(group) * grads,
+        "reduce-scatter gradients": reductions * _ring(group) * grads,
     }
     if sharding == "hybrid_shard":
-        out["all-reduce gradient shards across nodes"] = 2 * _ring(nodes) * grads / per_node
+        out["all-reduce gradient shards across nodes"] = reductions * 2 * _ring(nodes) * grads / per_node
     return out if tensor_parallel == 1 else {k: v for k, v in out.items() if v}
 
 

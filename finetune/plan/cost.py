@@ -9,7 +9,8 @@ The figures are orders of magnitude for ranking setups on one piece of hardware,
   quantization    4-bit / 8-bit bases dequantize every linear weight in forward and backward: memory-bound reads and
                   writes of the weights at the accelerator's memory bandwidth, per micro-batch
   launches        a fixed cost per layer and micro-batch (kernel launches, Python): many tiny micro-batches are slow
-  communication   plan/comm.py's bytes per step at its link speeds
+  communication   plan/comm.py's bytes per step at its link speeds, less what hides behind the rest (plan/scaling.py;
+                  plan/pricing.py adds it)
   host transfers  offloaded weights, gradients and optimizer states over PCIe, the optimizer step on the CPU, and
                   offloaded activations (a quarter of the compute hides them)
   generation      (rollouts, plan/rollout.py) each decode step reads the engine's weights (/ tensor parallel) and the

@@ -1,36 +1,88 @@
 """The reasons for the memory savers a plan turns on (or leaves off), and the runners-up it did not choose.
 
 Each reason quotes the estimate with that one saver undone, at the same micro-batch, so a user sees what the saver
-buys; runners-up are the best fit of every other candidate setup, fastest first, with their estimates.
+buys; `memory_headroom` says how much of the usable memory the plan leaves free and what it gave up for it; runners-up
+are the best fit of every other candidate setup, fastest first, with their estimates.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.hardware import Hardware
 from finetune.plan import parallel
 from finetune.plan.comm import Links
-from finetune.plan.cost import forward_flops_per_token
-from finetune.plan.memory import GiB, Setup, estimate
+from finetune.plan.memory import GiB, estimate
 from finetune.plan.plan import Decision
-from finetune.plan.scaling import predict
-from finetune.plan.search import Fit, Topology, describe, device_capacity, fits, host_shortfall, setup
+from finetune.plan.pricing import priced
+from finetune.plan.search import (
+    FILLING_PAYS,
+    ROOMY,
+    Fit,
+    Topology,
+    describe,
+    device_capacity,
+    fits,
+    host_shortfall,
+    setup,
+)
 
 RUNNERS_UP = 5
 
 
-def alternatives(others: tuple[Fit, ...], m: ModelFacts) -> tuple[dict, ...]:
-    return tuple(
-        {
-            "setup": describe(f, m),
-            "gib": round(f.estimate.device_bytes / GiB, 2),
-            "seconds": round(f.step_seconds, 4),
-        }
-        for f in others[:RUNNERS_UP]
-    )
+def alternatives(chosen: Fit, others: tuple[Fit, ...], m: ModelFacts) -> tuple[dict, ...]:
+    """The RUNNERS_UP fastest of `others`, each a different way to train: a setup that differs from the chosen one or
+    from a faster runner-up only in how it loads the base (through host RAM or not) trains the same: it is left out."""
+    seen, out = {_training(chosen)}, []
+    for f in others:
+        if _training(f) in seen:
+            continue
+        seen.add(_training(f))
+        out.append(
+            {
+                "setup": describe(f, m),
+                "gib": round(f.estimate.device_bytes / GiB, 2),
+                "seconds": round(f.step_seconds, 4),
+            }
+        )
+    return tuple(out[:RUNNERS_UP])
+
+
+def _training(f: Fit) -> tuple:
+    return replace(f.candidate, host_load=False), f.micro_batch_size, f.savers
+
+
+@dataclass(frozen=True)
+class _Undo:
+    """The chosen fit and what the search saw, to quote the estimate with one saver undone."""
+
+    config: Config
+    fit: Fit
+    m: ModelFacts
+    hw: Hardware
+    topo: Topology
+    precision: str
+    batch: int
+    speeds: Links
+
+    def text(self, **change) -> str:
+        """'without it X GiB per device (verdict), with it Y GiB': the estimate at the same micro-batch with the savers
+        changed as given, and why that was not chosen."""
+        f, hw, savers = self.fit, self.hw, replace(self.fit.savers, **change)
+        c, mb = f.candidate, f.micro_batch_size
+        s = setup(self.config, hw, self.topo, self.precision, self.batch, c, mb, savers, self.m)
+        est = estimate(self.m, s, self.topo.processes_per_node)
+        need, usable = est.device_bytes / GiB, device_capacity(hw) / GiB
+        if need > usable:
+            verdict = f"does not fit; {usable:.1f} GiB usable"
+        elif not fits(est, hw):
+            verdict = "fits the device, but not host RAM: " + host_shortfall(est, hw)
+        else:
+            other = priced(Fit(c, mb, savers, est), self.topo, self.m, s, hw, self.speeds).step_seconds
+            verdict = f"fits, but the step is slower: est. {other:.3g} s against {f.step_seconds:.3g} s"
+        return f"without it {need:.1f} GiB per device ({verdict}), with it {f.estimate.device_bytes / GiB:.1f} GiB"
 
 
 def record_savers(
@@ -42,93 +94,96 @@ def record_savers(
     precision: str,
     batch: int,
     out: list[Decision],
+    speeds: Links = Links(),
 ) -> None:
     """One Decision per saver: precision (when bf16-pure), loss, checkpointing, activation offload, step in
     backward."""
+    undo = _Undo(config, fit, m, hw, topo, precision, batch, speeds)
     t, v = config.train, fit.savers
-    usable = device_capacity(hw) / GiB
-    gib = fit.estimate.device_bytes / GiB
-
-    def undone(**change) -> str:
-        est = estimate(
-            m,
-            setup(config, hw, topo, precision, batch, fit.candidate, fit.micro_batch_size, replace(v, **change), m),
-            topo.processes_per_node,
-        )
-        need = est.device_bytes / GiB
-        if need > usable:
-            verdict = f"does not fit; {usable:.1f} GiB usable"
-        elif not fits(est, hw):
-            verdict = "fits the device, but not host RAM: " + host_shortfall(est, hw)
-        else:
-            verdict = "fits, but the step is slower"
-        return f"without it {need:.1f} GiB per device ({verdict}), with it {gib:.1f} GiB"
-
     if v.pure_bf16:
         reason = (
             "as set in the config"
             if t.precision == "bf16-pure"
             else "mixed precision does not fit: bf16 weights, gradients and optimizer states (8 bytes per trained "
-            "parameter instead of 18) do; " + undone(pure_bf16=False)
+            "parameter instead of 18) do; " + undo.text(pure_bf16=False)
         )
         _replace(out, Decision("precision", "bf16-pure", reason, "config" if t.precision == "bf16-pure" else "auto"))
         comp = t.compensation if t.compensation != "auto" else "stochastic_rounding"
-        out.append(
-            _choice(
-                "compensation",
-                comp,
-                t.compensation,
-                "stochastic rounding keeps updates smaller than bf16's precision in expectation, with no extra memory",
-            )
-        )
+        why = "stochastic rounding keeps updates smaller than bf16's precision in expectation, with no extra memory"
+        out.append(_choice("compensation", comp, t.compensation, why))
     loss_why = {
         "plain": "the whole logits tensor fits: no recomputation of the output head",
         "chunked": "the logits are computed a chunk of tokens at a time and recomputed in backward (one more head "
-        "forward); " + undone(loss="plain"),
+        "forward); " + undo.text(loss="plain"),
         "liger": "Liger's fused linear-cross-entropy kernel is installed: no logits tensor, no recomputation cost",
         "cut_cross_entropy": "Cut Cross Entropy's fused kernel is installed: no logits tensor, no recomputation cost",
     }
     out.append(_choice("loss_implementation", v.loss, t.loss_implementation, loss_why[v.loss]))
-    layers = m.num_layers
-    if v.checkpoint_layers:
-        ckpt_why = (
-            f"{v.checkpoint_layers} of {layers} decoder layers recompute their activations "
-            f"(+{v.checkpoint_layers / layers:.0%} of a forward pass); " + undone(checkpoint_layers=0)
-        )
-    else:
-        ckpt_why = "off: activations fit without recomputation"
-    out.append(_choice("gradient_checkpointing", v.checkpoint_layers > 0, t.gradient_checkpointing, ckpt_why))
+    k, layers = v.checkpoint_layers, m.num_layers
+    out.append(_choice("gradient_checkpointing", k > 0, t.gradient_checkpointing, _checkpointing_why(undo)))
     out.append(
         _choice(
             "checkpoint_layers",
-            v.checkpoint_layers,
+            k,
             t.checkpoint_layers,
-            f"{v.checkpoint_layers} of {layers}: the fewest that fit at the fastest setup",
+            f"{k} of {layers}: the fewest that fit at the fastest setup"
+            + (" with room to spare (see memory_headroom)" if fit.fuller else ""),
         )
     )
-    out.append(
-        _choice(
-            "activation_offload",
-            v.activation_offload,
-            t.activation_offload,
-            "activations wait in pinned host memory for the backward pass (PCIe traffic each micro-batch); "
-            + undone(activation_offload=False)
-            if v.activation_offload
-            else "off: activations stay on the device",
-        )
+    offload_why = (
+        "activations wait in pinned host memory for the backward pass (PCIe traffic each micro-batch); "
+        + undo.text(activation_offload=False)
+        if v.activation_offload
+        else "off: activations stay on the device"
     )
-    out.append(
-        _choice(
-            "optimizer_in_backward",
-            v.optimizer_in_backward,
-            t.optimizer_in_backward,
-            "each parameter is updated as soon as its gradient is complete, so the whole model's gradients never exist "
-            "at once; " + undone(optimizer_in_backward=False)
-            if v.optimizer_in_backward
-            else "off: one optimizer step after the backward pass"
-            + ("" if hw.is_cpu or topo.world > 1 or t.max_grad_norm == 0 else " (it needs max_grad_norm: 0)"),
-        )
+    out.append(_choice("activation_offload", v.activation_offload, t.activation_offload, offload_why))
+    in_backward_why = (
+        "each parameter is updated as soon as its gradient is complete, so the whole model's gradients never exist "
+        "at once; " + undo.text(optimizer_in_backward=False)
+        if v.optimizer_in_backward
+        else "off: one optimizer step after the backward pass"
+        + ("" if hw.is_cpu or topo.world > 1 or t.max_grad_norm == 0 else " (it needs max_grad_norm: 0)")
     )
+    out.append(_choice("optimizer_in_backward", v.optimizer_in_backward, t.optimizer_in_backward, in_backward_why))
+
+
+def _checkpointing_why(undo: _Undo) -> str:
+    """Why layers recompute their activations. With activation offload on, the device holds only the layers in flight
+    either way (a recomputed layer one more): checkpointing then saves host RAM and PCIe traffic, since a checkpointed
+    layer offloads only its input."""
+    k, layers = undo.fit.savers.checkpoint_layers, undo.m.num_layers
+    if not k:
+        return "off: activations fit without recomputation"
+    what = f"{k} of {layers} decoder layers recompute their activations (+{k / layers:.0%} of a forward pass)"
+    if undo.fit.savers.activation_offload:
+        what += (
+            "; with activation offload on, this saves pinned host RAM and PCIe traffic rather than device memory (a "
+            "checkpointed layer offloads only its input, and the layer being recomputed takes device memory)"
+        )
+    return what + "; " + undo.text(checkpoint_layers=0)
+
+
+def record_headroom(fit: Fit, hw: Hardware, m: ModelFacts, out: list[Decision]) -> None:
+    """The usable memory the plan leaves free, and why it leaves that much (search.prefer_room)."""
+    usable, used = device_capacity(hw), fit.estimate.device_bytes
+    share = used / usable
+    if fit.fuller is not None:
+        f = fit.fuller
+        fuller = f.estimate.device_bytes / usable
+        why = (
+            f"fills {share:.0%} of the usable memory: {describe(f, m)} would fill {fuller:.0%} for an est. "
+            f"{f.step_seconds:.3g} s step against {fit.step_seconds:.3g} s, too little gain for no room left for the "
+            f"estimate's error (a micro-batch and savers that fill over {ROOMY:.0%} are chosen only when over "
+            f"{FILLING_PAYS:.0%} faster)"
+        )
+    elif share > ROOMY:
+        why = (
+            f"fills {share:.0%} of the usable memory: the micro-batches and savers the config allows that leave "
+            f"{1 - ROOMY:.0%} of it free are over {FILLING_PAYS:.0%} slower with this setup, or do not fit"
+        )
+    else:
+        why = f"fills {share:.0%} of the usable memory"
+    out.append(Decision("memory_headroom", f"{(usable - used) / GiB:.1f} GiB", why))
 
 
 def _choice(field: str, value, asked, reason: str) -> Decision:
@@ -216,26 +271,3 @@ def _untried(field: str, config: Config, hw: Hardware, topo: Topology) -> str:
     if config.method.generation_tokens(config.data.seq_len):
         return "not tried: the method samples with the training model, which stays whole per rank"
     return "not tried: no degree that divides a node's GPUs divides the model's heads and MLP"
-
-
-def scaling(fit: Fit, topo: Topology, m: ModelFacts, s: Setup, traffic: dict[str, float], speeds: Links) -> dict:
-    """The chosen plan's predicted scaling (plan/scaling.py)."""
-    if topo.world == 1:
-        return {}
-    per_token = forward_flops_per_token(m, s.seq_len)
-    attention = 2 * s.seq_len * m.q_dim * m.num_layers / per_token
-    c = fit.candidate
-    return predict(
-        fit.seconds,
-        traffic,
-        nodes=topo.nodes,
-        sharding=c.sharding,
-        per_node=topo.processes_per_node,
-        tp=c.tp,
-        cp=c.cp,
-        layers=m.num_layers,
-        micro_batches=s.accumulation,
-        backward_share=2 / 3 if c.adapter == "full" else 1 / 2,
-        attention_share=attention,
-        speeds=speeds,
-    )

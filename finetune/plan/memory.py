@@ -227,7 +227,7 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     device[LOADING] = loading_bytes(m, s, a, state) + (CUDA_CONTEXT if s.accelerator else 0)
     host[ROLLOUT_HOST] = s.rollout_host_bytes
     host = {k: v * processes_per_node for k, v in host.items()}
-    host["runtime per process"] = PROCESS_HOST_RAM * processes_per_node
+    host[f"process runtimes ({PROCESS_HOST_RAM / GiB:g} GiB each)"] = PROCESS_HOST_RAM * processes_per_node
     host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
     return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)

@@ -97,6 +97,8 @@ class Plan:
     cpus_per_node: int = 1
     checkpoint_bytes: int = 0
     stop_seconds: int = 0
+    max_steps: int = 0  # optimizer steps of the run when train.max_steps sets them; 0: train.epochs does
+    device_memory_bytes: int = 0  # each device's whole memory (device_capacity_bytes: what the planner may fill)
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -143,6 +145,7 @@ class Plan:
                 "per_device_allocated_gib": round(e.allocated_bytes / GiB, 2),
                 "per_device_reserved_gib": round(e.reserved_bytes / GiB, 2),
                 "device_capacity_gib": round(self.device_capacity_bytes / GiB, 2),
+                "device_memory_gib": round(self.device_memory_bytes / GiB, 2),
                 "host_gib": round(e.host_bytes / GiB, 2),
                 "host_capacity_gib": round(self.host_capacity_bytes / GiB, 2),
                 "per_device_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.device.items()},
@@ -175,6 +178,7 @@ class Plan:
             "context_parallel": self.context_parallel,
             "scaling": dict(self.scaling),
             "step_seconds_estimate": self.step_seconds,
+            "max_steps": self.max_steps,
             "alternatives": list(self.alternatives),
             "rollout": dict(self.rollout),
             "cluster": {
@@ -192,6 +196,7 @@ class Plan:
                     "notes": list(e.notes),
                 },
                 "device_capacity_bytes": self.device_capacity_bytes,
+                "device_memory_bytes": self.device_memory_bytes,
                 "host_capacity_bytes": self.host_capacity_bytes,
                 "communication": self.communication,
                 "communication_seconds": self.communication_seconds,
@@ -249,6 +254,8 @@ class Plan:
         savers["cpus_per_node"] = cluster.get("cpus_per_node", 1)
         savers["stop_seconds"] = cluster.get("stop_seconds", 0)
         savers["checkpoint_bytes"] = exact.get("checkpoint_bytes", 0)
+        savers["max_steps"] = data.get("max_steps", 0)  # absent from plans written before it was recorded
+        savers["device_memory_bytes"] = exact.get("device_memory_bytes", 0)  # likewise
         return cls(
             **simple,
             **savers,

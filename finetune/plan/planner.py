@@ -21,23 +21,15 @@ from finetune.plan.advice import no_fit_error
 from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
-from finetune.plan.explain import alternatives, record_parallel, record_savers, scaling
+from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
 from finetune.plan.parallel import check as check_parallel
 from finetune.plan.plan import Decision, Plan
+from finetune.plan.pricing import comm_seconds, traffic
 from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
-from finetune.plan.search import (
-    Fit,
-    comm_seconds,
-    compensation,
-    device_capacity,
-    host_capacity,
-    search,
-    setup,
-    traffic,
-)
+from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, setup
 from finetune.plan.stopping import checkpoint_bytes_per_node, stop_seconds
 from finetune.plan.topology import Topology, choose_global_batch, choose_precision, choose_topology
 
@@ -75,9 +67,10 @@ def plan(
     fit = outcome.chosen
     if fit is None:
         raise no_fit_error(config, hardware, model, topo, precision, batch)
-    _record_fit(config, fit, topo, batch, precision, decisions, outcome.why)
+    _record_fit(config, fit, topo, batch, precision, decisions, outcome.why, outcome.others)
     record_parallel(config, hardware, fit, outcome.others, model, topo, decisions)
-    record_savers(config, fit, model, hardware, topo, precision, batch, decisions)
+    record_savers(config, fit, model, hardware, topo, precision, batch, decisions, speeds)
+    record_headroom(fit, hardware, model, decisions)
     c = fit.candidate
     compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp)
     if new_tokens or config.data.add_special_tokens:
@@ -151,13 +144,15 @@ def plan(
         compile=compiled,
         tensor_parallel=c.tp,
         context_parallel=c.cp,
-        scaling=scaling(fit, topo, model, s, step, speeds),
+        scaling=fit.scaling,
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
-        alternatives=alternatives(outcome.others, model),
+        alternatives=alternatives(fit, outcome.others, model),
         rollout=placed.to_plan(hardware, topo, fit) if placed else {},
         cpus_per_node=hardware.cpu_cores,
         checkpoint_bytes=written,
         stop_seconds=stop_seconds(fit.step_seconds, written),
+        max_steps=config.train.max_steps or 0,
+        device_memory_bytes=hardware.device_memory_bytes,
     )
 
 
@@ -174,7 +169,14 @@ def generation(fit: Fit, m: ModelFacts, hw: Hardware, precision: str) -> str:
 
 # ---------------------------------------------------------------- recording the choices
 def _record_fit(
-    config: Config, fit: Fit, topo: Topology, batch: int, precision: str, out: list[Decision], why: str = ""
+    config: Config,
+    fit: Fit,
+    topo: Topology,
+    batch: int,
+    precision: str,
+    out: list[Decision],
+    why: str = "",
+    others: tuple[Fit, ...] = (),
 ) -> None:
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
@@ -209,9 +211,7 @@ def _record_fit(
             "offload",
             c.offload,
             d.offload,
-            "everything fits in device memory"
-            if c.offload == "none"
-            else f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)",
+            _offload_reason(c, others),
         )
     )
     dp = data_parallel(topo.world, c)
@@ -223,7 +223,7 @@ def _record_fit(
             fit.micro_batch_size,
             t.micro_batch_size,
             f"largest divisor of the {per_rank} sequences per {'rank' if dp == topo.world else 'data-parallel rank'} "
-            f"that fits ({gib})",
+            f"that fits{' with room to spare (see memory_headroom)' if fit.fuller else ''} ({gib})",
         )
     )
     out.append(
@@ -256,6 +256,17 @@ def _record_fit(
         )
 
 
+def _offload_reason(c: Candidate, others: tuple[Fit, ...]) -> str:
+    if c.offload == "none":
+        return "everything fits in device memory"
+    if any(o.candidate.offload == "none" for o in others):
+        return (
+            f"{c.offload} moved to host RAM (PCIe traffic each step): the fastest setup that fits, though some keep "
+            "everything on the device (ft plan --explain-candidates lists them)"
+        )
+    return f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)"
+
+
 def _choice(field: str, value, asked, reason: str) -> Decision:
     if asked != "auto":
         return Decision(field, value, "as set in the config", "config")
@@ -284,7 +295,9 @@ def _sharding_reason(c: Candidate, topo: Topology) -> str:
         "hybrid_shard": f"sharded inside each node ({topo.processes_per_node} GPUs), "
         f"replicated across the {topo.nodes} nodes: "
         "all-gathers stay on the fast intra-node links",
-        "full_shard": f"parameters, gradients and optimizer states sharded over all {topo.world} ranks"
+        "full_shard": _one_rank(c)
+        if topo.world == 1
+        else f"parameters, gradients and optimizer states sharded over all {topo.world} ranks"
         if c.tp == 1
         else f"parameters, gradients and optimizer states sharded over the {topo.world // c.tp} ranks that hold "
         "the same tensor-parallel slice",
@@ -292,6 +305,15 @@ def _sharding_reason(c: Candidate, topo: Topology) -> str:
         "zero2": "gradients and optimizer states sharded",
         "zero3": "parameters, gradients and optimizer states sharded",
     }[c.sharding]
+
+
+def _one_rank(c: Candidate) -> str:
+    if c.offload == "all":
+        return (
+            "one GPU: FSDP2 keeps parameters, gradients and optimizer states in host RAM and brings each layer to the "
+            "GPU when it runs"
+        )
+    return "one rank: FSDP2 has nothing to shard over (each unit is whole on it)"
 
 
 def choose_lr(config: Config, adapter: str, out: list[Decision]) -> float:

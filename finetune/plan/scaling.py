@@ -8,12 +8,16 @@ hides behind compute, and the efficiency against one device doing the same per-d
               - FSDP's parameter all-gathers: prefetched during the previous layer's compute, so all but the first
                 layer's gather of each pass (1/L of them) can hide behind the compute
               - gradient reduce-scatters and all-reduces (FSDP, DDP, ZeRO, hybrid_shard across nodes): issued layer
-                by layer during the last micro-batch's backward pass; all but the last layer's can hide behind it
+                by layer during the backward pass of the micro-batch they reduce (the last one; every one where the
+                engine reduces each micro-batch, plan/comm.py `reduces_every_micro_batch`); all but the last layer's
+                can hide behind it
               - ZeRO-1/2's all-gather of updated parameters: after the optimizer step, exposed
               - tensor parallelism's activation collectives: between the matmuls that need them, exposed
                 (TP_HIDDEN of them hide)
               - context parallelism's key/value ring: the next chunk moves while attention computes on this one
                 ((cp - 1) / cp of it, behind the attention's share of the compute)
+  step        work + exposed communication: the plan's one estimated step time (Plan.step_seconds sums to it, and
+              the search ranks setups by it)
   efficiency  work / (work + exposed communication); monotone in link speed, as slower links only add exposed time
 
 Cross-node collectives are slower only through their link speed (plan/comm.py `links`); the figures rank setups and
@@ -59,12 +63,15 @@ def predict(
     backward_share: float,
     attention_share: float,
     speeds: Links = Links(),
+    reduce_every_micro_batch: bool = False,
 ) -> dict:
     """The scaling figures of one plan (`Plan.scaling`): seconds_by_cause from plan/cost.py, traffic from
-    plan/comm.py (bytes per rank and step), backward_share and attention_share of the compute."""
+    plan/comm.py (bytes per rank and step), backward_share and attention_share of the compute;
+    reduce_every_micro_batch: gradients are reduced behind every micro-batch's backward pass, not only the last."""
     work = sum(v for k, v in seconds_by_cause.items() if k != "communication")
     compute = sum(seconds_by_cause.get(k, 0.0) for k in ("compute", "recompute", "quantization"))
-    backward = seconds_by_cause.get("compute", 0.0) / max(micro_batches, 1) * backward_share
+    reducing = 1 if reduce_every_micro_batch else max(micro_batches, 1)  # the reductions hide behind 1/reducing
+    backward = seconds_by_cause.get("compute", 0.0) / reducing * backward_share  # of the backward passes
     attention = seconds_by_cause.get("compute", 0.0) * attention_share
     times = collective_seconds(traffic, nodes, sharding, per_node, tp * cp, speeds)
     rows, budget, hidden = {}, compute, 0.0
@@ -89,13 +96,14 @@ def predict(
 
 
 def summary(scaling: dict) -> str:
-    """One line for `ft plan`."""
+    """One line for `ft plan`: its step time is the plan's."""
     if not scaling:
         return ""
     s = scaling
     return (
-        f"Predicted scaling: {s['efficiency']:.0%} of one device's speed (compute {s['compute_seconds']:.3g} s, "
-        f"communication {s['communication_seconds']:.3g} s of which {s['overlapped_seconds']:.3g} s overlaps compute, "
-        f"{s['exposed_seconds']:.3g} s exposed: {s['step_seconds']:.3g} s per step; links "
-        f"{s['link_gb_per_s']['intra_node']:g} GB/s in a node, {s['link_gb_per_s']['inter_node']:g} GB/s between nodes)"
+        f"Predicted scaling: {s['efficiency']:.0%} of one device's speed (work {s['compute_seconds']:.3g} s per step, "
+        f"all but communication; communication {s['communication_seconds']:.3g} s, of which "
+        f"{s['overlapped_seconds']:.3g} s hides behind compute and {s['exposed_seconds']:.3g} s adds to the step: "
+        f"{s['step_seconds']:.3g} s per step; links {s['link_gb_per_s']['intra_node']:g} GB/s in a node, "
+        f"{s['link_gb_per_s']['inter_node']:g} GB/s between nodes)"
     )

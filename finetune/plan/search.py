@@ -1,6 +1,8 @@
 """The search for the setup to run: for every candidate (plan/candidates.py) and every combination of memory savers
 the config allows (plan/savers.py), the largest micro-batch whose estimate fits the hardware (plan/memory.py); then
-the one with the least estimated step time (plan/cost.py).
+the one with the least estimated step time: the work of plan/cost.py plus the communication of plan/comm.py that does
+not hide behind it (plan/pricing.py). Within a candidate, a micro-batch and savers that fill more than ROOMY of the
+usable memory are kept only when they are more than FILLING_PAYS faster than the fastest that leave room.
 
 `finetune.plan.planner` records the result as Decisions; `finetune.plan.advice` reruns the same search on
 relaxed configs when nothing fits. Both use this module; neither is imported here.
@@ -8,7 +10,7 @@ relaxed configs when nothing fits. Both use this module; neither is imported her
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
@@ -17,18 +19,14 @@ from finetune.hardware import Hardware
 from finetune.plan import parallel
 from finetune.plan import savers as saver_options
 from finetune.plan.candidates import Candidate, candidates, data_parallel, loading
-from finetune.plan.comm import Links, parallel_traffic, seconds, step_traffic
-from finetune.plan.cost import step_seconds
+from finetune.plan.comm import Links
 from finetune.plan.memory import (
-    DTYPE_BYTES,
     PINNED_ACTIVATIONS,
     Estimate,
     Setup,
-    checkpointed_layers,
     estimate,
-    tokens_per_micro_batch,
-    tp_shares,
 )
+from finetune.plan.pricing import Fit, priced
 from finetune.plan.savers import Savers, chunk_tokens
 from finetune.plan.topology import Topology, pure_bf16_mode
 
@@ -36,23 +34,11 @@ GPU_HEADROOM = 0.04  # keep 4% of each GPU free (the estimate already counts the
 CPU_HEADROOM = 0.20  # the OS, page cache and the tokenizer also live in host RAM
 HOST_HEADROOM = 0.10
 PINNED_SHARE = 0.25  # of a node's usable RAM, at most, pinned for offloaded activations
-
-
-@dataclass(frozen=True)
-class Fit:
-    candidate: Candidate
-    micro_batch_size: int
-    savers: Savers
-    estimate: Estimate
-    seconds: dict[str, float] = field(default_factory=dict)  # estimated step time by cause (plan/cost.py)
-
-    @property
-    def checkpointing(self) -> bool:
-        return self.savers.checkpoint_layers > 0
-
-    @property
-    def step_seconds(self) -> float:
-        return sum(self.seconds.values())
+# The estimate is for ranking setups, not a promise (median error 15% on published runs, tests/test_calibration.py):
+# a micro-batch and savers that fill more than ROOMY of the usable memory are chosen only when they are more than
+# FILLING_PAYS faster than the fastest ones of the same candidate that do not.
+ROOMY = 0.90
+FILLING_PAYS = 0.10
 
 
 @dataclass(frozen=True)
@@ -146,46 +132,9 @@ def describe(fit: Fit, m: ModelFacts) -> str:
     adapter = c.adapter + (f" ({c.quantization})" if c.quantization != "none" else "")
     backend = (
         c.backend + (f" {c.sharding}" if c.sharding else "") + (f", offload {c.offload}" if c.offload != "none" else "")
-    )
+    ) + (", loaded through host RAM" if c.host_load else "")
     inner = "".join(f", {k} {v}" for k, v in (("tensor parallel", c.tp), ("context parallel", c.cp)) if v > 1)
     return f"{adapter}, {backend}{inner}, micro-batch {fit.micro_batch_size}, {fit.savers.describe(m.num_layers)}"
-
-
-def traffic(fit: Fit, topo: Topology, m: ModelFacts, s: Setup) -> dict[str, float]:
-    """Bytes each rank sends per step, by collective (plan/comm.py), for `fit` whose memory view is `s`."""
-    c = fit.candidate
-    stored = 0.55 if c.quantization == "nf4" else 1.0 if c.quantization == "int8" else 4 if s.precision == "fp32" else 2
-    params, trained = tp_shares(m, s, fit.estimate.trainable_params)
-    out = step_traffic(
-        c.backend,
-        c.sharding,
-        topo.nodes,
-        topo.processes_per_node,
-        round(fit.estimate.trainable_params * trained),
-        round(m.num_params * params),
-        stored,
-        s.accumulation,
-        grad_bytes=2 if fit.savers.pure_bf16 or (c.backend == "deepspeed" and s.precision != "fp32") else 4,
-        tensor_parallel=c.tp,
-    )
-    out.update(
-        parallel_traffic(
-            tokens_per_micro_batch(s),
-            m.hidden_size,
-            m.kv_dim,
-            m.num_layers,
-            checkpointed_layers(m, s),
-            DTYPE_BYTES[s.precision],
-            s.accumulation,
-            c.tp,
-            c.cp,
-        )
-    )
-    return out
-
-
-def comm_seconds(traffic: dict[str, float], topo: Topology, c: Candidate, speeds: Links = Links()) -> float:
-    return seconds(traffic, topo.nodes, c.sharding, topo.processes_per_node, c.tp * c.cp, speeds)
 
 
 def fit_candidate(
@@ -199,8 +148,33 @@ def fit_candidate(
     pure: bool = False,
     speeds: Links = Links(),
 ) -> Fit | None:
-    """The fastest combination of micro-batch and savers that fits this candidate: for each combination the config
-    allows, the largest micro-batch that fits (memory grows with it), then the least estimated step time."""
+    """The fastest combination of micro-batch and savers that fits this candidate (`prefer_room`): for each
+    combination the config allows, the largest micro-batch that fits (memory grows with it), and, where that fills
+    more than ROOMY of the usable memory, the largest that does not."""
+    sizes, per_rank = _sizes(config, topo, batch, cand)
+    found: list[Fit] = []
+    for combo in saver_options.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
+        allowed = [per_rank] if combo.optimizer_in_backward else sizes  # no accumulation with the step in backward
+        if combo.optimizer_in_backward and per_rank not in sizes:
+            continue
+        fit = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds)
+        if fit is None:
+            continue
+        found.append(fit)
+        if not roomy(fit, hw):
+            room = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds, ROOMY)
+            found += [room] if room is not None else []
+        elif fit.micro_batch_size == sizes[-1] and _free(combo) and fit is _fastest(found):
+            break  # the largest micro-batch without any saver, with room to spare: nothing can be better
+    return prefer_room(sorted(found, key=lambda f: f.step_seconds), hw) if found else None
+
+
+def _fastest(fits: list[Fit]) -> Fit:
+    return min(fits, key=lambda f: f.step_seconds)
+
+
+def _sizes(config: Config, topo: Topology, batch: int, cand: Candidate) -> tuple[list[int], int]:
+    """The micro-batch sizes to try, ascending, and the sequences each data-parallel rank gets per step."""
     dp = data_parallel(topo.world, cand)
     per_rank = batch // dp
     t = config.train
@@ -218,32 +192,39 @@ def fit_candidate(
             f"set train.micro_batch_size: {per_rank} (or auto), or train.global_batch_size: "
             f"{t.micro_batch_size * dp}"
         )
-    best: Fit | None = None
-    for combo in saver_options.combinations(config, hw, m, cand.backend, topo.world, pure, cand.sharding):
-        allowed = [per_rank] if combo.optimizer_in_backward else sizes  # no accumulation with the step in backward
-        if combo.optimizer_in_backward and per_rank not in sizes:
-            continue
-        fit = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds)
-        if fit is not None and (best is None or fit.step_seconds < best.step_seconds):
-            best = fit
-        if best is not None and best.micro_batch_size == sizes[-1] and best.savers == combo and _free(combo):
-            break  # the largest micro-batch without any saver: nothing can be faster
-    return best
+    return sizes, per_rank
+
+
+def roomy(fit: Fit, hw: Hardware) -> bool:
+    """The fit leaves room for the estimate's error: it fills at most ROOMY of the usable memory."""
+    return fit.estimate.device_bytes <= ROOMY * device_capacity(hw)
+
+
+def prefer_room(ranked: list[Fit], hw: Hardware) -> Fit:
+    """The fastest of `ranked` (one candidate's fits, fastest first), unless it fills more than ROOMY of the usable
+    memory and the fastest that does not is at most FILLING_PAYS slower: then that one, which keeps the one it
+    displaced (`fuller`). Between candidates (backend, sharding, offload) the search goes by speed alone."""
+    fastest = ranked[0]
+    room = next((f for f in ranked if roomy(f, hw)), None)
+    if roomy(fastest, hw) or room is None or room.step_seconds > (1 + FILLING_PAYS) * fastest.step_seconds:
+        return fastest
+    return replace(room, fuller=fastest)
 
 
 def _free(combo: Savers) -> bool:
     return combo.loss not in ("chunked",) and not combo.checkpoint_layers and not combo.activation_offload
 
 
-def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, speeds=Links()) -> Fit | None:
-    """Binary search over ascending `sizes` for the largest micro-batch whose estimate fits."""
+def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, speeds=Links(), share=1.0) -> Fit | None:
+    """Binary search over ascending `sizes` for the largest micro-batch whose estimate fits (in `share` of the usable
+    memory)."""
     lo, hi, found = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
         est = estimate(
             m, setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m), topo.processes_per_node
         )
-        if fits(est, hw):
+        if fits(est, hw, share):
             found, lo = (sizes[mid], est), mid + 1
         else:
             hi = mid - 1
@@ -251,9 +232,7 @@ def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, spee
         return None
     mb, est = found
     s = setup(config, hw, topo, precision, batch, cand, mb, combo, m)
-    fit = Fit(cand, mb, combo, est)
-    comm = comm_seconds(traffic(fit, topo, m, s), topo, cand, speeds)
-    return Fit(cand, mb, combo, est, step_seconds(m, s, hw, s.accumulation, comm))
+    return priced(Fit(cand, mb, combo, est), topo, m, s, hw, speeds)
 
 
 def divisors(n: int) -> list[int]:
@@ -347,8 +326,9 @@ def host_capacity(hw: Hardware) -> int:
     return int(hw.host_memory_bytes * (1 - HOST_HEADROOM))
 
 
-def fits(est: Estimate, hw: Hardware) -> bool:
-    if est.device_bytes > device_capacity(hw):
+def fits(est: Estimate, hw: Hardware, share: float = 1.0) -> bool:
+    """The estimate fits `share` of the usable device memory, and host RAM."""
+    if est.device_bytes > share * device_capacity(hw):
         return False
     if est.host.get(PINNED_ACTIVATIONS, 0) > PINNED_SHARE * host_capacity(hw):
         return False  # page-locked memory the OS cannot swap: a bounded share of the node's RAM
