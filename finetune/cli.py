@@ -63,17 +63,9 @@ def _root(
 @app.command()
 def validate(config: Path = typer.Argument(..., help="Job YAML file."), set_: list[str] | None = SetOption) -> None:
     """Check a job file: every problem at once, with file and line. Exit code 2 when invalid."""
-    from finetune.config import load
+    from finetune.workflow import check_job
 
-    cfg = load(config, set_ or ())
-    from finetune.data.sources import check_paths
-
-    problems = check_paths(cfg)
-    if problems:
-        raise FtError(
-            f"{config}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n"
-            + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems)
-        )
+    cfg = check_job(config, set_ or ())  # ft launch runs the same checks
     typer.echo(
         f"{config}: valid ({cfg.method.name}, model {cfg.model.name}, adapter {cfg.adapter.type}, output "
         f"{cfg.output.dir})"
@@ -102,7 +94,10 @@ def train(
     config: Path = typer.Argument(..., help="Job YAML file."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint in output.dir."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the run already in output.dir (only what ft wrote there is removed)."
+        False,
+        "--overwrite",
+        help="Replace the run already in output.dir (only what ft wrote there is removed; never a run that a job is "
+        "still writing).",
     ),
     allow_changes: bool = typer.Option(
         False,
@@ -165,8 +160,8 @@ def launch(
     set_: list[str] | None = SetOption,
 ) -> None:
     """Write what runs a job on a cluster, planned for --hardware: an sbatch script (--slurm) or a Kubernetes
-    manifest (--k8s). `ft launch generate --slurm --hardware 8xH100 -- SOURCE --prompts P --out O` writes one
-    for ft generate."""
+    manifest (--k8s), after the checks of ft validate. `ft launch generate --slurm --hardware 8xH100 -- SOURCE
+    --prompts P --out O` writes one for ft generate."""
     from finetune.workflow import write_generate_script, write_launch_script
 
     if slurm == k8s:
@@ -599,8 +594,9 @@ def explain(
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors print a message (no traceback) and exit with their code (2); anything
     unexpected prints one message and exits 1, its traceback in a log file (`ft --debug` prints it)."""
-    from finetune.quiet import quiet_libraries
+    from finetune.quiet import no_bars_in_logs, quiet_libraries
 
+    no_bars_in_logs()  # before any library that draws bars is imported
     quiet_libraries()  # library notices that are not the user's business (warnings and logging filters only)
     args = sys.argv[1:] if argv is None else list(argv)
     shown = " ".join(a if len(a) <= 60 else a[:40] + "..." for a in args[:4])

@@ -27,6 +27,9 @@ def consolidate(
     run_dir = Path(run_dir)
     ckpt = _checkpoint(run_dir, step)
     out = Path(out) if out is not None else run_dir / "consolidated" / ckpt.name
+    from finetune.runfolder import refuse_replacing_run
+
+    refuse_replacing_run(out, "--out")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FtError(f"--out {out} is not empty; choose another folder or pass --overwrite")
     config, plan = _run(run_dir)

@@ -157,10 +157,16 @@ def exit_process(main) -> None:
         if code is not None:
             sys.stderr.write(f"{code}\n")
         code = 0 if code is None else 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # CPython's own call at exit (Modules/atexitmodule.c), exposed for this use
+    # The interpreter's own first step at exit (Py_FinalizeEx -> threading._shutdown): the callbacks registered with
+    # threading._register_atexit run first, which is how concurrent.futures tells idle pool workers (torch's compile
+    # pool among them) to stop; then every other non-daemon thread is joined. Joining the threads alone would wait
+    # forever for those idle workers.
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()  # CPython's own call at exit (Modules/atexitmodule.c), exposed for this use
+    except KeyboardInterrupt:  # Ctrl-C while a thread or an exit handler finishes: everything ft wrote is written
+        sys.stderr.write("stopped while finishing (Ctrl-C)\n")
+        code = 130
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

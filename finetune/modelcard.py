@@ -13,8 +13,9 @@ def model_card(run: dict) -> str:
     """README.md for the final model, from {"config", "plan", "data", "metrics", "artifact"} (all optional),
     plus optional "name" (title), "run_dir" (for `ft merge-lora`) and "path" (where the weights are).
 
-    "config" is best the job's `Config` itself: then the text its `${VAR}` references read from the
-    environment is shown as the reference everywhere in the card, not only in the config.
+    "config" is best the job's `Config` itself: then the text its secret `${VAR}` references read from the
+    environment is shown as the reference everywhere in the card, not only in the config (other values from the
+    environment are shown as they were: the card records what the run was trained on).
     """
     job = run.get("config")
     run = redact(
@@ -45,7 +46,7 @@ def model_card(run: dict) -> str:
         "## Model\n\n" + _table(_model_rows(cfg, plan, adapter, artifact, base)),
         "## Data\n\n" + _table(_data_rows(cfg, data)),
         "## Training\n\n" + _table(_training_rows(cfg, plan)),
-        "## Results\n\n" + _table(_result_rows(metrics)),
+        "## Results\n\n" + _table(_result_rows(metrics, cfg.get("evaluation") or {})),
         _usage(base, artifact, run, data),
     ]
     return "\n\n".join(p for p in parts if p) + "\n"
@@ -154,7 +155,7 @@ def _g(value: Any) -> Any:
     return f"{value:g}" if isinstance(value, float) else value
 
 
-def _result_rows(metrics: dict) -> list:
+def _result_rows(metrics: dict, evaluation: dict) -> list:
     def loss(v):
         return f"{v:.4f}" if isinstance(v, (int, float)) and math.isfinite(v) else None
 
@@ -163,12 +164,31 @@ def _result_rows(metrics: dict) -> list:
     if isinstance(seconds, (int, float)):
         h, rest = divmod(int(round(seconds)), 3600)
         duration = f"{h}h {rest // 60:02d}m {rest % 60:02d}s"
-    return [
-        ("final train loss", loss(metrics.get("final_loss"))),
-        ("final eval loss", loss(metrics.get("final_eval_loss"))),
-        ("optimizer steps", metrics.get("steps")),
-        ("training time", duration),
-    ]
+    rows = [("final train loss", loss(metrics.get("final_loss")))]
+    rows += [(f"final train {name}", _number(v)) for name, v in (metrics.get("final_metrics") or {}).items()]
+    rows.append(("final eval loss", loss(metrics.get("final_eval_loss"))))
+    evals = {k.removeprefix("final_eval_"): v for k, v in metrics.items() if k.startswith("final_eval_")}
+    rows += [(f"final eval {name}", _number(v)) for name, v in evals.items() if name != "loss"]
+    rows.append(_task_row(metrics, evaluation))
+    return rows + [("optimizer steps", metrics.get("steps")), ("training time", duration)]
+
+
+def _number(v: Any) -> str | None:
+    return f"{v:.4g}" if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _task_row(metrics: dict, evaluation: dict) -> tuple[str, Any]:
+    """The job's task evaluation (`evaluation:`), before and after training, as `ft train` printed it."""
+    after = metrics.get("task_after")
+    if not isinstance(after, (int, float)) or not evaluation.get("metric"):
+        return ("task evaluation", None)
+    from finetune.infer.scoring import score_text
+
+    metric, before = evaluation["metric"], metrics.get("task_before")
+    shown = score_text(metric, after, 1)
+    if isinstance(before, (int, float)):
+        shown = f"{score_text(metric, before, 1)} before, {shown} after"
+    return (f"{metric} on `{evaluation.get('path', '?')}`", shown)
 
 
 def _usage(base: str, artifact: str, run: dict, data: dict) -> str:

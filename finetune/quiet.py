@@ -9,7 +9,8 @@ library function is replaced. Cheap to import (warnings, logging and re only).
   already says which devices it found.
 - transformers 5.x: the LOAD REPORT of a reward model whose score head is not in the base checkpoint: ft starts that
   head from seeded values on purpose (models.head_value). A report that names anything else is kept.
-- transformers 5.x: its "Loading weights" / "Writing model shards" bars, where the output is a log (carriage returns).
+- tqdm bars (transformers' "Loading weights" / "Writing model shards", datasets', the hub's), where the output is a
+  log: their carriage returns would fill it (`no_bars_in_logs`).
 - torch 2.13, under tensor parallelism only (`quiet_tensor_parallel`): FSDP2's warning that a decoder layer returned
   a view (the tensor-parallel plan's last layer hands back its gathered output as one; the supported families never
   change a layer's output in place, and the tests compare every gradient with one process's), and DTensor's notes
@@ -76,6 +77,25 @@ def only_new_score_head(message: str) -> bool:
     rows = [[cell.strip() for cell in line.split("|")] for line in _STYLE.sub("", message).splitlines() if "|" in line]
     rows = [r for r in rows if len(r) >= 2 and r[0] and r[0] != "Key"]
     return bool(rows) and all(r[1] == "MISSING" and r[0].split(".")[0] == "score" for r in rows)
+
+
+BAR_SWITCHES = ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+
+
+def no_bars_in_logs(stream=None) -> None:
+    """Where `stream` (stderr, where tqdm draws) is not a terminal, every tqdm bar off for this process and the
+    processes it starts (ranks, vLLM, data workers), through the libraries' own switches: tqdm's `TQDM_DISABLE`
+    (its default for `disable`), huggingface_hub's (which transformers' bars follow) and datasets'. Read when those
+    libraries are imported, so this runs first. A value the user set is kept."""
+    import os
+    import sys
+
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    if callable(isatty) and isatty():
+        return
+    for name in BAR_SWITCHES:
+        os.environ.setdefault(name, "1")
 
 
 def quiet_loading_bars() -> None:

@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume-from", default=None, help="a checkpoint folder of this run to continue from")
     args = parser.parse_args(argv)
     from finetune.errors import run_main
-    from finetune.quiet import quiet_libraries
+    from finetune.quiet import no_bars_in_logs, quiet_libraries
 
+    no_bars_in_logs()
     quiet_libraries()
 
     run_main(
@@ -49,14 +50,17 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     from finetune.distributed.lifecycle import LOST_PEERS
     from finetune.distributed.runtime import failed_during, launched
     from finetune.errors import LostPeers
+    from finetune.runlock import joined, locked
     from finetune.train import Stopped
 
     if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
-        train_run_folder(run_dir, resume_from)
+        with locked(run_dir, f"python -m finetune.rank {run_dir}", make=False):  # the whole job, as ft train
+            train_run_folder(run_dir, resume_from)
         return 0
     lifecycle.start_rank()
     try:
-        train_run_folder(run_dir, resume_from)
+        with joined(run_dir):  # the lock its launcher shared: held while any rank of the job runs
+            train_run_folder(run_dir, resume_from)
     except Stopped as e:
         return lifecycle.rank_stopped(str(e), e.exit_code - 128)
     except KeyboardInterrupt:

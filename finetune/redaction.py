@@ -1,9 +1,12 @@
 """Keeping secrets out of what ft writes: run folder files, the model card, trackers, logs.
 
-Two kinds of secrets are recognised. Values of secret-looking keys and secret-looking strings (tokens,
-keys, passwords in URLs) are replaced by "***", whatever their source. And any value of a job file that
-took text from the environment (`${HF_TOKEN}`) is written back as its reference, whatever its key: the
-loader records those key paths on the `Config` (`Config.env_references()`).
+Values of secret-looking keys and secret-looking strings (tokens, keys, passwords in URLs) are replaced by
+"***", whatever their source. A value of a job file that took text from the environment (the loader records
+those key paths on the `Config`: `Config.env_references()`) is written out as the value it had, so that a
+run folder records everything it was trained with, unless the reference is a secret: then it is written
+back as its reference (`${HF_TOKEN}`). A reference is a secret when its key or one of its variables has a
+secret-looking name (HF_TOKEN, WANDB_API_KEY, DB_PASSWORD, SSH_KEY, ...), or a variable's value looks like
+a secret, or another reference to that variable is one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ _SECRET_VALUES = [
 # A wandb API key is 40 lowercase hex characters; so is a git commit or a model revision, hence the key check.
 _HEX40 = re.compile(r"(?<![0-9a-zA-Z])[0-9a-f]{40}(?![0-9a-zA-Z])")
 _HASH_KEY = re.compile(r"commit|revision|sha|hash|fingerprint|digest|checksum", re.IGNORECASE)
+# Environment variable names that hold secrets besides SECRET_KEY's: a KEY or PASS part (SSH_KEY, DB_PASS), not
+# MONKEY, KEYBOARD or PASSAGE.
+SECRET_VARIABLE = re.compile(r"(?:^|_)(?:KEYS?|PASS|PASSPHRASE)(?:_|$)", re.IGNORECASE)
 
 
 def redact(obj: Any, _key: str = "", config: Any = None) -> Any:
@@ -70,20 +76,55 @@ def redact(obj: Any, _key: str = "", config: Any = None) -> Any:
     return obj
 
 
-def redact_config(config: Any, exclude_unset: bool = False) -> dict:
-    """A job's config as a JSON-ready dict to write out: secrets redacted, and every value that took text from
-    the environment written back as its `${VAR}` reference, whatever its key.
+def redact_config(config: Any, exclude_unset: bool = False, as_references: bool = False) -> dict:
+    """A job's config as a JSON-ready dict to write out: secrets redacted, a value that took text from the environment
+    written as it was (the run folder records what it was trained with), and a secret reference
+    (`secret_references`) written back as its `${VAR}`.
 
-    The run folder's config.yaml written this way loads again (ranks read it) and re-reads the environment.
-    Numbers and booleans read from `${VAR}` keep their value: they are not secrets, and later readers of the
-    run folder then need no environment.
+    The run folder's config.yaml written this way loads again (ranks read it) and re-reads the environment only for
+    its secrets. With `as_references`, every value from the environment is written back as its reference, as ft
+    wrote run folders before it recorded values (to compare with those). Numbers and booleans read from `${VAR}`
+    keep their value unless their key is a secret: later readers of the run folder then need no environment.
     """
     data = redact(config.model_dump(mode="json", exclude_unset=exclude_unset))
-    for path, text in config.env_references().items():
+    kept = config.env_references() if as_references else secret_references(config)
+    for path, text in kept.items():
         holder, key = _holder(data, path)
         if holder is not None and not isinstance(holder[key], (bool, int, float, type(None))):
-            holder[key] = text
+            # a secret typed next to the reference (https://me:PASSWORD@${HOST}/...) is hidden all the same
+            holder[key] = text if as_references else _redact_text(text, bool(_HASH_KEY.search(str(path[-1]))))
     return data
+
+
+def secret_references(config: Any) -> dict[tuple, str]:
+    """The config's `${VAR}` references (key path -> text as written) whose value must not be written out: under a
+    secret key or where `redact` would hide something, reading a secret-named variable (SECRET_KEY, or a KEY or PASS
+    part: SSH_KEY, DB_PASS) or one whose value looks like a secret, or reading a variable that another secret
+    reference reads."""
+    variables = config.env_variables()
+    raw = config.model_dump(mode="json")
+    redacted = redact(raw)
+    names = {path: set(_REFERENCE.findall(text)) & set(variables) for path, text in config.env_references().items()}
+    secret = {path for path in names if _secret_path(path, names[path], variables, raw, redacted)}
+    shared = {name for path in secret for name in names[path]}
+    return {path: text for path, text in config.env_references().items() if path in secret or names[path] & shared}
+
+
+def _secret_path(path: tuple, names: set[str], variables: dict, raw: dict, redacted: dict) -> bool:
+    holder, key = _holder(redacted, path)
+    before, _ = _holder(raw, path)
+    if holder is None or before is None or holder[key] != before[key] or "${" in str(before[key]):
+        return True  # redact hid it (or a section above it); a value holding ${ would expand again when read back
+    if any(SECRET_KEY.search(str(part)) for part in path):
+        return True
+    hashes = bool(_HASH_KEY.search(str(path[-1])))
+    for name in names:
+        value = variables[name]
+        if SECRET_KEY.search(name) or SECRET_VARIABLE.search(name):
+            return True
+        if _redact_text(value, hashes_allowed=hashes or bool(_HASH_KEY.search(name))) != value:
+            return True
+    return False
 
 
 def is_config(obj: Any) -> bool:
@@ -114,16 +155,11 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def _env_texts(config: Any) -> dict[str, str]:
-    """Environment text -> its `${VAR}`, for the variables read by references that are written back as text."""
+    """Environment text -> its `${VAR}`, for the variables that secret references read."""
     if not is_config(config):
         return {}
     variables = config.env_variables()
-    dumped = config.model_dump(mode="json")
-    names: set[str] = set()
-    for path, text in config.env_references().items():
-        holder, key = _holder(dumped, path)
-        if holder is not None and not isinstance(holder[key], (bool, int, float, type(None))):
-            names.update(_REFERENCE.findall(text))
+    names = {name for text in secret_references(config).values() for name in _REFERENCE.findall(text)}
     return {variables[n]: f"${{{n}}}" for n in names if n in variables and len(variables[n]) >= 4}
 
 

@@ -13,14 +13,10 @@ def resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
     import sys
 
     from finetune import checkpoint
-    from finetune.runfolder import looks_like_run
+    from finetune.runfolder import looks_like_run, refuse_foreign
 
+    refuse_foreign(run_dir)
     holds_run = looks_like_run(run_dir)
-    if not holds_run and run_dir.exists() and any(run_dir.iterdir()):
-        raise FtError(
-            f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder "
-            "(nothing was written)"
-        )
     if resume:
         last = checkpoint.latest(run_dir)
         if last is None and explicit:
@@ -95,9 +91,13 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
                 "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n"
             )
             return {"steps": done, "finished": True, "final": str(run_dir / "final")}
-    changes = config_changes(
-        yaml.safe_load((run_dir / "config.yaml").read_text()) or {}, redact_config(config, exclude_unset=True)
-    )
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    changes = config_changes(saved, redact_config(config, exclude_unset=True))
+    if changes:  # a run folder of an older ft holds every value from the environment as its ${VAR}: compare as written
+        as_written = {
+            c[0] for c in config_changes(saved, redact_config(config, exclude_unset=True, as_references=True))
+        }
+        changes = [c for c in changes if c[0] in as_written]
     unsafe = [c for c in changes if not c[0].startswith(RESUME_SAFE)]
     if unsafe and not allow_changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])

@@ -116,76 +116,98 @@ def run_train(
     allow_changes: bool = False,
 ) -> dict:
     """`ft train`: plan once, prepare the data once per node, write the run folder, then start the ranks from it
-    (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe."""
+    (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe.
+
+    Node 0 owns the run folder: it holds the folder's lock (runlock.py) from before it reads, removes or writes
+    anything there until its last rank has exited; the other nodes only prepare their data and start their ranks,
+    which join the lock."""
     import sys
     from pathlib import Path
 
-    from finetune import checkpoint
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.distributed.launch import rank_command
     from finetune.distributed.lifecycle import stopped_before_launch
-    from finetune.plan import plan as make_plan
-    from finetune.resume import overwrite_run, resume_checks, resume_point
-
-    with stopped_before_launch():  # a signal while planning or preparing: stop, saying so
-        role = role or NodeRole()
-        config = load(config_path, overrides)
-        hw = hardware_for(hardware)
-        if role.nnodes and role.nnodes != hw.nodes:
-            from finetune.plan.topology import with_hardware
-
-            hw = with_hardware(hw, nodes=role.nnodes)
-        facts = model_facts(config.model)
-        job_plan = make_plan(config, hw, facts, str(config_path))
-        run_dir = Path(config.output.dir).expanduser()
-        if job_plan.nodes > 1 and role.master_addr is None:
-            raise FtError(
-                f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
-                "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
-            )
-        resuming = resume or config.output.resume == "auto"
-        if role.node_rank == 0:  # node 0 owns the run folder; the other nodes only prepare their data and launch
-            from finetune.runfolder import check_output_dir
-
-            check_output_dir(run_dir)
-            resume_from = resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
-        else:
-            resume_from = checkpoint.latest(run_dir) if resuming else None
-        prepared = prepare(config)  # once per node, before any rank starts
-        job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-        if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
-            finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
-            if finished is not None:
-                return finished
-        cmd = rank_command(
-            str(run_dir),
-            job_plan.nodes,
-            job_plan.processes_per_node,
-            job_plan.process_group,
-            node_rank=role.node_rank,
-            master_addr=role.master_addr,
-            master_port=role.master_port,
-            python=sys.executable,
-            resume_from=str(resume_from) if resume_from else None,
-            rdzv_id=role.rdzv_id,
-            shutdown_timeout=job_plan.stop_seconds,
-        )
-        if (
-            role.node_rank == 0
-        ):  # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
-            if overwrite and not resuming:
-                overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan or prepare loses nothing
-            _write_run_folder(run_dir, config, job_plan, prepared, cmd)
-            set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
+    from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
+    from finetune.runlock import locked
 
-    with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
-        if job_plan.process_group:
-            return _launch(cmd, job_plan, config_path, overrides, run_dir)
-        from finetune.rank import train_run_folder
+    role = role or NodeRole()
+    with contextlib.ExitStack() as held:
+        with stopped_before_launch():  # a signal while planning or preparing: stop, saying so
+            config = load(config_path, overrides)
+            hw, facts, job_plan = _plan_for_nodes(config, hardware, role, config_path)
+            run_dir = Path(config.output.dir).expanduser()
+            resuming = resume or config.output.resume == "auto"
+            lock = None
+            if role.node_rank == 0:  # node 0 owns the run folder
+                from finetune.runfolder import check_output_dir
 
-        return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
+                check_output_dir(run_dir)
+                lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
+            resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
+            prepared = prepare(config)  # once per node, before any rank starts
+            job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
+            if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
+                finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
+                if finished is not None:
+                    return finished
+            cmd = rank_command(
+                str(run_dir),
+                job_plan.nodes,
+                job_plan.processes_per_node,
+                job_plan.process_group,
+                node_rank=role.node_rank,
+                master_addr=role.master_addr,
+                master_port=role.master_port,
+                python=sys.executable,
+                resume_from=str(resume_from) if resume_from else None,
+                rdzv_id=role.rdzv_id,
+                shutdown_timeout=job_plan.stop_seconds,
+            )
+            # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
+            if role.node_rank == 0:
+                if overwrite and not resuming:
+                    overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan loses nothing
+                _write_run_folder(run_dir, config, job_plan, prepared, cmd)
+                set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
+        with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
+            if job_plan.process_group:
+                if lock is not None:
+                    lock.share()  # the ranks join it: held until the last of them exits
+                return _launch(cmd, job_plan, config_path, overrides, run_dir, owner=role.node_rank == 0)
+            from finetune.rank import train_run_folder
+
+            return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
+
+
+def _plan_for_nodes(config, hardware, role: NodeRole, config_path):
+    """(hardware, model facts, plan) for this job on the nodes `role` says it has."""
+    from finetune.plan import plan as make_plan
+
+    hw = hardware_for(hardware)
+    if role.nnodes and role.nnodes != hw.nodes:
+        from finetune.plan.topology import with_hardware
+
+        hw = with_hardware(hw, nodes=role.nnodes)
+    facts = model_facts(config.model)
+    job_plan = make_plan(config, hw, facts, str(config_path))
+    if job_plan.nodes > 1 and role.master_addr is None:
+        raise FtError(
+            f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
+            "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
+        )
+    return hw, facts, job_plan
+
+
+def _resume_from(run_dir, role: NodeRole, resuming: bool, resume: bool, overwrite: bool):
+    """The checkpoint to resume from; node 0 also refuses a folder it must not write (it holds the lock by now)."""
+    from finetune import checkpoint
+    from finetune.resume import resume_point
+
+    if role.node_rank == 0:
+        return resume_point(run_dir, resuming, explicit=resume, overwrite=overwrite)
+    return checkpoint.latest(run_dir) if resuming else None
 
 
 def _replan(config, hw, facts, config_path, prepared, job_plan):
@@ -199,7 +221,7 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
     )
 
 
-def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir) -> dict:
+def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bool = True) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
     with one message (see distributed/lifecycle.py)."""
     import shlex
@@ -214,7 +236,8 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir) -> dict:
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
     else:  # before any rank exists: torch reads them when the NCCL group starts
         env.update(nccl_environment(run_dir))
-        (run_dir / "nccl-traces").mkdir(exist_ok=True)
+        if owner:  # node 0, before its torchrun: before any rank of any node runs (only node 0 makes the folder)
+            (run_dir / "nccl-traces").mkdir(exist_ok=True)
     if job_plan.stop_seconds:  # a stop's checkpoint may take this long: torchrun's shutdown, an orphan's grace
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(job_plan.stop_seconds))
         env[ENV_STOP_SECONDS] = str(job_plan.stop_seconds)
@@ -317,25 +340,44 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
         )
 
 
+def check_job(config_path, overrides: Iterable[str] = ()):
+    """`ft validate`'s checks: the job file (every problem, with file and line) and its local data paths. Returns the
+    Config; `ft launch` runs them too, so it never writes a job that `ft validate` refuses."""
+    from finetune.config import load
+    from finetune.data.sources import check_paths
+
+    config = load(config_path, overrides)
+    problems = check_paths(config)
+    if problems:
+        raise FtError(
+            f"{config_path}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n"
+            + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems)
+        )
+    return config
+
+
 def write_launch_script(config_path, overrides, hardware, out, time_limit: str, partition: str | None):
-    """`ft launch --slurm`: plan for the cluster's hardware and write the sbatch script."""
+    """`ft launch --slurm`: check the job as `ft validate` does, plan for the cluster's hardware and write the sbatch
+    script. The run folder, where Slurm writes the job's log (sbatch does not make that folder), exists afterwards."""
     from pathlib import Path
 
-    from finetune.config import load
     from finetune.distributed.slurm import sbatch_script
     from finetune.files import atomic_write_text
+    from finetune.runfolder import check_output_dir, refuse_foreign
 
+    config = check_job(config_path, overrides)
+    run_dir = Path(config.output.dir).expanduser()
+    check_output_dir(run_dir)
+    refuse_foreign(run_dir)  # what ft train would refuse on the cluster, said now
     job_plan = compile_plan(config_path, overrides, hardware)
-    config = load(config_path, overrides)
-    out = Path(out) if out else Path(config.output.dir) / "job.sbatch"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    name = config.output.run_name or Path(config.output.dir).name
-    atomic_write_text(
-        out,
-        sbatch_script(
-            str(config_path), job_plan, config.output.dir, f"ft-{name}", time_limit, partition, tuple(overrides)
-        ),
+    out = Path(out) if out else run_dir / "job.sbatch"
+    name = config.output.run_name or run_dir.name
+    text = sbatch_script(
+        str(config_path), job_plan, str(run_dir), f"ft-{name}", time_limit, partition, tuple(overrides)
     )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, text)
     out.chmod(0o755)
     return out
 
@@ -354,12 +396,13 @@ def write_generate_script(
     if not hardware:
         raise FtError("ft launch generate needs --hardware: the cluster's nodes and devices, e.g. 8xH100 or 2x8xH100")
     node = hardware_for(hardware)
-    log_dir = Path(output).expanduser().parent
+    log_dir = Path(output).expanduser().absolute().parent  # Slurm writes the log there: made now (sbatch does not)
     out = Path(out) if out else log_dir / "generate.sbatch"
     gpus = 0 if node.is_cpu else node.devices_per_node
     allocation = Allocation(
         "ft-generate", node.nodes, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
     )
+    log_dir.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, generate_script(list(args), allocation))
     out.chmod(0o755)

@@ -289,6 +289,7 @@ def _adapter_run(model_dir, root, marker):
     peft_model = get_peft_model(
         AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
     )
+    peft_model.peft_config["default"].base_model_name_or_path = str(base)  # trained on it, as config.yaml says
     peft_model.save_pretrained(str(run / "final"))
     (run / "config.yaml").write_text(
         yaml.safe_dump({"model": {"name": str(base), "trust_remote_code": True}, "adapter": {"type": "lora"}})

@@ -42,6 +42,23 @@ def test_example_plans_as_its_header_says(path):
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_leaves_room_for_the_estimates_error(path):
+    from finetune.plan.search import ROOMY
+
+    hardware = re.search(r"^# ft plan \S+ --hardware (\S+)$", path.read_text(), re.M).group(1)
+    plan = compile_plan(path, hardware=hardware)
+    assert plan.estimate.device_bytes <= ROOMY * plan.device_capacity_bytes, plan.decision("memory_headroom").reason
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_passes_ft_validate(path):
+    """What `ft validate` checks beyond the schema: every data path resolves (a local pattern matches files)."""
+    from finetune.data.sources import check_paths
+
+    assert check_paths(load(path)) == []
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_matches_the_json_schema(path):
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(yaml.safe_load(path.read_text()), json.loads((REPO / "schemas" / "ft.schema.json").read_text()))

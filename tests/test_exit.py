@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, ft_train, job
 
 SCRIPT = """
 import atexit, sys, threading, time
@@ -77,3 +77,71 @@ def test_a_profiled_process_exits_normally_so_the_profile_is_written(tmp_path):
     # cProfile itself drops the exit code; the buffered output still comes out
     assert done.stdout == "no newline, still buffered"
     assert profile.stat().st_size > 0 and (tmp_path / "marker.atexit").read_text() == "ran"
+
+
+POOL = """
+import concurrent.futures, sys
+from finetune.errors import exit_process
+
+POOLS = []  # kept alive, as torch keeps its compile pool (functools.cache): idle non-daemon workers at the end
+
+def main():
+    POOLS.append(concurrent.futures.ThreadPoolExecutor(2))
+    print(POOLS[0].submit(sum, [1, 2]).result())
+    sys.exit(0)
+
+exit_process(main)
+"""
+
+
+def test_idle_pool_workers_do_not_keep_the_process_alive(tmp_path):
+    script = tmp_path / "pool.py"
+    script.write_text(POOL)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "3"
+
+
+@pytest.mark.slow
+def test_a_compiled_job_exits_by_itself_with_a_cold_compile_cache(tmp_path):
+    """The quickstart's case: compile on and an empty inductor cache leave torch's compile workers idle at the end."""
+    cache = tmp_path / "inductor"
+    done = ft_train(
+        job(tmp_path, "run", steps=2),
+        "--hardware",
+        "cpu",
+        "--set",
+        "train.compile=true",
+        env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "run" / "result.json").exists()
+    assert any(cache.iterdir())  # the cache was cold and inductor compiled into it
+
+
+STUCK = """
+import sys, threading, time
+from finetune.errors import exit_process
+
+def main():
+    threading.Thread(target=time.sleep, args=(600,)).start()  # a non-daemon thread that would hold the exit
+    print("written", flush=True)
+    sys.exit(0)
+
+exit_process(main)
+"""
+
+
+def test_ctrl_c_while_finishing_exits_130_without_a_traceback(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"written"
+    time.sleep(0.5)  # inside the exit's thread join
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"Traceback" not in err and b"Ctrl-C" in err

@@ -28,6 +28,16 @@ HF = "hf_" + "k8s" * 12  # looks like a Hugging Face token
 WANDB = "0123456789abcdef" * 2 + "01234567"  # a wandb key: 40 hex digits
 
 
+@pytest.fixture(autouse=True)
+def workdir(tmp_path, monkeypatch):
+    """ft launch reads the job's data paths as ft validate does, from the working directory (the pods read the same
+    relative paths on the volume): one with MINIMAL's data/train.jsonl and the examples' data."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"messages": []}\n')
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    monkeypatch.chdir(tmp_path)
+
+
 def write(tmp_path, kind="pytorchjob", hardware="4x8xH100", job=JOB, overrides=(), **options):
     out = tmp_path / f"{kind}-{hardware}.yaml"
     options.setdefault("image", "registry.example.com/ft:0.1.0-cu128")
@@ -235,6 +245,26 @@ def test_options_and_output_dir_are_checked(tmp_path, write_yaml):
     outside = write_yaml(MINIMAL.replace("runs/llama8b-lora", "/scratch/runs/x"))
     with pytest.raises(FtError, match=r"output.dir: /scratch/runs/x is not on the shared volume .* /data"):
         write(tmp_path, job=str(outside))
+
+
+def test_ft_launch_refuses_what_ft_validate_refuses_and_warns_of_data_off_the_volume(tmp_path, write_yaml, capsys):
+    from finetune.workflow import check_job
+
+    missing = write_yaml(MINIMAL.replace("data/train.jsonl", "data/missing.jsonl"), name="missing.yaml")
+    with pytest.raises(FtError) as validated:
+        check_job(missing)
+    with pytest.raises(FtError) as launched:
+        write(tmp_path, job=str(missing))
+    assert str(launched.value) == str(validated.value) and "data.datasets[0].path: data file not found" in str(
+        launched.value
+    )
+    assert not list(tmp_path.glob("pytorchjob-*.yaml"))
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text('{"messages": []}\n')
+    write(tmp_path, job=str(write_yaml(MINIMAL.replace("data/train.jsonl", str(outside)), name="abs.yaml")))
+    assert f"data.datasets[0].path: {outside} is not on the shared volume the pods mount at /data" in (
+        capsys.readouterr().err
+    )
 
 
 def test_shipped_schemas_record_their_origin():

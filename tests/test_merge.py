@@ -166,6 +166,16 @@ def test_refusals(tiny, tmp_path):
         merge_lora(tiny["adapter"], tiny["adapter"], overwrite=True)
 
 
+def test_overwrite_never_replaces_a_run_folder(tiny, tmp_path):
+    run = tmp_path / "other-run"
+    (run / "checkpoints" / "step-00000010").mkdir(parents=True)
+    (run / ".ft-run").write_text("marker")
+    (run / "config.yaml").write_text("model: {name: ft-tiny}\n")
+    with pytest.raises(FtError, match="(?s)is an ft run folder.*new folder"):
+        merge_lora(tiny["adapter"], run, overwrite=True, check_inputs=0)
+    assert (run / "config.yaml").is_file() and (run / "checkpoints" / "step-00000010").is_dir()
+
+
 def test_overwrite_replaces_and_failure_leaves_nothing(tiny, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()

@@ -13,7 +13,7 @@ from finetune.config.methods import DPOMethod, GRPOMethod, KTOMethod, ORPOMethod
 from finetune.metrics import MetricsWriter, plot_losses
 from finetune.progress import StepLines, step_line
 from finetune.quiet import DEEPSPEED_CPU, DEEPSPEED_LOGGER, only_new_score_head, quiet_libraries
-from tests.helpers import REPO, ft_train
+from tests.helpers import REPO, ft_train, job
 
 ROW = {"loss": 1.23454, "lr": 2e-4, "tokens": 800, "tokens_per_s": 999.0, "memory_gib": 3.21, "grad_norm": 0.5}
 GRPO_ROW = {
@@ -167,3 +167,16 @@ def test_quiet_tensor_parallel_drops_only_torch_notices_of_the_split_layers():
     )
     other = logger.makeRecord(REDISTRIBUTE_LOGGER, logging.WARNING, __file__, 1, "a real problem", (), None)
     assert not logger.filter(note) and logger.filter(other)
+
+
+@pytest.mark.slow
+def test_a_log_gets_no_progress_bars_even_when_ft_builds_its_tiny_model(tmp_path):
+    """A fresh home: ft builds and saves ft-tiny before training (transformers' "Writing model shards" bar), then
+    trains and saves; with stdout and stderr going to pipes, no bar and no carriage return reaches them."""
+    home = tmp_path / "home"
+    home.mkdir()
+    r = ft_train(job(tmp_path, "run", steps=2), "--hardware", "cpu", env={"HOME": str(home)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert any((home / ".cache" / "ft" / "models").iterdir())  # the model was built in this run
+    everything = r.stdout + r.stderr
+    assert "\r" not in everything and "it/s]" not in everything, everything

@@ -15,7 +15,7 @@ from finetune.config.methods import RewardMethod
 from finetune.errors import DataError, FtError
 from finetune.methods.reward import Reward, check_margins
 from finetune.tiny import answer_records, preference_records, prompt_records, write_jsonl
-from tests.helpers import metric_rows, train_here
+from tests.helpers import REPO, metric_rows, train_here
 
 trl = pytest.importorskip("trl")
 
@@ -263,3 +263,16 @@ output: {{dir: {tmp_path / "grpo"}, log_steps: 1, save_steps: 0}}
     # question near 2.4 and those that do not (too long, e.g. 3753 for "Reverse 573") near 0.2-0.5; GRPO removes the
     # latter. Measured: 2.363 at the start, 2.437 over the last 6 steps (steps vary by about 0.01 there)
     assert len(got) == 12 and sum(got[-6:]) / 6 > got[0] + 0.04, got
+
+
+@pytest.mark.slow
+def test_the_reward_example_learns_visibly_from_the_random_tiny_model(tmp_path, monkeypatch):
+    """examples/yaml/tiny-reward.yaml as shipped (its base ft-tiny, its data and steps): held-out accuracy well above
+    chance and a loss well under ln 2. Measured: accuracy 0.77 at step 20, 0.84 at step 100; loss 0.58 -> 0.34."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("BASE_MODEL", raising=False)
+    example = REPO / "examples/yaml/tiny-reward.yaml"
+    train_here(example, "--set", f"output.dir={tmp_path / 'rm'}", "--set", f"data.cache_dir={tmp_path / 'cache'}")
+    evals = [row for row in metric_rows(tmp_path / "rm") if "eval_loss" in row]
+    assert evals[-1]["eval_rewards/accuracy"] >= 0.72 and evals[-1]["eval_loss"] < 0.5, evals
+    assert "final eval rewards/accuracy" in (tmp_path / "rm" / "README.md").read_text()

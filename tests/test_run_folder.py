@@ -136,3 +136,50 @@ def test_bitsandbytes_optimizers_are_refused_under_fsdp_and_avoided_by_auto():
         assert plan(config, parse("8xH100-80GB"), model_facts(config.model)).backend != "fsdp"
     except PlanError:
         pass  # nothing else fits: refused at plan time, never a crash at the first optimizer step
+
+
+# ---------------------------------------------------------------- what ft launch and Slurm leave, and --overwrite
+def test_a_folder_holding_only_what_a_launch_left_is_no_run_and_overwrite_keeps_those_files(tmp_path):
+    from finetune.resume import resume_point
+    from finetune.runfolder import LOCK, looks_like_run, remove_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("job.sbatch", "slurm-41.out", "job-k8s.yaml"):  # ft launch's files, and the job's own Slurm log
+        (run / name).write_text("x")
+    assert not looks_like_run(run) and resume_point(run, True, explicit=False, overwrite=False) is None
+    assert resume_point(run, False, explicit=False, overwrite=False) is None  # no --overwrite needed: no run yet
+    assert remove_run(run, None) == [] and len(list(run.iterdir())) == 3  # --overwrite: nothing of a run to remove
+
+    (run / ".ft-run").write_text("")
+    for name in ("config.yaml", "metrics.jsonl", LOCK):
+        (run / name).write_text("x")
+    (run / "nccl-traces").mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(FtError, match="already holds a run.*--overwrite"):
+        resume_point(run, False, explicit=False, overwrite=False)
+    assert remove_run(run, None) == ["notes.txt"]  # what ft wrote is gone; the lock (held by the job) stays
+    assert sorted(p.name for p in run.iterdir()) == sorted(
+        [LOCK, "job-k8s.yaml", "job.sbatch", "notes.txt", "slurm-41.out"]
+    )
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "slurm-1.out").write_text("")
+    (other / "thesis.tex").write_text("")
+    with pytest.raises(FtError, match="not empty and is not an ft run folder"):
+        resume_point(other, True, explicit=False, overwrite=False)
+
+
+def test_commands_that_replace_their_output_refuse_a_run_folder(tmp_path):
+    from finetune.runfolder import refuse_replacing_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(FtError, match="--out .* is an ft run folder"):
+        refuse_replacing_run(run, "--out")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "model.safetensors").write_text("x")
+    refuse_replacing_run(merged, "--out")  # an earlier output of the command may be replaced
+    refuse_replacing_run(tmp_path / "new", "--out")

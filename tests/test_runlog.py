@@ -382,6 +382,26 @@ def test_model_card_with_added_tokens_and_missing_keys():
     assert "`m`" in card and "nan" not in card
 
 
+def test_model_card_shows_the_evaluation_results_the_run_recorded():
+    run = _run(artifact="reward model")
+    run["config"]["evaluation"] = {"path": "data/test.jsonl", "metric": "exact_match"}
+    run["metrics"].update(
+        {
+            "task_before": 0.015,
+            "task_after": 0.965,
+            "final_metrics": {"rewards/accuracy": 0.8125},
+            "final_eval_rewards/accuracy": 0.81,
+            "final_eval_rewards/margin": 1.2052,
+        }
+    )
+    card = model_card(run)
+    assert "| exact_match on `data/test.jsonl` | 1.5% before, 96.5% after |" in card
+    assert "| final eval rewards/accuracy | 0.81 |" in card and "| final eval rewards/margin | 1.205 |" in card
+    assert "| final train rewards/accuracy | 0.8125 |" in card
+    only_after = {**run, "metrics": {**run["metrics"], "task_before": None}}
+    assert "| exact_match on `data/test.jsonl` | 96.5% |" in model_card(only_after)
+
+
 # ---------------------------------------------------------------- atomic writes
 def test_atomic_write_text(tmp_path):
     path = tmp_path / "sub" / "README.md"
@@ -402,9 +422,9 @@ model: {name: "${BASE:-ft-tiny}"}
 data:
   datasets: [{path: "https://${DATA_TOKEN}@example.com/d.jsonl", format: chat}]
 train: {max_steps: "${STEPS}", lr: 1.0e-3}
-output: {dir: runs/x, run_name: "${RUN_NAME}"}
+output: {dir: runs/x, run_name: "${RUN_SECRET}"}
 """
-ENV = {"BASE": "org/private-model", "DATA_TOKEN": "opensesame123", "STEPS": "12", "RUN_NAME": "nightly-42-secret"}
+ENV = {"BASE": "org/private-model", "DATA_TOKEN": "opensesame123", "STEPS": "12", "RUN_SECRET": "nightly-42-secret"}
 
 
 def _env_config():
@@ -413,16 +433,16 @@ def _env_config():
     return loads(ENV_JOB, environ=ENV)
 
 
-def test_redact_config_writes_environment_values_back_as_references():
+def test_redact_config_records_environment_values_and_writes_secrets_back_as_references():
     from finetune.redaction import redact_config
 
     config = _env_config()
     out = redact_config(config, exclude_unset=True)
-    assert out["model"]["name"] == "${BASE:-ft-tiny}" and out["output"]["run_name"] == "${RUN_NAME}"
+    assert out["model"]["name"] == "org/private-model" and out["output"]["run_name"] == "${RUN_SECRET}"
     assert out["data"]["datasets"][0]["path"] == "https://${DATA_TOKEN}@example.com/d.jsonl"
     assert out["train"]["max_steps"] == 12  # numbers are no secret; later readers need no environment
     assert "scheduler" not in out["train"] and redact(config) == redact_config(config)
-    assert not any(v in json.dumps(redact(config)) for v in ("org/private-model", "opensesame123", "nightly-42-secret"))
+    assert not any(v in json.dumps(redact(config)) for v in ("opensesame123", "nightly-42-secret"))
 
 
 def test_the_saved_config_loads_again_from_the_environment():
@@ -436,10 +456,10 @@ def test_the_saved_config_loads_again_from_the_environment():
     assert "opensesame123" not in saved
     again = loads(saved, environ=ENV)
     assert again.model_dump() == config.model_dump()
-    assert set(again.env_references()) == {("model", "name"), ("data", "datasets", 0, "path"), ("output", "run_name")}
+    assert set(again.env_references()) == {("data", "datasets", 0, "path"), ("output", "run_name")}  # the secrets
 
 
-def test_the_model_card_shows_no_environment_value_anywhere():
+def test_the_model_card_shows_no_secret_from_the_environment_anywhere():
     config = _env_config()
     run = {
         "config": config,
@@ -450,11 +470,11 @@ def test_the_model_card_shows_no_environment_value_anywhere():
         "path": "runs/x/final",
     }
     card = model_card(run)
-    assert "org/private-model" not in card and "opensesame123" not in card and "nightly-42-secret" not in card
-    assert "${BASE}" in card and "${RUN_NAME}" in card
+    assert "opensesame123" not in card and "nightly-42-secret" not in card
+    assert "${RUN_SECRET}" in card and 'base_model: "org/private-model"' in card  # the base's value is recorded
 
 
-def test_trackers_given_the_config_get_references_not_values(tmp_path, monkeypatch):
+def test_trackers_given_the_config_get_references_for_secrets(tmp_path, monkeypatch):
     import finetune.trackers as trk
 
     seen = {}
@@ -466,5 +486,5 @@ def test_trackers_given_the_config_get_references_not_values(tmp_path, monkeypat
     monkeypatch.setitem(trk.MODULES, "fake", "json")
     monkeypatch.setitem(trk._SINKS, "fake", Sink)
     trk.Trackers(["fake"], tmp_path, "nightly-42-secret", _env_config())
-    assert seen["name"] == "${RUN_NAME}" and seen["config"]["model"]["name"] == "${BASE:-ft-tiny}"
+    assert seen["name"] == "${RUN_SECRET}" and seen["config"]["model"]["name"] == "org/private-model"
     assert "opensesame123" not in json.dumps(seen["config"])

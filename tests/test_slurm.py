@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune.errors import FtError
 from tests.helpers import REPO, free_port, job, job_text, losses, setup_job, step_hook
 
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the fake srun finds processes through /proc")
@@ -100,6 +101,8 @@ def fake_slurm(tmp_path) -> dict:
 
 def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port_from_the_job_id(tmp_path):
     script = tmp_path / "job.sbatch"
+    (tmp_path / "data" / "sft").mkdir(parents=True)
+    (tmp_path / "data" / "sft" / "part-0.jsonl").write_text('{"messages": []}\n')  # ft launch checks the data paths
     r = subprocess.run(
         [
             sys.executable,
@@ -117,7 +120,7 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
         ],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=tmp_path,  # where the job's data/sft/*.jsonl are, and its run folder goes
         env={**os.environ, "HF_TOKEN": "hf_secretvalue123"},
     )
     assert r.returncode == 0, r.stderr
@@ -176,6 +179,40 @@ def slurm_port() -> str:
     from finetune.distributed.slurm import port_expression
 
     return port_expression()
+
+
+def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate_refuses(tmp_path, monkeypatch):
+    import re
+
+    from finetune.resume import resume_point
+    from finetune.workflow import write_launch_script
+
+    monkeypatch.chdir(tmp_path)
+    config = job(tmp_path, "unused")
+    elsewhere = write_launch_script(config, ("output.dir=runs/a",), "cpu", "scripts/a.sbatch", "1:00:00", None)
+    log = re.search(r"^#SBATCH --output=(.+)$", elsewhere.read_text(), re.M).group(1)
+    # sbatch opens the log before the script runs and makes no folder: an absolute path, to a folder that exists
+    assert log == f"{tmp_path}/runs/a/slurm-%j.out" and (tmp_path / "runs" / "a").is_dir()
+    default = write_launch_script(config, ("output.dir=runs/b",), "cpu", None, "1:00:00", None)
+    assert default == Path("runs/b/job.sbatch") and f"--output={tmp_path}/runs/b/slurm-%j.out" in default.read_text()
+    for run in (tmp_path / "runs" / "a", tmp_path / "runs" / "b"):
+        (run / "slurm-7.out").write_text("")  # Slurm's log, as the job starts: ft train starts a run there
+        assert resume_point(run, True, explicit=False, overwrite=False) is None
+    (tmp_path / "runs" / "c").mkdir()
+    (tmp_path / "runs" / "c" / "thesis.tex").write_text("")
+    with pytest.raises(FtError, match="runs/c is not empty and is not an ft run folder"):  # as ft train would
+        write_launch_script(config, ("output.dir=runs/c",), "cpu", None, "1:00:00", None)
+    assert not (tmp_path / "runs" / "c" / "job.sbatch").exists()
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path(config).read_text().replace(str(tmp_path / "d.jsonl"), str(tmp_path / "missing.jsonl")))
+    said = [
+        subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=tmp_path)
+        for args in (["validate", str(bad)], ["launch", str(bad), "--slurm", "--hardware", "cpu", "-o", "bad.sbatch"])
+    ]
+    assert [r.returncode for r in said] == [2, 2], said[1].stderr
+    assert said[1].stderr == said[0].stderr and "data.datasets[0].path: data file not found" in said[0].stderr
+    assert not (tmp_path / "bad.sbatch").exists() and not (tmp_path / "unused").exists()
 
 
 def test_the_warning_comes_earlier_for_a_larger_checkpoint():

@@ -395,17 +395,17 @@ def test_full_disk_at_a_checkpoint_and_at_the_final_save_loses_nothing_and_resum
 
 
 @pytest.mark.slow
-def test_values_from_the_environment_appear_nowhere_under_the_run_folder(tmp_path, monkeypatch):
-    """A value given through ${VAR} (a token, a private path) is written back as ${VAR} wherever ft records the
+def test_secrets_from_the_environment_appear_nowhere_under_the_run_folder(tmp_path, monkeypatch):
+    """A secret given through ${VAR} (a secret-named variable) is written back as ${VAR} wherever ft records the
     config."""
     secret = "s3cret-9f8e7d6c5b4a"
-    monkeypatch.setenv("FT_TEST_RUN_NAME", secret)
+    monkeypatch.setenv("FT_TEST_RUN_SECRET", secret)
     text = job_text(tmp_path, "full", steps=2).replace(
-        "log_steps: 1,", "log_steps: 1, run_name: '${FT_TEST_RUN_NAME}',"
+        "log_steps: 1,", "log_steps: 1, run_name: '${FT_TEST_RUN_SECRET}',"
     )
     train(tmp_path, text)
     run = tmp_path / "run"
     assert (run / "README.md").exists() and (run / "config.yaml").exists()
     leaks = [p for p in run.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert not leaks, leaks
-    assert "${FT_TEST_RUN_NAME}" in (run / "config.yaml").read_text()
+    assert "${FT_TEST_RUN_SECRET}" in (run / "config.yaml").read_text()

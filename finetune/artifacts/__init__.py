@@ -4,6 +4,7 @@ run.py       RunFolder: the paths of a run folder, its config and plan read back
 sources.py   what a SOURCE argument names: a run folder, a model folder, an adapter folder with its base,
              a hub id or ft-tiny (ModelSource, for ft generate and ft eval); an adapter alone (AdapterSource,
              for ft merge-lora)
+bases.py     which base an adapter is loaded on, and whether two names of a base are the same model
 weights.py   loading a base and its tokenizer; an adapter checked against its base, attached and merged
 
 Every module that opens a run folder or loads what a SOURCE argument names goes through these.

@@ -1,13 +1,15 @@
 """Run folders: the paths ft train writes, and their config and plan read back.
 
 A run folder (output.dir) holds:
-    config.yaml      the job as written (after --set; values from the environment kept as ${VAR})
+    config.yaml      the job as written (after --set and ${VAR}: secrets kept as ${VAR}, other values recorded)
     plan.json        the Plan every rank follows (its `exact` block rebuilds it field for field)
     data.json        where the prepared data set is cached
     checkpoints/     step-NNNNNNNN/ folders (see checkpoint.py; each backend owns what is inside)
     final/           the trained adapter (peft format) or model, with the tokenizer
     consolidated/    what `ft consolidate` wrote from a checkpoint
     metrics.jsonl, loss.png, README.md (model card), environment.json, launch.txt
+    .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runfolder.py, runlock.py)
+    job.sbatch, slurm-*.out, job-k8s.yaml  what ft launch wrote and the scheduler's log (no run by themselves)
 `RunFolder` names these paths and reads them back; every module that opens a run folder goes through it.
 """
 
@@ -58,6 +60,13 @@ class RunFolder:
     def metrics_path(self) -> Path:
         return self.path / "metrics.jsonl"
 
+    @property
+    def lock_path(self) -> Path:
+        """The lock a job holds while it writes the folder (runlock.py); gone once the job has ended."""
+        from finetune.runfolder import LOCK
+
+        return self.path / LOCK
+
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
         return self.checkpoints_dir / f"step-{step:08d}"
@@ -72,14 +81,30 @@ class RunFolder:
 
         return load(self.config_path)
 
-    def config_dict(self) -> dict:
+    def config_dict(self, unset_ok: tuple[tuple, ...] = ()) -> dict:
         """The run's config.yaml as a plain mapping, `${VAR}` expanded from this process's environment (for readers
-        that need a few keys, also of runs whose config a newer ft would no longer validate)."""
+        that need a few keys, also of runs whose config a newer ft would no longer validate). A reference to an unset
+        variable is an FtError, except at the key paths `unset_ok` names: there it stays as written."""
         import os
 
         import yaml
 
         from finetune.config.env import Expansion
+
+        expansion = Expansion(os.environ, yaml.safe_load)
+        data = expansion.value(self.written_config())
+        problems = [p for p in expansion.problems if not any(k in unset_ok for k in p.keys)]
+        if problems:
+            raise FtError(
+                f"{self.config_path}: {problems[0].message}; set the variable the run was started with, or edit the "
+                "file"
+            )
+        return data
+
+    def written_config(self) -> dict:
+        """The run's config.yaml as written: `${VAR}` references (secrets, or from runs of an older ft that recorded
+        no values) not expanded."""
+        import yaml
 
         path = self.config_path
         try:
@@ -89,12 +114,6 @@ class RunFolder:
         if not isinstance(data, dict):
             raise FtError(
                 f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}"
-            )
-        expansion = Expansion(os.environ, yaml.safe_load)
-        data = expansion.value(data)
-        if expansion.problems:
-            raise FtError(
-                f"{path}: {expansion.problems[0].message}; set the variable the run was started with, or edit the file"
             )
         return data
 

@@ -2,7 +2,8 @@
 
 `find_adapter` finds an adapter (`ft merge-lora`): an adapter folder, or a run folder whose final/ is one.
 `resolve` finds a model to run (`ft generate`, `ft eval`): any of the above, an adapter with its base.
-An adapter's base comes from --base, else the run's model.name, else the adapter's adapter_config.json.
+An adapter's base comes from --base, else the run's model.name, else the adapter's adapter_config.json; a run whose
+model.name and adapter_config.json name different models is refused (`finetune.artifacts.bases`).
 Nothing here reads trust_remote_code from a saved file: a folder may come from anyone, so only the
 invocation (--trust-remote-code) turns it on.
 """
@@ -13,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.artifacts import bases
 from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError
 
@@ -28,6 +30,7 @@ class AdapterSource:
     run_config: dict  # RUN/config.yaml as written by ft train ({} for an adapter folder)
     run_plan: dict  # RUN/plan.json: the resolved adapter/quantization when the config said auto ({} when absent)
     tokenizer_dirs: tuple[Path, ...]  # where to look for the tokenizer, in order
+    written_base: str | None = None  # model.name as config.yaml writes it: `${VAR}` where no value was recorded
 
     @property
     def qlora(self) -> bool:
@@ -51,38 +54,31 @@ class AdapterSource:
         return str((self.run_config.get("data") or {}).get("template") or "tokenizer")
 
     def base(self, override: str | None = None) -> tuple[str, str]:
-        """(path or hub id of the base, the setting that named it): `override` (--base), else the run's model.name,
-        else the adapter's base_model_name_or_path."""
+        """(path or hub id of the base, the setting that named it): `override` (--base), else the run's model.name
+        (refused when the adapter was trained on another model), else the adapter's base_model_name_or_path."""
+        own = self.own_base()
         if override:
-            return _base_path(str(override), "--base")
-        if (self.run_config.get("model") or {}).get("name"):
-            return _base_path(str(self.run_config["model"]["name"]), f"model.name in {self.run / 'config.yaml'}")
-        config = json.loads((self.adapter / "adapter_config.json").read_text())
-        name = config.get("base_model_name_or_path") or ""
-        if not name:
+            return bases.given(str(override), own, self.adapter)
+        recorded = (self.run_config.get("model") or {}).get("name")
+        if recorded and self.run is not None:
+            config = self.run / "config.yaml"
+            if "${" in str(self.written_base or ""):  # an older ft's run folder: the value was not recorded
+                return bases.unrecorded(str(self.written_base), str(recorded), own, self.adapter, config)
+            return bases.checked(str(recorded), f"model.name in {config}", own, self.adapter)
+        if not own:
             raise FtError(
                 f"{self.adapter}: the adapter does not name its base model.\n    fix: pass --base with the folder "
                 "or hub id of the model it was trained on"
             )
-        return _base_path(name, f"base_model_name_or_path in {self.adapter / 'adapter_config.json'}")
+        return bases.base_path(own, f"base_model_name_or_path in {self.adapter / 'adapter_config.json'}")
 
-
-def _base_path(name: str, where: str) -> tuple[str, str]:
-    """(where the base's weights are, where it was named): ft-tiny is built into ft's cache; a path must exist."""
-    from finetune.models import BUILT_IN
-
-    if name.lower() in BUILT_IN and not Path(name).exists():
-        from finetune.config.schema import ModelSection
-        from finetune.models import model_path
-
-        return model_path(ModelSection(name=name)), where
-    path = Path(name).expanduser()
-    if (path.is_absolute() or name.startswith(".")) and not path.is_dir():
-        raise FtError(
-            f"{where}: the base model folder {name} does not exist.\n    fix: pass --base with the folder "
-            "(config.json + safetensors) or hub id of the base"
-        )
-    return (str(path) if path.exists() else name), where
+    def own_base(self) -> str:
+        """The base the adapter names itself (base_model_name_or_path in adapter_config.json); "" when it names none."""
+        try:
+            config = json.loads((self.adapter / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            return ""
+        return str(config.get("base_model_name_or_path") or "") if isinstance(config, dict) else ""
 
 
 def find_adapter(source: str | Path) -> AdapterSource:
@@ -113,7 +109,7 @@ def find_adapter(source: str | Path) -> AdapterSource:
 
 
 def _run_adapter(run: RunFolder) -> AdapterSource:
-    cfg, plan = run.config_dict(), run.plan_dict()
+    cfg, plan = run.config_dict(unset_ok=(("model", "name"),)), run.plan_dict()
     if "full" in (str((cfg.get("adapter") or {}).get("type", "")), plan.get("adapter")):
         raise FtError(
             f"{run.path}: this run trained all weights; {run.final} is already a full model, there is nothing to merge"
@@ -121,7 +117,8 @@ def _run_adapter(run: RunFolder) -> AdapterSource:
     check_adapter_folder(run.final, "the run's final folder")
     tok = (cfg.get("model") or {}).get("tokenizer")
     dirs = [run.final] + ([Path(tok)] if tok and Path(tok).is_dir() else [])
-    return AdapterSource(adapter=run.final, run=run.path, run_config=cfg, run_plan=plan, tokenizer_dirs=tuple(dirs))
+    written = (run.written_config().get("model") or {}).get("name")
+    return AdapterSource(run.final, run.path, cfg, plan, tuple(dirs), None if written is None else str(written))
 
 
 def check_adapter_folder(folder: Path, what: str) -> None:
@@ -192,7 +189,9 @@ def _folder(path: Path, base: str | None, trust_remote_code: bool) -> ModelSourc
                 "CONFIG --resume), or pass a model folder"
             )
         if not (run.final / "adapter_config.json").is_file():
-            template = str((run.config_dict().get("data") or {}).get("template") or "tokenizer")
+            template = str(
+                (run.config_dict(unset_ok=(("model", "name"),)).get("data") or {}).get("template") or "tokenizer"
+            )
             _check_model_folder(run.final, f"the run's final folder {run.final}")
             return ModelSource(str(run.final), None, (), template, f"{run.final}", trust_remote_code)
         return _with_base(find_adapter(path), base, trust_remote_code)

@@ -1,8 +1,9 @@
 """`${VAR}` and `${VAR:-default}` in job files; defaults may hold references themselves: `${A:-${B:-x}}`.
 
-The expansion remembers which key paths took text from the environment, and what was written there, so
-that whatever ft writes out (the run folder's config.yaml, the model card, trackers) can show `${VAR}`
-instead of the value: secrets passed through the environment never reach a file.
+The expansion remembers which key paths took text from the environment, what was written there and which
+variables each read, so that whatever ft writes out (the run folder's config.yaml, the model card, trackers)
+records the values and shows a secret as its `${VAR}` (finetune/redaction.py): secrets passed through the
+environment never reach a file.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ key and where it was written: `file.yaml:LINE` or the `--set` argument.
 
 Files and `--set` values are read under limits (size, encoding, characters, nesting, aliases, tags:
 `finetune.config.yaml_safe`). `${VAR}` expansion (`finetune.config.env`) records which keys read the
-environment; the returned Config keeps that record (`Config.env_references()`) so that redaction can
-write those values back as references.
+environment; the returned Config keeps that record (`Config.env_references()`, `Config.env_variables()`) so
+that redaction can write the secrets among them back as references.
 """
 
 from __future__ import annotations

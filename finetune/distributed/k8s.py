@@ -64,15 +64,17 @@ LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance")
 def write_manifest(
     config_path, overrides, hardware, out, *, image, kind="pytorchjob", namespace=None, volume=None, secret=None
 ) -> Path:
-    """`ft launch --k8s`: plan for the cluster's hardware, write the manifest (default OUTPUT_DIR/job-k8s.yaml)."""
-    from finetune.config import load
+    """`ft launch --k8s`: check the job as `ft validate` does (data paths from here: the pods read the same relative
+    paths from the volume), plan for the cluster's hardware, write the manifest (default OUTPUT_DIR/job-k8s.yaml)."""
     from finetune.files import atomic_write_text
-    from finetune.workflow import compile_plan
+    from finetune.workflow import check_job, compile_plan
 
     kind = str(kind).lower()
     check_options(image, kind, namespace, volume, secret)
+    config = check_job(config_path, overrides)
+    for warning in data_off_volume(config):
+        sys.stderr.write(f"warning: {warning}\n")
     job_plan = compile_plan(config_path, overrides, hardware)
-    config = load(config_path, overrides)
     text = Path(config_path).read_text(encoding="utf-8")
     docs = manifest(
         job_plan, config, text, name=job_name(config), image=image, kind=kind, namespace=namespace,
@@ -291,6 +293,25 @@ def check_output_dir(output_dir: str) -> None:
             f"directory): use a relative path such as runs/NAME (or one under {WORKDIR}/), so that every node "
             "sees the run folder and a restarted pod resumes from its checkpoints"
         )
+
+
+def data_off_volume(config) -> list[str]:
+    """Data paths the pods look for off the shared volume (absolute elsewhere, or in ~): found only if the image has
+    them, so a warning each, not a refusal."""
+    from finetune.config.schema import DatasetSpec
+
+    specs = [(f"data.datasets[{i}]", s) for i, s in enumerate(config.data.datasets)]
+    if isinstance(config.data.validation, DatasetSpec):
+        specs.append(("data.validation", config.data.validation))
+    found = []
+    for key, spec in specs:
+        path = str(spec.path)
+        if path.startswith("~") or (path.startswith("/") and not posixpath.normpath(path).startswith(WORKDIR + "/")):
+            found.append(
+                f"{key}.path: {path} is not on the shared volume the pods mount at {WORKDIR}; they find it only if "
+                f"their image has it. Copy it to the volume and give a relative path (read from {WORKDIR})"
+            )
+    return found
 
 
 def refuse_literal_secrets(config) -> None:

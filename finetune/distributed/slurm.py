@@ -12,6 +12,8 @@ What a shared cluster needs, and where the script does it:
   every node; ft stops after its step with a checkpoint (exit 128+USR1), and the shell runs `scontrol requeue`:
   the job starts again later and resumes from that checkpoint (output.resume=auto). A SIGTERM (preemption,
   scancel) also stops the ranks after their step with a checkpoint; the shell waits for them.
+- The job's log (`--output`): sbatch opens it before the script runs and does not make its folder, so the path is
+  absolute and `ft launch` makes the folder (the run folder, or the folder of ft generate's output).
 - Secrets stay in the environment the job is submitted from; the script holds none.
 """
 
@@ -39,7 +41,7 @@ class Allocation:
     stop_seconds: int  # warning before the time limit: finish the step, write the checkpoint
     time_limit: str
     partition: str | None
-    log_dir: str
+    log_dir: str  # absolute: Slurm opens the job's log there before the script runs, and never makes the folder
     workdir: str  # where relative paths (the job file, its data, output.dir) resolve: where ft launch ran
 
 
@@ -69,7 +71,7 @@ def sbatch_script(
         plan.stop_seconds,
         time_limit,
         partition,
-        run_dir,
+        os.path.abspath(os.path.expanduser(run_dir)),  # the log's folder, as sbatch opens it (no ~ there)
         os.getcwd(),
     )
     about = (
@@ -102,7 +104,7 @@ def port_expression() -> str:
 def _header(a: Allocation) -> str:
     lines = [
         f"--job-name={a.job_name}",
-        f"--chdir={a.workdir}",
+        f"--chdir={_quoted(a.workdir)}",
         f"--nodes={a.nodes}",
         "--ntasks-per-node=1",
         *([f"--gpus-per-node={a.gpus_per_node}"] if a.gpus_per_node else []),
@@ -111,12 +113,20 @@ def _header(a: Allocation) -> str:
         "--exclusive",
         *([f"--partition={a.partition}"] if a.partition else []),
         f"--time={a.time_limit}",
-        f"--output={a.log_dir}/slurm-%j.out",
+        f"--output={_quoted(a.log_dir.replace('%', '%%') + '/slurm-%j.out')}",  # %%: a '%' of the path itself
         "--open-mode=append",
         f"--signal=B:USR1@{a.stop_seconds}",
         "--requeue",
     ]
     return "\n".join(f"#SBATCH {line}" for line in lines)
+
+
+def _quoted(value: str) -> str:
+    """An #SBATCH option's value: sbatch splits those lines at blanks, except inside double quotes."""
+    if not any(c.isspace() or c == '"' for c in value):
+        return value
+    escaped = value.replace('"', '\\"')
+    return f'"{escaped}"'
 
 
 def _script(a: Allocation, about: str, command: str, forward: str, stopped_code: int | None) -> str:

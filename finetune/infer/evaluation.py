@@ -73,7 +73,7 @@ def from_run(run: str) -> tuple[PromptSpec, tuple[Metric, ...], int]:
 
     folder = RunFolder(run)
     path = folder.config_path
-    section = (folder.config_dict() if path.is_file() else {}).get("evaluation")
+    section = (folder.config_dict(unset_ok=(("model", "name"),)) if path.is_file() else {}).get("evaluation")
     if not section:
         raise FtError(
             f"{run}: no data to evaluate on{' (the run has no evaluation: section)' if path.is_file() else ''}.\n    "
