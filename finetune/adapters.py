@@ -41,11 +41,13 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         modules = list(dict.fromkeys([*modules, "embed_tokens", "score" if score else "lm_head"]))
     if score:
         modules = list(dict.fromkeys([*modules, "score"]))
+    targets, dropout = lora_targets(model, adapter, tuple(modules))
     config = LoraConfig(
         r=adapter.r,
         lora_alpha=adapter.alpha,
-        lora_dropout=adapter.dropout,
-        target_modules=adapter.target_modules,
+        lora_dropout=dropout,
+        target_modules=adapter.target_modules if targets is None else list(targets.modules),
+        target_parameters=None if targets is None else list(targets.parameters) or None,
         use_dora=adapter.dora,
         use_rslora=adapter.rslora,
         modules_to_save=modules or None,
@@ -55,7 +57,7 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         # peft upcasts bf16/fp16 adapters to fp32 (autocast_adapter_dtype): not under pure bf16
         model = get_peft_model(model, config, autocast_adapter_dtype=not plan.pure_bf16)
     except ValueError as e:
-        if "not found" in str(e) or "Target modules" in str(e):
+        if "not found" in str(e) or "Target modules" in str(e) or "no parameter was matched" in str(e):
             raise FtError(
                 f"adapter.target_modules: {adapter.target_modules} matches no module of this model; its linear "
                 f"layers are: {', '.join(linear_names(model))}"
@@ -64,6 +66,32 @@ def apply_adapter(model, adapter: AdapterSection, plan):
     if plan.pure_bf16:
         trained_in_bf16(model)
     return model
+
+
+def lora_targets(model, adapter: AdapterSection, trained_in_full: tuple[str, ...]):
+    """(targets, lora_dropout). Dense models: None (peft resolves adapter.target_modules itself) and
+    adapter.dropout. MoE models: ft's own targets (finetune/experts.py: attention, dense MLPs, shared and routed
+    experts, never routers or gates), and no dropout where peft adapts weights through lora.ParamWrapper, which adds
+    the low-rank update to the weight itself and so has no adapter input to drop out. `ft plan` refuses an explicit
+    dropout or DoRA there (finetune/config/moe_checks.py); this is the rank side's check."""
+    from finetune import experts
+
+    if not experts.is_moe(model):
+        return None, adapter.dropout
+    targets = experts.adapter_targets(model, adapter.target_modules, trained_in_full)
+    if not targets.modules and not targets.parameters:
+        raise FtError(
+            f"adapter.target_modules: {adapter.target_modules} matches no linear layer or expert weight of this "
+            f"model; its linear layers are: {', '.join(linear_names(model))}"
+        )
+    if not targets.parameters:
+        return targets, adapter.dropout
+    from finetune.config.moe_checks import dora_problem, dropout_problem
+
+    for problem in (dropout_problem(adapter), dora_problem(adapter)):
+        if problem is not None:
+            raise FtError(problem.render())
+    return targets, 0.0
 
 
 def trained_in_bf16(model) -> None:

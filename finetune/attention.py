@@ -11,6 +11,11 @@ Two ways to run it, same result:
 - Fallback (CPU, fp32, older torch, dropout in training): one causal SDPA call per sample. CPU gets this
   because torch's varlen op has no CPU kernel (2.13: `aten::_flash_attention_forward` is CUDA-only).
 
+A sliding-window layer (the `sliding_window` its attention module passes, as it does to flash-attention) attends
+to the `sliding_window` tokens up to each query, as transformers' masks have it: the kernel's window_size is
+(sliding_window - 1, 0); per sample, a banded causal mask. Attention sinks (`s_aux`) are not SDPA's: the planner
+never runs a model with sinks on sdpa_varlen (plan/attention.py), and a call with them is refused.
+
 No mask is materialised and no compute goes to padding or to cross-sample blocks. Registration uses
 transformers' public extension point; nothing of transformers is patched.
 """
@@ -62,31 +67,51 @@ def _longest(cu: torch.Tensor, given) -> int:
     return _last_cu[1]
 
 
-def _kernel_path(query, key, value, cu, max_len, scaling):
+def _kernel_path(query, key, value, cu, max_len, scaling, window=None):
     """(1, H, T, D) tensors -> (1, T, Hq, D), one varlen kernel call over the packed row."""
     cu = cu.to(device=query.device, dtype=torch.int32)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    left = -1 if window is None else window - 1
     out = _KERNEL(
-        q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, cu, cu, max_len, max_len, scale=scaling, window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1]
     )
     return out.unsqueeze(0)
 
 
-def _causal(q, k, v, dropout_p, scaling):
-    return F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1]
-    )
+def _causal(q, k, v, dropout_p, scaling, window=None):
+    gqa = q.shape[1] != k.shape[1]
+    n = q.shape[2]
+    if window is None or n <= window:
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa
+        )
+    index = torch.arange(n, device=q.device)
+    band = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-def _per_sample(query, key, value, cu, dropout_p, scaling):
+def _per_sample(query, key, value, cu, dropout_p, scaling, window=None):
     """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample (reads cu on the host)."""
     bounds = cu.tolist()
     parts = [
-        _causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling)
+        _causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling, window)
         for s, e in zip(bounds[:-1], bounds[1:])
         if e > s
     ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+def _autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype where autocast is on: under it with fp32 weights RoPE leaves q and k in fp32
+    while v is bf16, which the kernel refuses (and the fallback's SDPA would cast anyway)."""
+    # transformers 5.24 casts q/k/v the same way before flash-attention (integrations/flash_attention.py:16-17,
+    # modeling_flash_attention_utils.py:595-597); torch's autocast casts every SDPA input to this dtype (ATen/
+    # autocast_mode.h:853, policy lower_precision_fp), so neither path's numerics change, and varlen_attn gets one dtype
+    device = tensors[0].device.type
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
 
 
 def sdpa_varlen_attention(
@@ -103,9 +128,13 @@ def sdpa_varlen_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("sdpa_varlen cannot run attention sinks (s_aux); use eager or flex_attention")
+    window = kwargs.get("sliding_window")
+    query, key, value = _autocast_dtype(query, key, value)
     if uses_kernel(query, dropout_p):
-        return _kernel_path(query, key, value, cu, _longest(cu, kwargs.get("max_length_q")), scaling), None
-    return _per_sample(query, key, value, cu, dropout_p, scaling), None
+        return _kernel_path(query, key, value, cu, _longest(cu, kwargs.get("max_length_q")), scaling, window), None
+    return _per_sample(query, key, value, cu, dropout_p, scaling, window), None
 
 
 def register() -> str:

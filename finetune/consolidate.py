@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from finetune import checkpoint
+from finetune.artifacts.weights import final_dtype, record_dtype, saved_state
 from finetune.errors import FtError
 
 
@@ -51,7 +52,10 @@ def consolidate(
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(str(tmp))
+    dtype = final_dtype(config.output, plan)  # a full model as train.save_final writes it (output.save_dtype)
+    model.save_pretrained(str(tmp), **({"state_dict": saved_state(model, dtype)} if dtype is not None else {}))
+    if dtype is not None:
+        record_dtype(tmp, dtype)
     tokenizer.save_pretrained(str(tmp))
     (tmp / "consolidated.json").write_text(
         json.dumps({"run": str(run_dir), "checkpoint": ckpt.name, "format": fmt}, indent=2)
@@ -81,8 +85,8 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
 
 
 def _run(run_dir: Path):
-    """The run's config and its Plan as one fp32 process on the CPU would run it (the adapter, trained embeddings and
-    every other decision as planned; no quantization, sharding or process group)."""
+    """The run's config and its Plan as one fp32 process on the CPU would run it (the adapter, trained embeddings, the
+    attention kernel and every other decision as planned; no quantization, sharding or process group)."""
     from dataclasses import replace
 
     from finetune.artifacts import RunFolder
@@ -104,7 +108,6 @@ def _run(run_dir: Path):
         loading="replica",
         generation="local",
         gradient_checkpointing=False,
-        attn_implementation="sdpa",
     )
     return config, plan
 
@@ -115,7 +118,8 @@ def _model(config, plan):
     from finetune.models import load_model
 
     tokenizer, _, _ = training_tokenizer(config)
-    model = apply_adapter(load_model(config.model, plan, tokenizer, "sdpa"), config.adapter, plan)
+    # the attention the run's plan chose, which the model class supports (no forward pass runs here)
+    model = apply_adapter(load_model(config.model, plan, tokenizer), config.adapter, plan)
     return model, tokenizer
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from finetune.data.collate import to_device
+from finetune.methods.loss import host_values
+
 
 def validation_loss(model, method, dataset, device, autocast, batch_rows: int = 32) -> float:
     """Mean next-token loss over every trained token of the validation set (for DPO: mean loss per pair)."""
@@ -14,18 +17,22 @@ def validation_loss(model, method, dataset, device, autocast, batch_rows: int = 
 @torch.no_grad()
 def validation_metrics(model, method, dataset, device, autocast, batch_rows: int = 32) -> dict[str, float]:
     """eval_loss, plus the method's own metrics (e.g. DPO's reward accuracy) as eval_NAME, each weighted like the
-    loss."""
+    loss. The losses and metrics stay on the device until the last batch, then are read at once."""
     was_training = model.training
     model.eval()
-    total, tokens, sums = 0.0, 0, {}
+    seen = []  # per micro-batch: its token count, loss and metrics
     for start in range(0, len(dataset), batch_rows):
         for batch in method.micro_batches(dataset, list(range(start, min(start + batch_rows, len(dataset))))):
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            n = method.tokens(batch)
+            n = method.tokens(batch)  # counted on the host, before the batch moves
+            batch = to_device(batch, device)  # tensors and per-layer-type masks
             with autocast():
                 loss, metrics = method.loss(model, batch, 1.0)
-            total, tokens = total + float(loss), tokens + n
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * n
+            seen.append((n, loss, metrics))
     model.train(was_training)
+    values = iter(host_values(*(v for _, loss, metrics in seen for v in (loss, *metrics.values()))))
+    total, tokens, sums = 0.0, 0, {}
+    for n, _, metrics in seen:
+        total, tokens = total + next(values), tokens + n
+        for k in metrics:
+            sums[k] = sums.get(k, 0.0) + next(values) * n
     return {"eval_loss": total / max(tokens, 1), **{f"eval_{k}": v / max(tokens, 1) for k, v in sums.items()}}

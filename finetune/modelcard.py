@@ -81,7 +81,7 @@ def _model_rows(cfg: dict, plan: dict, adapter: dict, artifact: str, base: str) 
         rows += [
             ("rank r / alpha", f"{adapter.get('r', '?')} / {adapter.get('alpha', '?')}"),
             ("target modules", ", ".join(targets) if isinstance(targets, list) else targets),
-            ("dropout", adapter.get("dropout")),
+            ("dropout", _dropout(plan, adapter)),
             ("DoRA", "yes" if adapter.get("dora") else None),
             ("rsLoRA", "yes" if adapter.get("rslora") else None),
             ("modules trained in full", ", ".join(adapter.get("modules_to_save") or [])),
@@ -98,6 +98,13 @@ def _model_rows(cfg: dict, plan: dict, adapter: dict, artifact: str, base: str) 
             )
         )
     return rows
+
+
+def _dropout(plan: dict, adapter: dict):
+    """The LoRA dropout the run trained with: the plan's (0 on an MoE model's fused experts, whatever the config's
+    default), else, in plans written before it was recorded, the config's adapter.dropout."""
+    used = plan.get("lora_dropout")
+    return adapter.get("dropout") if used is None else used
 
 
 def _data_rows(cfg: dict, data: dict) -> list:

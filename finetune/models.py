@@ -26,9 +26,16 @@ def load_tokenizer(model: ModelSection):
         name = str(ensure_model())
     from transformers import AutoTokenizer
 
+    from finetune import hub
+
+    why = "" if Path(name).expanduser().exists() else hub.unreachable(name, model.revision)  # one try, no retries
     try:
-        return AutoTokenizer.from_pretrained(name, revision=model.revision, trust_remote_code=model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(
+            name, revision=model.revision, trust_remote_code=model.trust_remote_code, local_files_only=bool(why)
+        )
     except (OSError, ValueError) as e:
+        if why:  # not in the local cache either
+            raise FtError(hub.unreachable_message(name, key, why)) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise FtError(
             f"{key}: cannot load a tokenizer from {name!r}: {first}. Use a local folder with tokenizer files, a "
@@ -66,16 +73,17 @@ def torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def runtime_attention(model: ModelSection, planned: str, context_parallel: int = 1) -> str:
-    """The attention kernel to run: the plan's, upgraded to flash-attention 2 when ft chose it
-    (model.attn_implementation
-    auto), flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either.
-    Never upgraded under context parallelism: torch's ring attention replaces SDPA (distributed/cp.py)."""
+def runtime_attention(model: ModelSection, planned: str, context_parallel: int = 1, upgrade: bool = True) -> str:
+    """The attention kernel to run: the plan's, upgraded to flash-attention 2 where the plan allows it (`upgrade`:
+    model.attn_implementation auto on GPUs, and a model class that loads flash_attention_2, plan/attention.py),
+    flash-attn is installed and the GPU supports it (Ampere or newer). Packed batches work with either (flash-attention
+    takes them as one varlen row, sliding windows included). Never upgraded under context parallelism: torch's ring
+    attention replaces SDPA (distributed/cp.py)."""
     import importlib.util
 
     import torch
 
-    if model.attn_implementation != "auto" or planned not in ("sdpa", "sdpa_varlen") or context_parallel > 1:
+    if not upgrade or model.attn_implementation != "auto" or context_parallel > 1:
         return planned
     if (
         torch.cuda.is_available()
@@ -115,18 +123,14 @@ def load_model(
         "dtype": torch_dtype(dtype or load_dtype(model, plan)),
         **head_options(plan, tokenizer),
     }
-    if plan.quantization in ("nf4", "int8"):
-        kwargs["quantization_config"] = quantization_config(plan)
-    if torch.cuda.is_available() and plan.loading not in ("partitioned", "host"):
-        # GPU: load straight onto this rank's device. Not under ZeRO-3: from_pretrained then constructs the model
-        # partitioned
-        # (zero.Init) and refuses any device_map (transformers 5.24 integrations/accelerate.py: "not compatible with ...
-        # device_map")
-        # `host` (a 4-bit base under FSDP2 that does not fit whole on the GPU): quantized in host memory; fully_shard
-        # then moves each layer to the GPU as it shards it (plan/candidates.py loading)
-        kwargs["device_map"] = {"": torch.cuda.current_device()}
-    register_attention(attn)
     path = model_path(model)
+    if plan.quantization in ("nf4", "int8"):
+        kwargs["quantization_config"] = quantization_config(plan, kept_modules(model, plan, path))
+    accelerator = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    placement = device_map(plan, accelerator)
+    if placement is not None:
+        kwargs["device_map"] = placement
+    register_attention(attn)
     try:
         net, info = auto_class(plan).from_pretrained(path, revision=model.revision, output_loading_info=True, **kwargs)
     except OSError as e:
@@ -135,6 +139,35 @@ def load_model(
     if tokenizer is not None:
         resize_embeddings(net, len(tokenizer))
     return finish_model(net, plan)
+
+
+def kept_modules(model: ModelSection, plan, path: str) -> list[str]:
+    """What a 4/8-bit base leaves unquantized besides a score head: on an MoE model (plan.moe) what peft adapts
+    through target_parameters (finetune/experts.py, from the model's config at `path`); nothing on a dense model,
+    which the plan knows: its loading reads no config and asks no hub for it."""
+    if not plan.moe:
+        return []
+    from finetune.experts import kept_unquantized
+
+    return kept_unquantized(path, model.trust_remote_code, auto_class(plan), model.revision)
+
+
+def device_map(plan, accelerator: torch.device | None) -> dict | None:
+    """Where from_pretrained puts the weights of a whole model (`accelerator`: this rank's GPU, None without one).
+    `host` loading (a 4-bit base under FSDP2 that does not fit whole on the GPU): quantized in host RAM, always:
+    given no device_map, bitsandbytes' quantizer would pick the current GPU (transformers 5.24
+    quantizers/quantizer_bnb_4bit.py update_device_map), and fully_shard moves each layer to the GPU as it shards it
+    (plan/candidates.py loading). `partitioned` (ZeRO-3): none, as from_pretrained then constructs the model
+    partitioned (zero.Init) and refuses any device_map (integrations/accelerate.py check_and_set_device_map).
+    Otherwise straight onto the GPU where there is one."""
+    if plan.loading == "host":
+        # an all-"cpu" map passes bitsandbytes' check (quantizer_bnb_4bit.py validate_environment refuses only maps
+        # mixing cpu with GPUs) and allocates nothing on the GPU (modeling_utils.py caching_allocator_warmup skips
+        # maps without an accelerator); Params4bit quantizes on the device it is moved to (nn/modules.py _quantize)
+        return {"": "cpu"}
+    if accelerator is None or plan.loading == "partitioned":
+        return None
+    return {"": accelerator.index}
 
 
 def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
@@ -274,11 +307,13 @@ def resize_embeddings(net, size: int) -> None:
             w[old:] = row_mean(w[s : min(s + ROW_CHUNK, old)] for s in range(0, old, ROW_CHUNK)).to(w.dtype)
 
 
-def quantization_config(plan):
+def quantization_config(plan, kept: list[str] = ()):
+    """bitsandbytes' settings; `kept`: modules it leaves unquantized besides a score head (finetune/experts.py)."""
     from transformers import BitsAndBytesConfig
 
     compute = torch_dtype(plan.precision)
-    skip = {"llm_int8_skip_modules": ["score"]} if plan.head == "score" else {}  # the head stays as it is trained
+    kept = [*kept, "score"] if plan.head == "score" else list(kept)  # the head stays as it is trained
+    skip = {"llm_int8_skip_modules": kept} if kept else {}
     if plan.quantization == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, **skip)
     storage = plan.quant_storage  # FSDP/ZeRO-3 shard flat tensors of one dtype: 4-bit weights packed in it
@@ -362,6 +397,7 @@ class Checkpoint:
         self.entries: dict[str, tuple] = {}
         for name in files:
             self.entries.update(self._header(folder / name))
+        self.stacked: dict[str, object] = {}  # fused expert tensors made of per-expert ones (finetune/conversions.py)
 
     @staticmethod
     def _header(path) -> dict[str, tuple]:
@@ -384,10 +420,13 @@ class Checkpoint:
         }
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries
+        return key in self.entries or key in self.stacked
 
     def shape(self, key: str) -> tuple:
-        return self.entries[key][2]
+        return self.stacked[key].shape if key in self.stacked else self.entries[key][2]
+
+    def dtype(self, key: str):
+        return self.stacked[key].dtype if key in self.stacked else self.entries[key][1]
 
     def read(self, key: str, start: int = 0, stop: int | None = None, out=None):
         """Rows [start, stop) of tensor `key` as a CPU tensor in the file's dtype (a scalar reads as one row); into
@@ -397,6 +436,8 @@ class Checkpoint:
 
         import torch
 
+        if key in self.stacked:
+            return self.stacked[key].read(self, start, self.shape(key)[0] if stop is None else stop, out)
         path, dtype, shape, offset = self.entries[key]
         rows = shape or (1,)
         stop = rows[0] if stop is None else stop
@@ -423,7 +464,7 @@ def fill_rows(ckpt: Checkpoint, key: str, start: int, out) -> None:
     have = max(0, min(out.shape[0], rows - start))
     if have:
         part = out[:have]
-        if part.device.type == "cpu" and part.dtype == ckpt.entries[key][1] and part.is_contiguous():
+        if part.device.type == "cpu" and part.dtype == ckpt.dtype(key) and part.is_contiguous():
             ckpt.read(key, start, start + have, out=part)  # straight into this rank's shard: no copy at all
         else:  # another dtype, or a GPU shard: one slice staged in host memory, then copied (host-to-device on GPUs)
             part.copy_(ckpt.read(key, start, start + have))
@@ -443,15 +484,31 @@ def checkpoint_keys(net, ckpt: Checkpoint) -> dict[int, str]:
         for key in (name, f"{prefix}.{name}", name.removeprefix(f"{prefix}.")):
             if key in ckpt and id(t) not in keys:
                 keys[id(t)] = key
+    _converted(net, ckpt, state, keys, prefix)
     missing = [name for name, t in state.items() if id(t) not in keys and not is_new_head(name)]
     if missing:
         raise FtError(
             "model.name: the checkpoint has no tensor for "
             f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''} (its layout differs from "
-            "the model's, e.g. fused experts that transformers converts while loading); sharded loading needs one "
-            "checkpoint tensor per parameter: use distributed.backend: deepspeed or ddp for this model"
+            "the model's in a way ft does not read: a conversion of transformers' other than renamed tensors and "
+            "stacked per-expert matrices, finetune/conversions.py); sharded loading needs to find each parameter in "
+            "the checkpoint: use distributed.backend: ddp for this model"
         )
     return keys
+
+
+def _converted(net, ckpt: Checkpoint, state: dict, keys: dict[int, str], prefix: str) -> None:
+    """The tensors the checkpoint holds under other names or split per expert (transformers converts them while
+    loading: finetune/conversions.py); a fused expert parameter is read from `ckpt` under its own name."""
+    from finetune.conversions import sources
+
+    missing = {name: tuple(t.shape) for name, t in state.items() if id(t) not in keys and not is_new_head(name)}
+    if not missing:
+        return
+    for name, source in sources(missing, net.config.model_type, ckpt, prefix).items():
+        if not isinstance(source, str):
+            ckpt.stacked[name] = source
+        keys[id(state[name])] = name if not isinstance(source, str) else source
 
 
 def init_buffers(net) -> None:

@@ -6,7 +6,9 @@ previous line (so that slow steps still show progress):
 
     step 20/200 loss 1.2345 lr 2.00e-04 tok/s 12,345 mem 3.2 GiB eta 0:04:10 rewards/margin 0.8123 rewards/accuracy 0.75
 
-The fixed fields come first, in that order, then the method's own metrics (its section's `progress_metrics`, under
+The fixed fields come first, in that order, then, for a mixture-of-experts model, its router's load-balancing loss
+(`aux`) and the smallest and largest share of a layer's tokens one expert took since the last logged step
+(`experts 12%-41%`, methods/router.py), then the method's own metrics (its section's `progress_metrics`, under
 their metrics.jsonl names; the bar's text shows the same). tok/s is measured over the steps since the previous line;
 mem is the peak device memory on GPUs, the process's peak resident memory on CPUs; eta extrapolates the wall time
 per step since training started. A field the step did not report is left out. Cheap to import.
@@ -72,8 +74,18 @@ def step_line(step: int, total: int, row: dict, patterns: Sequence[str] = (), to
         parts.append(f"mem {row['memory_gib']:.1f} GiB")
     if eta_s is not None:
         parts.append(f"eta {clock_text(eta_s)}")
+    parts += expert_fields(row)
     parts += [f"{name} {number_text(value)}" for name, value in method_fields(patterns, row)]
     return " ".join(parts)
+
+
+def expert_fields(row: dict) -> list[str]:
+    """A mixture-of-experts model's figures: the load-balancing loss and the expert shares (min-max)."""
+    parts = [f"aux {number_text(row['aux_loss'])}"] if is_number(row.get("aux_loss")) else []
+    low, high = row.get("experts/min_share"), row.get("experts/max_share")
+    if is_number(low) and is_number(high):
+        parts.append(f"experts {low:.0%}-{high:.0%}")
+    return parts
 
 
 class StepLines:

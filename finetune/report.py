@@ -112,6 +112,8 @@ def _print_memory(console, plan: Plan) -> None:
     if plan.device_memory_bytes:
         title += f" ({e.device_bytes / plan.device_memory_bytes:.0%} of the {plan.device_memory_bytes / GiB:.1f} GiB)"
     _table(console, title, ("component", "GiB"), rows, right=(1,))
+    for note in e.notes:  # what the estimate assumes of the architecture (experts, quantized checkpoints, caches)
+        _say(console, f"Model: {note}")
     if e.host:
         host = ", ".join(f"{k} {v / GiB:.1f}" for k, v in e.host.items() if k != LOADING)
         loading = f"; peak while loading, not added: {e.host[LOADING] / GiB:.1f}" if LOADING in e.host else ""

@@ -13,7 +13,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,11 +21,13 @@ import torch
 from finetune import checkpoint
 from finetune.activations import offloading
 from finetune.config.schema import Config
+from finetune.data.collate import to_device
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
 from finetune.errors import FtError, Stopped  # noqa: F401 (Stopped: where callers look for it)
 from finetune.methods import Method
-from finetune.methods.loss import step_normaliser
+from finetune.methods.loss import host_values, step_normaliser  # host_values: the step's one read of the device
+from finetune.methods.router import Routing
 from finetune.plan.plan import Plan
 from finetune.progress import method_fields
 
@@ -44,6 +46,7 @@ class Job:
     total_steps: int
     device: torch.device
     runtime: Runtime
+    routing: Routing = field(default_factory=Routing)  # an MoE model's routers (methods/router.py); inert if dense
 
     @property
     def model(self):
@@ -132,7 +135,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         ).with_parallel(plan.tensor_parallel, plan.context_parallel)  # the ranks of a tp × cp block share rows
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
-    attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel)
+    attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel, plan.flash_upgrade)
     if plan.process_group and device.type == "cpu":  # sharded CPU ranks allocate and free large buffers over and over
         from finetune.distributed.hostmem import return_freed_memory
 
@@ -169,7 +172,8 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
             config, plan, prepared, attn, wrapped, device, runtime, lambda: autocast_for(plan.precision, device), stream
         )
     validation = prepared.validation if method.validates else None
-    return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime)
+    routing = Routing.attach(wrapped.model, config.train.router_aux_loss_coef)
+    return Job(config, plan, wrapped, method, prepared.train, validation, stream, total, device, runtime, routing)
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -190,45 +194,44 @@ def train_step(job: Job) -> dict:
     # each rank's part of every micro-batch (its share of each sequence under context parallelism) before counting
     batches = [job.engine.local(b) for b in job.method.micro_batches(job.train, job.stream.next_step())]
     with activity("summing the step's trained tokens over ranks"):
-        normaliser = step_normaliser(sum(job.method.tokens(b) for b in batches), rt.world_size, rt.sum)
+        counts = [job.method.tokens(b) for b in batches]
+        normaliser = step_normaliser(sum(counts), rt.world_size, rt.sum)
     loss_total, tokens, reported = 0.0, 0, [batches[0].pop("metrics", {})]  # the rollout's metrics (GRPO)
     for i, batch in enumerate(batches):
         tokens += batch.pop("num_tokens", 0)
-        batch = {k: v.to(job.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = to_device(batch, job.device)  # tensors and per-layer-type masks
         with (
             activity(f"forward/backward of micro-batch {i + 1} of {len(batches)}"),
             job.engine.accumulating(last=i == len(batches) - 1),
         ):
-            with autocast(job), offloading(job.plan.activation_offload):  # saved activations in host memory if planned
+            # saved activations in host memory if planned; an MoE model's routers recorded (methods/router.py)
+            with autocast(job), offloading(job.plan.activation_offload), job.routing.recording(batch):
                 loss, metrics = job.method.loss(job.model, batch, normaliser)
+                loss = job.routing.add_loss(loss, counts[i] / normaliser)  # its load-balancing loss, if any
             job.engine.backward(loss)
         loss_total = loss_total + loss.detach().double()  # summed on the device (float64): read once, after the step
         reported.append(metrics)
     with activity("optimizer step (gradient reduction, clipping, update)"):
         grad_norm = job.engine.step()
-        loss_total, grad_norm = host_values(loss_total, grad_norm)
+        sums, counts = _summed_metrics(reported)  # the method's metrics, summed on the device
+        loss_total, grad_norm, aux_total, *values = host_values(
+            loss_total, grad_norm, job.routing.step_total(), *sums.values()
+        )
         # each rank's share is scaled by world size (see methods/loss.py)
         loss_total = rt.sum(loss_total) / rt.world_size
     with activity("averaging the method's metrics over ranks"):
-        extra = rt.mean(_mean_metrics(reported))
+        extra = rt.mean({k: v / counts[k] for k, v in zip(sums, values)})  # each over the micro-batches reporting it
+    if job.routing.coef:  # the load-balancing loss, before its coefficient (trl's aux_loss)
+        extra["aux_loss"] = rt.sum(aux_total) / rt.world_size
     tokens = int(rt.distinct_sum(tokens))  # a tensor-parallel group's ranks all hold the same tokens: counted once
     return {"loss": loss_total, "grad_norm": grad_norm, "lr": job.engine.lr(), "tokens": tokens, **extra}
 
 
-def host_values(*values) -> list[float]:
-    """Python floats of `values` (numbers or 0-dim tensors), with one wait for the device for all the tensors on it:
-    the step's only host sync besides the method's own metrics."""
-    tensors = [v for v in values if torch.is_tensor(v)]
-    if not tensors:
-        return [float(v) for v in values]
-    read = iter(torch.stack([t.detach().to(tensors[0].device, torch.float64) for t in tensors]).tolist())
-    return [next(read) if torch.is_tensor(v) else float(v) for v in values]
-
-
-def _mean_metrics(reported: list[dict]) -> dict:
-    """Each metric averaged over the micro-batches that report it."""
+def _summed_metrics(reported: list[dict]) -> tuple[dict, dict[str, int]]:
+    """Each metric summed over the micro-batches that report it (0-dim device tensors stay there; numbers, such as a
+    rollout's, stay numbers), and how many report it."""
     keys = dict.fromkeys(k for m in reported for k in m)
-    return {k: sum(m[k] for m in reported if k in m) / sum(k in m for m in reported) for k in keys}
+    return {k: sum(m[k] for m in reported if k in m) for k in keys}, {k: sum(k in m for m in reported) for k in keys}
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -293,6 +296,7 @@ def run(
                 "memory_gib": peak_memory_gib(job.device),
             }
             if step % out.log_steps == 0 or step == job.total_steps:
+                row.update(job.routing.utilisation(job.runtime))  # every rank: expert use since the last log
                 metrics.log(step, **row)
             if (
                 job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps
@@ -341,17 +345,25 @@ def run(
 
 
 def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
-    """The trained adapter (peft format) or model (safetensors), with the tokenizer, in RUN/final (rank 0 writes)."""
-    final = run_dir / "final"
+    """The trained adapter (peft format) or model (safetensors, in output.save_dtype), with the tokenizer, in RUN/final
+    (rank 0 writes)."""
+    from finetune.artifacts.weights import final_dtype, record_dtype, saved_state
+
+    final, full = run_dir / "final", job.plan.adapter == "full"
+    dtype = final_dtype(job.config.output, job.plan)
     with activity("gathering the final weights"):
-        state = job.engine.full_state_dict(trainable_only=job.plan.adapter != "full")  # a collective where sharded
+        state = job.engine.full_state_dict(trainable_only=not full, dtype=dtype)  # a collective where sharded
     failed = None
     if job.runtime.is_main:
         try:
+            if state is None and full:  # whole on this rank: cast tensor by tensor into host memory
+                state = saved_state(job.inner, dtype)
             with checkpoint.atomic_folder(
                 final, "the final weights"
             ) as tmp:  # a full disk leaves no half-written final/
                 job.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
+                if full:
+                    record_dtype(tmp, dtype)
                 tokenizer.save_pretrained(str(tmp))
             if job.plan.head == "score" and job.plan.adapter != "full":
                 merge_reward_adapter(job.config.model, final, job.plan.adapter == "qlora")

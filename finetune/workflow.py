@@ -175,7 +175,8 @@ def run_train(
             if job_plan.process_group:
                 if lock is not None:
                     lock.share()  # the ranks join it: held until the last of them exits
-                return _launch(cmd, job_plan, config_path, overrides, run_dir, owner=role.node_rank == 0)
+                owner = role.node_rank == 0
+                return _launch(cmd, job_plan, config_path, overrides, run_dir, owner, role.master_addr)
             from finetune.rank import train_run_folder
 
             return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
@@ -221,17 +222,19 @@ def _replan(config, hw, facts, config_path, prepared, job_plan):
     )
 
 
-def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bool = True) -> dict:
+def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bool = True, master_addr=None) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
-    with one message (see distributed/lifecycle.py)."""
+    with one message (see distributed/lifecycle.py). `master_addr`: node 0's, where the job spans nodes."""
     import shlex
     import sys
 
     from finetune.distributed.lifecycle import ENV_STOP_SECONDS, LOST_PEERS, Exchange, run_forwarding_signals
+    from finetune.distributed.netif import gloo_environment
     from finetune.distributed.runtime import nccl_environment
     from finetune.errors import LostPeers
 
     env = dict(os.environ)
+    env.update(gloo_environment(master_addr, job_plan.nodes))  # across nodes: the interface ft's gloo collectives use
     if "cpu" in job_plan.device.lower():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
     else:  # before any rank exists: torch reads them when the NCCL group starts
@@ -353,7 +356,25 @@ def check_job(config_path, overrides: Iterable[str] = ()):
             f"{config_path}: {len(problems)} data path problem{'s' if len(problems) != 1 else ''}\n"
             + "\n".join("  ✗ " + p.replace("\n", "\n  ") for p in problems)
         )
+    _check_model_rules(config, str(config_path))
     return config
+
+
+def _check_model_rules(config, config_path: str) -> None:
+    """The rules that need the model's facts (finetune/config/moe_checks.py), where they are known without the hub
+    (a local folder or a catalog name); ft plan runs them for every model."""
+    from pathlib import Path
+
+    from finetune.catalog import lookup
+    from finetune.config.moe_checks import moe_problems
+    from finetune.errors import ConfigError
+
+    local = (Path(config.model.name).expanduser() / "config.json").is_file()
+    if not local and lookup(config.model.name) is None:
+        return
+    problems = moe_problems(config, model_facts(config.model))
+    if problems:
+        raise ConfigError(config_path, problems)
 
 
 def write_launch_script(config_path, overrides, hardware, out, time_limit: str, partition: str | None):

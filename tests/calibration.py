@@ -23,6 +23,9 @@ from finetune.plan.savers import CHUNK_BYTES
 
 TABLE = Path(__file__).parent / "data" / "memory_calibration.yaml"
 PAGED = ("paged_adamw_8bit", "paged_adamw_32bit")  # states in CUDA unified memory: outside torch's allocator stats
+# FSDP1 runs (fsdp_qlora's train.py, accelerate's FSDP plugin in PEFT's guides) wrap the decoder layers only: the
+# embeddings and the output head stay in the root unit, gathered for the whole step (ft's FSDP2 shards them apart)
+FSDP1_SOURCES = ("https://github.com/AnswerDotAI/fsdp_qlora/", "https://github.com/huggingface/peft/")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ def setup_of(row: dict) -> Setup:
         activation_offload=bool(s["activation_offload"]),
         optimizer_in_backward=bool(s["optimizer_in_backward"]),
         accumulation=int(s.get("gradient_accumulation") or 1),
+        fsdp_end_units=not row["source"].startswith(FSDP1_SOURCES),
     )
 
 

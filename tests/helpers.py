@@ -263,9 +263,11 @@ def random_llama(
     heads: int,
     tied: bool = False,
     kv_heads: int | None = None,
+    vocab: int | None = None,
 ) -> int:
     """Save a Llama with random bf16 weights (uniform, norms at 1) and ft's tiny tokenizer; returns its parameter count.
-    Built on the meta device and then filled: seconds even at 400M parameters."""
+    Built on the meta device and then filled: seconds even at 400M parameters. `vocab`: embedding rows (default: the
+    tokenizer's; more leaves rows no token reaches, as a large vocabulary has)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -273,7 +275,7 @@ def random_llama(
 
     tok = build_tokenizer()
     cfg = LlamaConfig(
-        vocab_size=len(tok),
+        vocab_size=max(vocab or 0, len(tok)),
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
@@ -463,3 +465,47 @@ ZERO3_XFAIL = dict(
     reason="DeepSpeed ZeRO-3 on an AMD CPU with AVX-512 BF16 differs from one process (also before this change)",
     strict=False,
 )
+
+
+def tiny_moe(folder: Path, kind: str = "qwen3_moe", seed: int = 0) -> Path:
+    """A 2-layer mixture-of-experts model of transformers family `kind` (qwen3_moe, mixtral, deepseek_v3: hidden 64,
+    4 experts, top-2) with ft's tiny tokenizer, saved to `folder` as save_pretrained writes it (one matrix per expert).
+    The routers' weights are drawn larger than their initialisation (std 0.5), so that routing is decisive rather
+    than near ties that rounding could flip."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    shape = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    shape.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_experts_per_tok=2)
+    per_kind = {
+        "qwen3_moe": dict(head_dim=16, num_experts=4, moe_intermediate_size=32),
+        "mixtral": dict(head_dim=16, num_local_experts=4, intermediate_size=64),
+        "deepseek_v3": dict(
+            n_routed_experts=4,
+            num_key_value_heads=4,  # multi-head latent attention: as many key/value heads as query heads
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+        ),
+    }
+    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    shape.update(per_kind[kind], **ids)  # a family's own keys replace the shared ones (Mixtral's expert width)
+    config = AutoConfig.for_model(kind, **shape, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder

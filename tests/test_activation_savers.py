@@ -220,3 +220,68 @@ def test_train_step_with_offload_and_selective_checkpointing_matches_the_plain_s
     (loss_a, norm_a, weights_a), (loss_b, norm_b, weights_b) = results
     assert loss_a == pytest.approx(loss_b, abs=1e-6) and norm_a == pytest.approx(norm_b, abs=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(weights_a, weights_b)) < 1e-6
+
+
+def test_the_planned_pinned_memory_is_what_torchs_host_allocator_rounds_each_buffer_up_to():
+    """torch's caching host allocator pins the next power of two of each buffer (CachingHostAllocator.h): the planner's
+    pinned figure, checked against its 25%-of-RAM cap, counts that, not the buffers' bytes."""
+    from finetune.catalog import lookup
+    from finetune.plan.memory import PINNED_ACTIVATIONS, Setup, estimate, pinned_bytes, stored_activation_bytes
+
+    assert [pinned_bytes(n) for n in (0, 1, 2**20, 2**20 + 1, 3 * 2**20)] == [0, 1, 2**20, 2**21, 2**22]
+    qwen = lookup("Qwen/Qwen2.5-7B")  # hidden 3584: one sequence's hidden states are 28 MiB, pinned as 32 MiB
+    s = Setup("lora", "none", "bf16", "adamw_torch", 1, 4096, gradient_checkpointing=True, activation_offload=True)
+    hidden = 2 * 4096 * 3584
+    assert pinned_bytes(hidden) == 2**25 and stored_activation_bytes(qwen, s, 2) == (qwen.num_layers + 3) * hidden
+    assert estimate(qwen, s).host[PINNED_ACTIVATIONS] == (qwen.num_layers + 3) * 2**25
+    llama = lookup("meta-llama/Llama-3.1-8B")  # no checkpointing: MLP buffers of 14336 columns pin 16384
+    s = dataclasses.replace(s, gradient_checkpointing=False)
+    assert estimate(llama, s).host[PINNED_ACTIVATIONS] == pytest.approx(
+        3 * 2 * 4096 * 4096 + (stored_activation_bytes(llama, s, 2) - 3 * 2 * 4096 * 4096) * 16384 / 14336, rel=1e-9
+    )
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_offloaded_activations_pin_the_rounded_sizes_the_planner_counts(monkeypatch):
+    """On a GPU the moved tensors go to pinned blocks of torch's caching host allocator, each its size rounded up to a
+    power of two: one micro-batch's forward pass holds exactly those blocks (host_memory_stats active_bytes), above
+    the tensors' bytes, and the planner's pinned figure for the setup covers them (its activation model's tolerance)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.activations import nbytes
+    from finetune.catalog import from_hf_config
+    from finetune.plan.memory import Setup, offloaded_activation_bytes, pinned_bytes, stored_activation_bytes
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=192,
+        intermediate_size=448,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
+    every_layer = SimpleNamespace(quantization="none", gradient_checkpointing=True, checkpoint_layers=0)
+    net = finish_model(LlamaForCausalLM(cfg), every_layer).to("cuda", torch.bfloat16).train()
+    ids = torch.randint(0, 512, (2, 1000), device="cuda")  # a layer's input: 2 x 1000 x 192 x 2 B, pinned as 2**20
+    sizes, copy_out = [], Offloader._copy_out
+    monkeypatch.setattr(Offloader, "_copy_out", lambda self, t: sizes.append(nbytes(t)) or copy_out(self, t))
+    torch.cuda.synchronize()
+    before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+    with offloading(True) as off:
+        hidden = net.model(input_ids=ids, use_cache=False).last_hidden_state
+    torch.cuda.synchronize()
+    pinned = torch.cuda.host_memory_stats()["active_bytes.current"] - before
+    hidden.float().sum().backward()
+    s = Setup("full", "none", "bf16", "adamw_torch", 2, 1000, gradient_checkpointing=True, activation_offload=True)
+    facts = from_hf_config(cfg.to_dict(), "tiny")
+    planned, unrounded = offloaded_activation_bytes(facts, s, 2), stored_activation_bytes(facts, s, 2)
+    print(
+        f"pinned {pinned} B for {off.stats.moved_bytes} B in {len(sizes)} tensors; planned {planned:.0f} B "
+        f"({unrounded:.0f} B unrounded): pinned / planned {pinned / planned:.3f}"
+    )
+    assert pinned == sum(pinned_bytes(n) for n in sizes) > off.stats.moved_bytes
+    assert pinned <= 1.2 * planned

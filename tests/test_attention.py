@@ -176,6 +176,50 @@ def test_tiny_llama_on_kernel_path_packed_equals_separate_runs(kernel_path, pack
     assert kernel_path.calls == model.config.num_hidden_layers  # unpacked rows have no boundaries: plain SDPA
 
 
+def test_autocast_casts_q_k_v_to_its_dtype_before_choosing_the_path(monkeypatch):
+    """Full fine-tuning under autocast (fp32 weights): RoPE leaves q and k in fp32 while v is bf16. sdpa_varlen casts
+    the three to the autocast dtype first (as transformers' flash integration does), so the kernel choice sees bf16;
+    outside autocast fp32 stays fp32 (the per-sample fallback)."""
+    seen = []
+    monkeypatch.setattr(attention, "uses_kernel", lambda query, dropout_p: seen.append(query.dtype) or False)
+    q, k, v, cu = rand_qkv(LENGTHS)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = attention.sdpa_varlen_attention(
+            Module().eval(), q, k, v.bfloat16(), None, scaling=SCALE, cu_seq_lens_q=cu, max_length_q=max(LENGTHS)
+        )
+    attention.sdpa_varlen_attention(Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu)
+    assert seen == [torch.bfloat16, torch.float32] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(q, k, v, LENGTHS, SCALE).bfloat16(), **BF16)
+
+
+def test_tiny_llama_in_fp32_under_autocast_takes_the_kernel_path_without_host_reads(monkeypatch, packed_rows):
+    """The packed forward of an fp32 model under bf16 autocast: every layer's attention is one kernel call with bf16
+    q, k and v, and no layer reads the sample boundaries on the host (the fallback's `cu.tolist()`)."""
+    _, rows = packed_rows
+    attention.register()
+    model = tiny_llama("sdpa_varlen")
+    batch = collate(rows, pad_id=0, attn_implementation="sdpa_varlen")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    fake, dtypes = EmulatedKernel(), []
+    monkeypatch.setattr(
+        attention,
+        "_KERNEL",
+        lambda q, k, v, *a, **kw: dtypes.append({q.dtype, k.dtype, v.dtype}) or fake(q, k, v, *a, **kw),
+    )
+    # what uses_kernel answers for CUDA tensors on an sm80+ GPU (the device checks cannot pass on CPU)
+    monkeypatch.setattr(
+        attention, "uses_kernel", lambda query, dropout_p: query.dtype in (torch.float16, torch.bfloat16)
+    )
+    reads = []
+    to_list = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or to_list(t))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(**inputs)
+    monkeypatch.undo()
+    layers = model.config.num_hidden_layers
+    assert fake.calls == layers and dtypes == [{torch.bfloat16}] * layers and reads == []
+
+
 # ------------------------------------------------------------------ CUDA (skipped without a GPU)
 def needs_flash():
     if not attention._flash_device(torch.cuda.current_device()) or attention._KERNEL is None:
@@ -234,6 +278,33 @@ def test_cuda_bf16_tiny_llama_packed_equals_separate_runs(packed_rows):
                 alone = model(input_ids=torch.tensor([examples[i]["input_ids"]], device="cuda")).logits[0].float()
                 torch.testing.assert_close(packed[start : start + n], alone, **BF16)
                 start += n
+
+
+@pytest.mark.gpu
+def test_cuda_fp32_tiny_llama_under_bf16_autocast_takes_the_kernel_path_in_every_layer(monkeypatch, packed_rows):
+    """Full fine-tuning on a GPU: fp32 weights under bf16 autocast (RoPE leaves q and k in fp32). Every layer's
+    attention is one varlen kernel call in bf16, none reads the sample boundaries on the host (the fallback's
+    cu.tolist()), and the logits are the per-sample fallback's."""
+    needs_flash()
+    _, rows = packed_rows
+    attention.register()
+    model = tiny_llama("sdpa_varlen").to("cuda")  # fp32 weights
+    batch = collate(rows, pad_id=0, attn_implementation="sdpa_varlen")
+    inputs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "labels"}
+    calls, real, reads, to_list = [], attention._KERNEL, [], torch.Tensor.tolist
+    monkeypatch.setattr(
+        attention, "_KERNEL", lambda q, *a, **kw: calls.append({q.dtype, a[0].dtype}) or real(q, *a, **kw)
+    )
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or to_list(t))
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = model(**inputs).logits.float()
+    monkeypatch.undo()
+    layers = model.config.num_hidden_layers
+    print(f"varlen kernel calls: {len(calls)} for {layers} layers, q/k dtypes {calls}; host reads: {len(reads)}")
+    assert calls == [{torch.bfloat16}] * layers and reads == []
+    monkeypatch.setattr(attention, "uses_kernel", lambda query, dropout_p: False)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.testing.assert_close(fast, model(**inputs).logits.float(), **BF16)
 
 
 def test_unpacked_calls_are_plain_sdpa_with_padding_masks():

@@ -25,6 +25,7 @@ from finetune.catalog import (
     Linear,
     ModelFacts,
     ModelNotFound,
+    catalog_config,
     from_hf_config,
     lookup,
     resolve,
@@ -55,8 +56,10 @@ def _meta_model(model_type: str, cfg: dict) -> torch.nn.Module:
 
 @functools.cache
 def _entry_model(name: str) -> torch.nn.Module:
-    facts = lookup(name)
-    return _meta_model(facts.model_type, to_hf_config(facts))
+    """transformers' model of a catalog entry's own config (its catalog.yaml row), on the meta device."""
+    config = catalog_config(name)
+    config.pop("quantization_config", None)  # the published weights' format, not the architecture
+    return _meta_model(config.pop("model_type"), config)
 
 
 def _count(params) -> int:
@@ -79,6 +82,15 @@ def _fact_linears(facts: ModelFacts) -> list[tuple[str, int, int, bool]]:
     )
 
 
+def _all_real_linears(model: torch.nn.Module) -> dict[tuple[str, int, int, bool], int]:
+    """Every decoder linear by (name, in, out, bias) -> how many there are in all layers."""
+    counts: dict[tuple[str, int, int, bool], int] = {}
+    for layer in model.model.layers:
+        for key in _real_linears(layer):
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def _real_breakdown(model: torch.nn.Module) -> dict[str, int]:
     layers = model.model.layers
     named = dict(model.named_parameters())  # tied weights appear once, under the embedding
@@ -88,13 +100,14 @@ def _real_breakdown(model: torch.nn.Module) -> dict[str, int]:
         "lm_head_params": _count(p for n, p in named.items() if n.startswith("lm_head.")),
         "linear_params": _count(p for m in layers.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters()),
         "expert_params": _count(p for n, p in layers.named_parameters() if ".experts." in n),
-        "layer_params": _count(layers[0].parameters()),
+        "layer_params": max(_count(layer.parameters()) for layer in layers),  # the largest: what FSDP gathers
+        "decoder_params": _count(layers.parameters()),
     }
 
 
 def _fact_breakdown(facts: ModelFacts) -> dict[str, int]:
     keys = ("num_params", "embedding_params", "lm_head_params", "linear_params", "expert_params", "layer_params")
-    return {key: getattr(facts, key) for key in keys}
+    return {key: getattr(facts, key) for key in (*keys, "decoder_params")}
 
 
 # ----------------------------------------------------------------------------- every entry
@@ -122,6 +135,14 @@ def test_entry_layer_linears_match_layer_0(facts: ModelFacts):
     assert _fact_linears(facts) == _real_linears(model.model.layers[0])
 
 
+@pytest.mark.parametrize("facts", [f for f in CATALOG if f.layer_types or f.dense_layers], ids=lambda f: f.name)
+def test_entry_linears_match_every_layer(facts: ModelFacts):
+    """Models whose layers differ (hybrid attention, dense layers among MoE ones): every layer's linears, not just
+    layer 0's, as LoRA and bitsandbytes see them."""
+    merged = {(lin.name, lin.in_features, lin.out_features, lin.bias): lin.count for lin in facts.decoder_linears}
+    assert merged == _all_real_linears(_entry_model(facts.name))
+
+
 @pytest.mark.parametrize(
     "name, published",
     [
@@ -140,6 +161,60 @@ def test_published_parameter_counts(name: str, published: int):
     assert lookup(name).num_params == published
 
 
+@pytest.mark.parametrize(
+    "name, total, active, digits",
+    [
+        # OpenAI's gpt-oss model card (Table 1: total and active parameters, the embedding not counted as active)
+        ("openai/gpt-oss-20b", 20.91e9, 3.61e9, 4),
+        ("openai/gpt-oss-120b", 116.83e9, 5.13e9, 5),
+        # DeepSeek-V3's README: 671B for the main model (its 14B multi-token-prediction module apart), 37B activated
+        ("deepseek-ai/DeepSeek-V3", 671e9, 37e9, 3),
+        # the Qwen3 model cards: "30.5B in total and 3.3B activated", "235B in total and 22B activated"
+        ("Qwen/Qwen3-30B-A3B", 30.5e9, 3.3e9, 3),
+        ("Qwen/Qwen3-235B-A22B", 235e9, 22e9, 3),
+    ],
+)
+def test_published_moe_totals_and_active_parameters(name: str, total: float, active: float, digits: int):
+    """Memory holds all experts; a token computes with the router's picks only (plus everything that is not an
+    expert), to the vendors' rounding; OpenAI leaves the embedding table out of its active count."""
+    facts = lookup(name)
+    assert float(f"{facts.num_params:.{digits}g}") == total
+    counted = facts.active_params - (facts.embedding_params if name.startswith("openai/") else 0)
+    assert counted == pytest.approx(active, rel=0.025)
+
+
+def test_mla_caches_the_compressed_latent():
+    """DeepSeek-V3 caches kv_lora_rank + qk_rope_head_dim values per token and layer (transformers caches the latent
+    before expanding it), not keys and values of 128 heads."""
+    facts = lookup("deepseek-ai/DeepSeek-V3")
+    assert facts.is_mla and facts.cache_elements(1000) == 61 * (512 + 64) * 1000
+    assert facts.cache_elements(1000) < 2 * 61 * 128 * 128 * 1000 / 50
+
+
+def test_linear_attention_and_sliding_layers_stop_growing():
+    """Only full-attention layers cache every token: a gated DeltaNet layer keeps a fixed state, a sliding layer its
+    window."""
+    qwen = lookup("Qwen/Qwen3.5-35B-A3B")
+    full = qwen.layer_count("full_attention")
+    assert (full, qwen.layer_count("linear_attention")) == (10, 30)
+    assert qwen.cache_elements(2000) - qwen.cache_elements(1000) == full * 2 * 2 * 256 * 1000
+    oss = lookup("openai/gpt-oss-20b")
+    grown = oss.cache_elements(2000) - oss.cache_elements(1000)
+    assert (
+        grown == oss.layer_count("full_attention") * 2 * oss.kv_dim * 1000 and oss.layer_count("full_attention") == 12
+    )
+
+
+def test_dense_layers_and_shared_experts():
+    deepseek, maverick = lookup("deepseek-ai/DeepSeek-V3"), lookup("meta-llama/Llama-4-Maverick-17B-128E-Instruct")
+    assert (deepseek.dense_layers, deepseek.moe_layers) == ((0, 1, 2), 58)
+    assert {lin.name for lin in deepseek.layer_linears()} >= {"gate_proj", "up_proj", "down_proj", "kv_b_proj"}
+    assert maverick.moe_layers == 24 and maverick.dense_layers == tuple(range(0, 48, 2))
+    # the shared expert is a dense MLP of nn.Linear modules (LoRA and bitsandbytes see it), the routed ones are not
+    shared = [lin for lin in maverick.decoder_linears if lin.in_features == 5120 and lin.out_features == 8192]
+    assert sum(lin.count for lin in shared) == 2 * 24
+
+
 def test_moe_experts_are_fused_parameters_not_linears():
     facts = lookup("Qwen/Qwen3-30B-A3B")
     names = {lin.name for lin in facts.layer_linears()}
@@ -151,16 +226,38 @@ def test_moe_experts_are_fused_parameters_not_linears():
 # ----------------------------------------------------------------------------- config.json
 
 
-@pytest.mark.parametrize("model_type", sorted(EXACT_MODEL_TYPES))
-def test_from_hf_config_is_exact_for_every_known_layout(model_type: str):
+# Each layout's optional parts, switched on or off by its family's own config keys
+LAYOUT_OPTIONS = {
+    "gemma4_text": [
+        dict(enable_moe_block=True, top_k_experts=2),
+        dict(attention_k_eq_v=True, num_global_key_value_heads=1),
+    ],
+    "deepseek_v3": [dict(first_k_dense_replace=1, num_hidden_layers=3), dict(q_lora_rank=None, n_shared_experts=2)],
+    "llama4_text": [dict(interleave_moe_layer_step=2, num_hidden_layers=4), dict(attention_chunk_size=None)],
+    "qwen3_moe": [dict(mlp_only_layers=[0]), dict(decoder_sparse_step=2)],
+    "qwen3_next": [dict(mlp_only_layers=[1], num_hidden_layers=4)],
+    "qwen3_5_text": [dict(num_hidden_layers=4)],  # three gated DeltaNet layers, then a full-attention one
+    "qwen3_5_moe_text": [dict(num_hidden_layers=4)],
+    "gpt_oss": [dict(attention_bias=False)],
+}
+# Gemma 4 without the per-layer input embeddings of its E2B/E4B releases, which ft does not count exactly
+LAYOUT_BASE = {"gemma4_text": dict(hidden_size_per_layer_input=0)}
+LAYOUT_CASES = [(t, {}) for t in sorted(EXACT_MODEL_TYPES)]
+LAYOUT_CASES += [(t, extra) for t, options in LAYOUT_OPTIONS.items() for extra in options]
+
+
+@pytest.mark.parametrize("model_type, extra", LAYOUT_CASES, ids=lambda v: v if isinstance(v, str) else str(v))
+def test_from_hf_config_is_exact_for_every_known_layout(model_type: str, extra: dict):
     cfg = dict(TINY, head_dim=16, num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
-    config = AutoConfig.for_model(model_type, **cfg)
+    config = AutoConfig.for_model(model_type, **{**cfg, **LAYOUT_BASE.get(model_type, {}), **extra})
     facts = from_hf_config(config.to_dict(), "tiny")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     assert facts.model_type == model_type and facts.counts_exact
     assert _fact_breakdown(facts) == _real_breakdown(model)
     assert _fact_linears(facts) == _real_linears(model.model.layers[0])
+    merged = {(lin.name, lin.in_features, lin.out_features, lin.bias): lin.count for lin in facts.decoder_linears}
+    assert merged == _all_real_linears(model)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +266,12 @@ def test_from_hf_config_is_exact_for_every_known_layout(model_type: str):
 def test_to_hf_config_round_trips(facts: ModelFacts):
     config = AutoConfig.for_model(facts.model_type, **to_hf_config(facts))
     again = from_hf_config(config.to_dict(), facts.name)
-    assert again == dataclasses.replace(facts, aliases=())
+    assert again == dataclasses.replace(facts, aliases=(), source="")
+
+
+def test_to_hf_config_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="kv_lora_rank.*use its config.json"):
+        to_hf_config(lookup("deepseek-ai/DeepSeek-V3"))
 
 
 @pytest.mark.parametrize("config_class", [LlamaConfig, Qwen2Config], ids=lambda c: c.__name__)
@@ -189,6 +291,22 @@ def test_gemma3_multimodal_config_describes_the_text_tower():
     facts = from_hf_config(outer, "google/gemma-3-4b-it")
     assert facts.model_type == "gemma3_text" and facts.tie_word_embeddings
     assert facts.num_params == _count(_meta_model("gemma3_text", text).parameters())
+
+
+@pytest.mark.parametrize(
+    "name, outer",
+    [
+        ("Qwen/Qwen3.5-35B-A3B", "qwen3_5_moe"),
+        ("meta-llama/Llama-4-Scout-17B-16E-Instruct", "llama4"),
+        ("google/gemma-4-26B-A4B", "gemma4"),
+    ],
+)
+def test_multimodal_releases_describe_their_text_tower(name: str, outer: str):
+    """A local multimodal config.json (text_config nested, the head's tying outside) reads as the catalog's row."""
+    text = catalog_config(name)
+    del text["model_type"]
+    config = {"model_type": outer, "tie_word_embeddings": text.pop("tie_word_embeddings"), "text_config": text}
+    assert from_hf_config(config, name) == dataclasses.replace(lookup(name), aliases=(), source="")
 
 
 def test_sparse_nested_text_config_takes_the_outer_model_type():
@@ -247,8 +365,11 @@ def test_missing_keys_are_all_named_at_once():
 
 def test_layouts_ft_cannot_count_exactly_are_flagged():
     moe = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
-    assert not from_hf_config({"model_type": "qwen3_moe", **moe, "mlp_only_layers": [0]}, "x").counts_exact
+    assert from_hf_config({"model_type": "qwen3_moe", **moe, "mlp_only_layers": [0]}, "x").counts_exact
     assert not from_hf_config({"model_type": "phi", **TINY, "qk_layernorm": True}, "x").counts_exact
+    # Gemma 4's per-layer input embeddings (E2B, E4B; transformers' default) are not counted
+    assert not from_hf_config({"model_type": "gemma4_text", **TINY}, "x").counts_exact
+    assert from_hf_config({"model_type": "gemma4_text", **TINY, "hidden_size_per_layer_input": 0}, "x").counts_exact
 
 
 def test_invalid_facts_report_every_problem():

@@ -275,7 +275,8 @@ def test_fused_kernels_are_refused_where_the_head_is_not_whole_or_liger_cannot_g
     with pytest.raises(FtError, match="per-token log-probabilities"):
         loss_head(plan_for("liger"), True)
     assert loss_head(plan_for("liger"), False).implementation == "liger"
-    assert loss_head(plan_for("chunked", loss_chunk_tokens=64, device="CPU process"), True).chunk_tokens == 64
+    chunked = plan_for("chunked", loss_chunk_tokens=64, device="CPU process", micro_batch_size=2, seq_len=64)
+    assert loss_head(chunked, True).chunk_tokens == 64
 
 
 def test_a_logit_softcap_is_applied_as_the_model_applies_it():

@@ -138,3 +138,56 @@ def test_evaluation_after_full_fine_tuning_in_bf16(tmp_path):
     result = json.loads((tmp_path / "eval" / "result.json").read_text())
     assert result["task_before"] is not None and result["task_after"] is not None, result
     assert 0.0 <= result["task_after"] <= 1.0 and result["final_eval_loss"] == pytest.approx(evals[-1])
+
+
+def test_chunked_loss_under_zero3_and_fsdp2_equals_plain_and_keeps_deepspeeds_trace(tmp_path):
+    """The chunked loss on one GPU under DeepSpeed ZeRO-3 and FSDP2 (process groups of one): the plain loss's losses,
+    and under ZeRO-3 no "Invalidate trace cache" message (methods/head.py chunk_count: the head called as often in
+    every micro-batch, so DeepSpeed keeps its module trace and prefetches by it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers import REPO, free_port
+
+    pytest.importorskip("deepspeed")
+    own = tmp_path / "ds.json"
+    auto = dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"), "auto")
+    own.write_text(
+        json.dumps(
+            {**auto, "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3, "log_trace_cache_warnings": True}}
+        )
+    )
+    jobs = []
+    for name, backend in (  # FSDP2 first: a ZeRO-3 job leaves transformers' DeepSpeed switch on in the process
+        ("fsdp", "{backend: fsdp, sharding: full_shard}"),
+        ("z3", f"{{backend: deepspeed, sharding: zero3, deepspeed_config: {own}}}"),
+    ):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(Path(job(tmp_path, name, steps=8)).read_text() + f"distributed: {backend}\n")
+        jobs += [str(path), f"{path}@chunk=8"]
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = f"-m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port {free_port()}"
+    probe = [str(REPO / "tests/scripts/zero3_chunked_probe.py"), "probe", str(out), *jobs, "--steps", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **visible_gpus(1)}
+    r = subprocess.run(
+        [sys.executable, *launch.split(), *probe],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=GPU_TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    fsdp, fsdp_chunked, z3, z3_chunked = (json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank0.json")))
+    for plain, chunked in ((fsdp, fsdp_chunked), (z3, z3_chunked)):
+        print(
+            f"{chunked['loss_implementation']} vs {plain['loss_implementation']}: losses {chunked['losses']} vs "
+            f"{plain['losses']}; trace invalidations {len(chunked['invalidated'])} vs {len(plain['invalidated'])}"
+        )
+        assert chunked["loss_implementation"] == "chunked" and plain["loss_implementation"] == "plain"
+        assert chunked["losses"][0] == pytest.approx(plain["losses"][0], rel=1e-3)
+        assert chunked["losses"] == pytest.approx(plain["losses"], rel=2e-2)
+    assert z3["invalidated"] == z3_chunked["invalidated"] == []

@@ -1,7 +1,8 @@
 """GRPO's vLLM rollout engine on GPUs: what CPU tests cannot show (scripts/gpu-check.sh runs these, section rollout).
 
 - A colocated engine in sleep mode gives its memory back between rollouts and, woken, samples as before and takes
-  new weights (sleep mode is a no-op on CPU).
+  new weights; at level 2 (full fine-tuning, new weights before the next rollout) it drops its weights and takes all
+  of them again (sleep mode is a no-op on CPU).
 - Full weights reach a rollout server over NCCL (vLLM's weight-transfer engine) and its log-probs then equal the
   trainer's. NCCL refuses two ranks on one GPU, so this needs two: the trainer on GPU 0, the server on GPU 1.
 """
@@ -80,6 +81,15 @@ def test_a_sleeping_colocated_engine_frees_its_memory_and_wakes_with_new_weights
     model, trainer = trained(model_dir, "cuda")
     engine.sleep()
     engine.update(Weights(trainer, Runtime(), ".", version=1, adapter=False))  # wakes, loads in place
+    assert gap(engine.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-3
+    # full fine-tuning whose next rollout gets new weights: level 2 drops the weights instead of copying them to host
+    free_awake = torch.cuda.mem_get_info()[0]
+    engine.sleep(reloading=True)
+    assert engine.sleep_level == 2 and torch.cuda.mem_get_info()[0] - free_awake > 0.2 * total
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    engine.update(Weights(trainer, Runtime(), ".", version=2, adapter=False))  # wakes, every weight loaded again
     assert gap(engine.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-3
     engine.close()
 

@@ -299,7 +299,7 @@ def test_a_precomputed_reference_trains_like_a_frozen_copy_with_the_same_pairs(b
         for batch in method.micro_batches(dataset, [4, 1, 5]):  # a step's rows, in shuffled order
             loss, metrics = method.loss(policy, batch, normaliser=3.0)
             loss.backward()
-            out.append((float(loss), metrics))
+            out.append((float(loss), {k: float(v) for k, v in metrics.items()}))  # read, as the loop reads them
         results.append((out, trained_grads(policy)))
     (pre_out, pre_grads), (copy_out, copy_grads) = results
     for (a, ma), (b, mb) in zip(pre_out, copy_out, strict=True):

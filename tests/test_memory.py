@@ -73,9 +73,15 @@ def test_sharding_divides_the_right_state(sharding, divided):
     for k in ("optimizer", "gradients", "weights"):
         assert part[k] == pytest.approx(whole[k] / 8 if k in divided else whole[k])
     if sharding == "full_shard":
-        # two decoder layers in flight, and the root unit (embeddings, head, final norm) gathered all step, in bf16
-        root = LLAMA8B.num_params - LLAMA8B.num_layers * LLAMA8B.layer_params
-        assert part["gathered layers"] == 2 * LLAMA8B.layer_params * 2 + 2 * root
+        # in bf16: a decoder layer in flight beside the largest of the next layer, the embeddings and the head (each a
+        # unit of its own, gathered while it runs), and the root unit (the final norm) all step
+        m = LLAMA8B
+        root = m.num_params - m.decoder_params - m.embedding_params - m.lm_head_params
+        largest = max(m.layer_params, m.embedding_params, m.lm_head_params)
+        assert part["gathered layers"] == 2 * (m.layer_params + largest) + 2 * root
+        # a loss that runs the head chunk by chunk keeps it in the root unit, gathered all step (distributed/fsdp.py)
+        chunked = estimate(m, setup(adapter="full", sharding=sharding, shard_size=8, loss="chunked")).device
+        assert chunked["gathered layers"] == 2 * (m.layer_params + m.embedding_params) + 2 * (root + m.lm_head_params)
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
@@ -224,3 +230,73 @@ def test_checkpointed_estimate_bounds_what_torch_saves():
         facts, s, 4
     )
     assert measured <= estimated < without
+
+
+# ---------------------------------------------------------------- mixtures of experts, latent and linear attention
+QWEN3_MOE = lookup("Qwen/Qwen3-30B-A3B")
+
+
+def test_qlora_leaves_fused_experts_in_16_bit():
+    """bitsandbytes replaces nn.Linear modules only; transformers 5 stores experts as fused 3-D parameters."""
+    n, lin, experts = QWEN3_MOE.num_params, QWEN3_MOE.linear_params, QWEN3_MOE.expert_params
+    nf4 = weight_bytes(QWEN3_MOE, setup(adapter="qlora", quantization="nf4", double_quant=False), 2)
+    assert nf4 == pytest.approx(lin * (0.5 + 4 / 64) + (n - lin) * 2)
+    assert nf4 > 2 * experts  # the experts alone, at bf16: QLoRA barely shrinks this model
+    notes = estimate(QWEN3_MOE, setup(adapter="qlora", quantization="nf4")).notes
+    assert any("fused expert parameters stay bf16" in note for note in notes)
+    assert not any("fused expert" in note for note in estimate(LLAMA8B, setup(quantization="nf4")).notes)
+
+
+def test_moe_memory_holds_every_expert_compute_uses_the_active_ones():
+    from finetune.plan.cost import forward_flops_per_token
+
+    e = estimate(QWEN3_MOE, setup())
+    assert e.device["weights"] == 2 * QWEN3_MOE.num_params  # all 128 experts of every layer
+    dense_equivalent = 2 * (QWEN3_MOE.num_params - QWEN3_MOE.embedding_params)
+    active = 2 * (QWEN3_MOE.active_params - QWEN3_MOE.embedding_params)
+    flops = forward_flops_per_token(QWEN3_MOE, 2048)
+    assert active < flops < active * 1.2 and flops < dense_equivalent / 5
+    assert any(note.startswith("MoE: 128 experts of 768, 8 per token") for note in e.notes)
+
+
+def test_moe_activations_count_each_routed_copy_and_the_router():
+    """Per token and MoE layer: the k experts' MLP activations, the k dispatched copies in and out (2·k·h), the
+    router's fp32 logits and probabilities."""
+    s, t, a = setup(), 2048, 2
+    twice = dataclasses.replace(QWEN3_MOE, experts_per_token=16)
+    grown = activation_bytes(twice, s, a) - activation_bytes(QWEN3_MOE, s, a)
+    per_token_layer = 4 * 768 * 8 + 2 * 8 * 2048
+    assert grown == pytest.approx(a * t * 48 * per_token_layer)
+    more_experts = dataclasses.replace(QWEN3_MOE, num_experts=256)
+    router = activation_bytes(more_experts, s, a) - activation_bytes(QWEN3_MOE, s, a)
+    assert router == pytest.approx(t * 48 * 2 * 128 * 4)  # 128 more fp32 logits and probabilities per token
+
+
+def test_mla_generation_caches_the_latent():
+    """transformers caches DeepSeek-V3's compressed latent and rotary key (576 values per token and layer), not the
+    keys and values of its 128 heads (32,768 values): GRPO rollouts of the training model hold that."""
+    from finetune.plan.memory import generation_bytes
+
+    deepseek, s = lookup("deepseek-ai/DeepSeek-V3"), setup(generation_tokens=4096, generation_batch=64)
+    assert generation_bytes(deepseek, s, 2) == 61 * (512 + 64) * 2 * 4096 * 64 + 64 * deepseek.vocab_size * 4
+    assert any("generation caches 35,136 values per token" in note for note in estimate(deepseek, s).notes)
+
+
+def test_hybrid_models_train_lora_on_every_layer_kind():
+    """Qwen3.5's q_proj exists only in its 16 full-attention layers (queries and their output gate); the gated
+    DeltaNet layers have their own projections."""
+    qwen = lookup("Qwen/Qwen3.5-27B")
+    only_q = trainable_params(qwen, setup(lora_targets=("q_proj",)))
+    assert only_q == 16 * 16 * (5120 + 2 * 24 * 256)
+    only_out = trainable_params(qwen, setup(lora_targets=("out_proj",)))
+    assert only_out == 48 * 16 * (48 * 128 + 5120)
+
+
+def test_fsdp_gathers_the_largest_layer_and_the_root_unit():
+    deepseek = lookup("deepseek-ai/DeepSeek-V3")
+    d = estimate(deepseek, setup(adapter="full", sharding="full_shard", shard_size=64)).device
+    # the root unit keeps the final norm; the embeddings and the head are units of their own, smaller than a layer
+    root = deepseek.num_params - deepseek.decoder_params - deepseek.embedding_params - deepseek.lm_head_params
+    assert deepseek.layer_params > deepseek.decoder_params / 61  # an MoE layer outweighs the three dense ones
+    assert deepseek.layer_params > max(deepseek.embedding_params, deepseek.lm_head_params)
+    assert d["gathered layers"] == 2 * deepseek.layer_params * 2 + 2 * root

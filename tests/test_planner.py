@@ -457,33 +457,22 @@ def test_a_4bit_base_that_does_not_fit_whole_on_each_gpu_is_loaded_through_host_
     assert make(["adapter.type=qlora", "distributed.backend=fsdp"], hardware="2xH100-80GB").loading == "replica"
 
 
-def test_host_loading_gives_the_gpu_nothing_until_fsdp_moves_it(monkeypatch):
-    """models.load_model under `host` loading: no device_map even where CUDA is available (the model is quantized in
-    host memory); every other loading puts it on this rank's GPU."""
+def test_host_loading_gives_the_gpu_nothing_until_fsdp_moves_it():
+    """models.device_map, what load_model passes from_pretrained: `host` loading quantizes in host RAM even where a GPU
+    is present (given no device_map, bitsandbytes would pick the current GPU); `replica` loads onto this rank's GPU,
+    `partitioned` (ZeRO-3) passes none."""
     import dataclasses
 
     import torch
-    import transformers
 
-    from finetune.models import load_model
+    from finetune.models import device_map
 
-    seen = {}
-
-    def fake(path, **kwargs):
-        seen.update(kwargs)
-        raise OSError("stop here")
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake)
     p = make(["adapter.type=qlora"], model="meta-llama/Llama-3.3-70B-Instruct", hardware="2xRTX3090-24GB")
-    cfg = loads(AUTO, overrides=["model.name=meta-llama/Llama-3.3-70B-Instruct"], environ={})
-    for loading, placed in (("host", False), ("replica", True)):
-        seen.clear()
-        with pytest.raises(Exception, match="stop here"):
-            load_model(cfg.model, dataclasses.replace(p, loading=loading), attn_implementation="sdpa")
-        assert ("device_map" in seen) is placed
-        assert "quantization_config" in seen
+    gpu = torch.device("cuda", 1)
+    assert p.loading == "host" and device_map(p, gpu) == {"": "cpu"} and device_map(p, None) == {"": "cpu"}
+    assert device_map(dataclasses.replace(p, loading="replica"), gpu) == {"": 1}
+    assert device_map(dataclasses.replace(p, loading="replica"), None) is None
+    assert device_map(dataclasses.replace(p, loading="partitioned"), gpu) is None
 
 
 # ---------------------------------------------------------------- headroom
@@ -522,13 +511,15 @@ def test_a_setup_that_fills_the_memory_is_chosen_only_where_it_pays(ranked, chos
 
 
 def test_a_full_fine_tune_leaves_room_where_filling_the_memory_barely_pays():
-    """8B in full on 8 x H100 under FSDP full_shard: micro-batches of 4 with no saver fill the whole usable memory for
-    a step under 2% faster than one that leaves room; the plan leaves room and says what it gave up."""
+    """8B in full on 8 x H100 under FSDP full_shard: micro-batches of 4 with no saver fill nearly all the usable
+    memory for a step under 2% faster than one that leaves room; the plan leaves room and says what it gave up."""
+    import re
+
     from finetune.plan.search import FILLING_PAYS, ROOMY
 
     pins = ["adapter.type=full", "distributed.backend=fsdp", "distributed.sharding=full_shard"]
     p = make(pins, hardware="8xH100-80GB")
     assert p.estimate.device_bytes <= ROOMY * p.device_capacity_bytes
     why = p.decision("memory_headroom").reason
-    assert "would fill 100%" in why and f"only when over {FILLING_PAYS:.0%} faster" in why
+    assert re.search(r"would fill (9\d|100)%", why) and f"only when over {FILLING_PAYS:.0%} faster" in why
     assert "with room to spare" in p.decision("micro_batch_size").reason

@@ -53,7 +53,7 @@ class FakeEngine:
         self.version = weights.version
         self.updates.append(weights.version)
 
-    def sleep(self):
+    def sleep(self, reloading=False):
         self.sleeps += 1
 
     def wake(self):

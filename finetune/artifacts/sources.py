@@ -172,12 +172,15 @@ def resolve(source: str, base: str | None = None, trust_remote_code: bool = Fals
         raise FtError(
             f"--base is for adapters, but {source} names a model.\n    fix: drop --base, or pass the adapter folder"
         )
+    from finetune import hub
     from finetune.config.schema import ModelSection
     from finetune.models import model_path
 
-    return ModelSource(
-        model_path(ModelSection(name=source)), None, (), "tokenizer", "the model argument", trust_remote_code
-    )
+    where = model_path(ModelSection(name=source))  # ft-tiny: its folder
+    why = "" if Path(where).exists() else hub.unreachable(source)  # one request, no retries (finetune/hub.py)
+    if why and not hub.cached(source):
+        raise FtError(hub.unreachable_message(source, "the model argument", why))
+    return ModelSource(where, None, (), "tokenizer", "the model argument", trust_remote_code)
 
 
 def _folder(path: Path, base: str | None, trust_remote_code: bool) -> ModelSource:

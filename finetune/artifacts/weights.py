@@ -27,6 +27,47 @@ def dtypes() -> dict:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def final_dtype(output, plan):
+    """The torch dtype a fully fine-tuned model is saved in (output.save_dtype; auto: the plan's compute precision, so
+    mixed-precision training writes its fp32 master weights rounded once); None for an adapter (saved as trained)."""
+    if plan.adapter != "full":
+        return None
+    return dtypes()[plan.precision if output.save_dtype == "auto" else output.save_dtype]
+
+
+def saved_tensor(t, dtype=None, copy: bool = False):
+    """A whole tensor as final/ stores it, in host memory: floating values cast to `dtype` where they are (on a GPU:
+    one tensor's cast at a time, then its copy to the host, so no second whole model in another dtype ever exists),
+    other tensors as they are; `copy`: in storage of its own even where nothing changes (a gathered parameter)."""
+    t = t.detach()
+    if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype).cpu()
+    return t.to("cpu", copy=copy)
+
+
+def saved_state(model, dtype) -> dict:
+    """The state dict of a whole (unsharded) model as final/ stores it (`saved_tensor`); tied names share one tensor,
+    which transformers' save_pretrained writes once."""
+    done, out = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in done:
+            done[id(t)] = saved_tensor(t, dtype)
+        out[name] = done[id(t)]
+    return out
+
+
+def record_dtype(folder: Path, dtype) -> None:
+    """Write the dtype of the saved weights into folder/config.json (save_pretrained records the model's own)."""
+    import json
+
+    from finetune.files import atomic_write_text
+
+    config = folder / "config.json"
+    data = json.loads(config.read_text())
+    data["dtype"] = str(dtype).removeprefix("torch.")
+    atomic_write_text(config, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def first_line(e: BaseException) -> str:
     """The line of an exception worth showing: a size mismatch when torch lists them, else the first line."""
     lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
@@ -145,6 +186,7 @@ def _mismatches(model, shapes: dict[str, tuple[int, ...]]):
     missing, wrong = [], []
     for key, shape in shapes.items():
         path, kind = key.removeprefix("base_model.model.").split(".lora_")[0], key.split(".lora_")[1][0]
+        path = path.replace(".base_layer", "")  # peft nests one lora.ParamWrapper per adapted parameter of a module
         try:
             feats = _features(model.get_submodule(path))
         except AttributeError:

@@ -29,8 +29,11 @@ class ModelSection(Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
     attn_implementation: Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2"] = "auto"
-    """Attention kernel. `auto`: sdpa, or with packing ft's padding-free `sdpa_varlen` (one causal attention per
-    sample); set flash_attention_2 where flash-attn is installed."""
+    """Attention kernel. `auto`: chosen from what the model class supports, with the reason in `ft plan`: sdpa, or with
+    packing ft's padding-free `sdpa_varlen` (one causal attention per sample, sliding windows honoured); where the class
+    has no SDPA (attention sinks, logit softcapping) flex_attention on GPUs, else eager; packed rows the per-sample
+    path cannot run (chunked attention shorter than a row, no SDPA) get one mask per layer type. Set
+    flash_attention_2 where flash-attn is installed."""
     trust_remote_code: bool = False
     """Run Python code shipped with the model's repository. Off unless you trust its author."""
 
@@ -195,6 +198,10 @@ class TrainSection(Section):
     it). Needs torch's code generator (Triton on GPUs, a C++ compiler on CPUs); not under DeepSpeed nor on a
     bitsandbytes 4/8-bit base. `auto` compiles where it is supported and the run (train.max_steps) is long enough to
     win back the minute or two compiling takes; `ft plan` says why."""
+    router_aux_loss_coef: Auto | Bounded(float, ge=0, le=1000) = AUTO
+    """Mixture-of-experts models: weight of the router's load-balancing loss, added to the training loss of every
+    method and logged as aux_loss (expert use is logged as experts/*). `auto`: the model's own router_aux_loss_coef
+    where transformers defines a load-balancing loss for its family, else off; 0 turns it off."""
     seed: Seed = 42
     """Seed for weights of new modules, dropout and data order."""
 
@@ -221,6 +228,11 @@ class DistributedSection(Section):
     context_parallel: Auto | Bounded(int, ge=1, le=1024) = AUTO
     """Context-parallel degree: each sequence is split over this many ranks, which exchange keys and values in a ring
     (long-context training); `auto`: the planner's choice, 1 unless one sequence's activations dominate."""
+    expert_parallel: Auto | Bounded(int, ge=1, le=1024) = AUTO
+    """Expert-parallel degree of a mixture-of-experts model: each MoE layer's routed experts are split over this many
+    data-parallel ranks, which send each token to its experts' rank and back (all-to-all), and FSDP2 shards the rest;
+    it must divide the ranks and the experts. `auto`: the planner's choice, on GPUs where it moves fewer bytes per step
+    than FSDP2 gathering every expert."""
     timeout_minutes: Bounded(float, gt=0, le=10_080) = 30
     """Time a collective may wait before the job fails with a message naming the rank."""
     deepspeed_config: FilePath | None = None
@@ -248,6 +260,10 @@ class OutputSection(Section):
     """Name shown in trackers (default: the run folder's name)."""
     resume: Literal["never", "auto"] = "never"
     """`auto`: continue from the newest complete checkpoint in dir when there is one."""
+    save_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Dtype of a fully fine-tuned model's weights in final/: `auto` is the training precision (bf16 or fp16 under
+    mixed precision: the fp32 master weights rounded once, at the end; fp32 where training ran in fp32). An adapter
+    is saved as it was trained."""
 
 
 # ---------------------------------------------------------------- evaluation

@@ -79,16 +79,30 @@ def segment_ids(rows: list[dict], length: int) -> torch.Tensor:
     return seg
 
 
-def packed_attention_mask(segments: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def packed_attention_mask(
+    segments: torch.Tensor, dtype: torch.dtype = torch.float32, window: int | None = None, chunk: int | None = None
+) -> torch.Tensor:
     """(B, 1, T, T) mask where query i may see key j (same example, j <= i). torch.bool gives a boolean
     mask (True = attend; sdpa only, and the fastest there); a float dtype gives an additive mask (0 or
     the dtype's minimum; eager needs this). Padding is masked as key; each padding query sees only
-    itself, so no softmax row is empty (an all-masked row gives NaN)."""
+    itself, so no softmax row is empty (an all-masked row gives NaN).
+
+    `window`: a sliding-window layer's, as transformers masks it (masking_utils `sliding_window_overlay`: key j within
+    the `window` tokens up to i). `chunk`: a chunked-attention layer's (`chunked_overlay`: i and j in the same chunk of
+    the example, counted from the example's first token)."""
     length = segments.shape[1]
     same = segments[:, :, None] == segments[:, None, :]
     real = (segments >= 0)[:, :, None]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    allowed = same & real & causal
+    index = torch.arange(length)
+    allowed = same & real & (index[None, :] <= index[:, None])
+    if window is not None:
+        allowed &= (index[:, None] - index[None, :] < window)[None]
+    if chunk is not None:
+        first = torch.zeros_like(segments)  # each token's example's first index
+        first[:, 1:] = torch.where(segments[:, 1:] != segments[:, :-1], index[1:], 0)
+        first = torch.cummax(first, dim=1).values
+        block = (index[None, :] - first) // chunk
+        allowed &= block[:, :, None] == block[:, None, :]
     allowed |= torch.eye(length, dtype=torch.bool)
     if dtype == torch.bool:
         return allowed[:, None, :, :]
@@ -97,12 +111,49 @@ def packed_attention_mask(segments: torch.Tensor, dtype: torch.dtype = torch.flo
     return mask[:, None, :, :]
 
 
-def varlen_boundaries(seq_lens: list[int], length: int) -> dict:
-    """Cumulative sample lengths for varlen attention kernels (trailing padding is its own segment)."""
+def layer_masks(segments: torch.Tensor, kinds: dict, dtype: torch.dtype):
+    """The packed rows' masks as the model takes them: one mask when every layer needs the same (`kinds` empty: full
+    causal, or one kind), else one per layer type, the mapping transformers' mixed-attention models accept in place of
+    the masks they would build (e.g. {"full_attention": ..., "sliding_attention": ...})."""
+    if len(kinds) <= 1:
+        spec = next(iter(kinds.values()), {})
+        return packed_attention_mask(segments, dtype, spec.get("window"), spec.get("chunk"))
+    return {
+        kind: packed_attention_mask(segments, dtype, spec.get("window"), spec.get("chunk"))
+        for kind, spec in kinds.items()
+    }
+
+
+def to_device(batch: dict, device) -> dict:
+    """The batch's tensors (and a mapping of masks per layer type) on `device`. To a GPU the copies are queued behind
+    the work already there, without waiting for it: a blocking copy would wait for the device's queue to drain (torch
+    2.13 c10/cuda/CUDAFunctions.h:79-108, memcpy_and_sync: cudaStreamSynchronize), once per tensor per micro-batch."""
+    queued = torch.device(device).type == "cuda"
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if queued and t.device.type == "cpu":
+            # from pinned memory a copy is asynchronous; the caching host allocator keeps the pinned block from reuse
+            # until the copy's recorded event completes (ATen/core/CachingHostAllocator.h:175-182, free: :352-416)
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
+
+    return {
+        k: move(v) if torch.is_tensor(v) else {n: move(m) for n, m in v.items()} if isinstance(v, dict) else v
+        for k, v in batch.items()
+    }
+
+
+def varlen_boundaries(seq_lens: list[int], length: int, sample_index: bool = False) -> dict:
+    """Cumulative sample lengths for varlen attention kernels (trailing padding is its own segment); with
+    `sample_index`, also `seq_idx` (1, T) int32, each token's sample number, which the state-space and
+    linear-attention kernels take (mamba_ssm, causal_conv1d)."""
     lens = list(seq_lens) + ([length - sum(seq_lens)] if length > sum(seq_lens) else [])
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     longest = max(lens)
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+    if sample_index:
+        out["seq_idx"] = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(lens))[None]
+    return out
 
 
 def collate(
@@ -111,6 +162,8 @@ def collate(
     attn_implementation: str,
     pad_to_multiple_of: int | None = None,
     mask_dtype: torch.dtype = torch.float32,
+    masks: dict | None = None,
+    sample_index: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pad a batch of rows to its longest row; returns input_ids, labels, position_ids (all (B, T) long)
     and, depending on the rows and the attention implementation, attention_mask.
@@ -127,6 +180,8 @@ def collate(
       padding between rows; `pad_to_multiple_of` pads the end) and no attention_mask is returned: the
       varlen kernel finds example boundaries where position_ids restart at 0. One row because
       transformers (5.24, `_is_packed_sequence`) infers boundaries from position_ids only at batch size 1.
+    - `masks` (Plan.attention_masks): the mask kind each attention layer type needs in packed rows (sliding windows,
+      chunks; `layer_masks`); `sample_index` (Plan.sample_index): varlen rows also carry `seq_idx`.
     """
     if not rows:
         raise DataError("cannot collate an empty batch")
@@ -148,10 +203,10 @@ def collate(
     out = _pad_tensors(rows, pad_id, length)
     if packed[0] and attn_implementation in VARLEN_IMPLS:
         del out["attention_mask"]
-        out.update(varlen_boundaries(rows[0]["seq_lens"], length))
+        out.update(varlen_boundaries(rows[0]["seq_lens"], length, sample_index))
     elif packed[0]:
         # sdpa takes a boolean mask, which is cheaper than an additive one (measured: about 30% less
         # step time on CPU); eager only understands the additive form
         dtype = torch.bool if attn_implementation == "sdpa" and mask_dtype == torch.float32 else mask_dtype
-        out["attention_mask"] = packed_attention_mask(segment_ids(rows, length), dtype)
+        out["attention_mask"] = layer_masks(segment_ids(rows, length), masks or {}, dtype)
     return out

@@ -234,12 +234,15 @@ class ZeroEngine:
                 "same config and world size, or start a new output.dir"
             )
 
-    def full_state_dict(self, trainable_only: bool) -> dict | None:
-        """ZeRO-3: the saved tensors gathered one at a time (a collective), copied to CPU on rank 0; with trainable_only
-        only the trained parameters are gathered, never the frozen base. ZeRO-1/2: None (whole on every rank)."""
+    def full_state_dict(self, trainable_only: bool, dtype=None) -> dict | None:
+        """ZeRO-3: the saved tensors gathered one at a time (a collective), copied to CPU on rank 0 (floating ones cast
+        to `dtype` first, on the device: artifacts/weights.py saved_tensor); with trainable_only only the trained
+        parameters are gathered, never the frozen base. ZeRO-1/2: None (whole on every rank)."""
         if self.stage < 3:
             return None
         import deepspeed
+
+        from finetune.artifacts.weights import saved_tensor
 
         rank0 = torch.distributed.get_rank() == 0
         out = {}
@@ -252,7 +255,7 @@ class ZeroEngine:
                 else contextlib.nullcontext()
             ):
                 if rank0:
-                    out[name] = tensor.detach().cpu().clone()
+                    out[name] = saved_tensor(tensor, dtype, copy=True)
         return out if rank0 else {}
 
     def full_parameters(self):

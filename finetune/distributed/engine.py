@@ -63,7 +63,9 @@ class Engine(Protocol):
 
     def generation(self) -> contextlib.AbstractContextManager: ...
 
-    def full_state_dict(self, trainable_only: bool) -> dict | None: ...
+    def full_state_dict(self, trainable_only: bool, dtype=None) -> dict | None:
+        """Gathered weights on rank 0 (floating tensors in `dtype`, None: as they are), {} on other ranks; None where
+        the model is whole on every rank (rank 0 saves its own copy)."""
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter whole, one at a time, on every rank (a collective per parameter where sharded: all ranks
@@ -94,14 +96,16 @@ class TorchEngine:
         self.in_backward = False  # plan.optimizer_in_backward: an optim.OptimizerInBackward (set by `build`)
         self.compiled = False  # plan.compile: the decoder layers compile on their first call (set by `build`)
         self.context = None  # plan.context_parallel > 1: a cp.ContextParallel (set by `build`)
+        self.expert_parallel = 1  # plan.expert_parallel: every forward exchanges tokens between ranks (set by `build`)
 
     @property
     def synced_generation(self) -> bool:
         """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every
         forward,
         so a rank that finished sampling keeps stepping until all have (transformers
-        GenerationMixin._has_unfinished_sequences)."""
-        return self.sharded and self.generation_mode == "layerwise"
+        GenerationMixin._has_unfinished_sequences). Under expert parallelism every forward pass is an all-to-all
+        between the ranks, gathered or not: they step together too."""
+        return self.sharded and (self.generation_mode == "layerwise" or self.expert_parallel > 1)
 
     @property
     def inner(self):
@@ -142,7 +146,8 @@ class TorchEngine:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # DDP: zeroed in place, gradients stay views of its buckets (ddp.py); otherwise freed until the next backward
+        self.optimizer.zero_grad(set_to_none=not ddp.zero_in_place(self.model))
         return norm
 
     def lr(self) -> float:
@@ -182,9 +187,9 @@ class TorchEngine:
         else:
             load_replica(path, self.inner, self.optimizer)
 
-    def full_state_dict(self, trainable_only: bool) -> dict | None:
+    def full_state_dict(self, trainable_only: bool, dtype=None) -> dict | None:
         """Gathered weights on rank 0 for a sharded model; None when the model is whole on every rank."""
-        return fsdp.full_state_dict(self.model, trainable_only) if self.sharded else None
+        return fsdp.full_state_dict(self.model, trainable_only, dtype) if self.sharded else None
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, p in self.inner.named_parameters(remove_duplicate=False):
@@ -216,6 +221,7 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     engine.in_backward = plan.optimizer_in_backward
     engine.compiled = plan.compile
     engine.context = context
+    engine.expert_parallel = plan.expert_parallel
     engine.reshard_after_forward = plan.sharding != "shard_grad_op"
     engine.generation_mode = plan.generation
     # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
@@ -288,6 +294,22 @@ def check_savers(plan, train) -> None:
             sharding=plan.sharding,
             samples=bool(plan.rollout) or plan.method == "grpo",
             stochastic_rounding=plan.pure_bf16 and plan.compensation == "stochastic_rounding",
+        )
+    if plan.expert_parallel > 1:  # the model itself is checked where its experts are split (ep.parallelize)
+        from finetune.distributed import ep
+
+        problems += ep.check(
+            None,
+            plan.expert_parallel,
+            backend=plan.backend,
+            world_size=plan.world_size,
+            quantization=plan.quantization,
+            tensor_parallel=plan.tensor_parallel,
+            context_parallel=plan.context_parallel,
+            sharding=plan.sharding,
+            offload=plan.offload,
+            samples=bool(plan.rollout) or plan.method == "grpo",
+            compile=plan.compile,
         )
     if problems:
         raise FtError("this plan cannot run: " + ". ".join(problems))
@@ -452,7 +474,7 @@ def create_reference(
     from finetune.models import load_model
 
     copy = load_model(model_section, plan, tokenizer, attn, dtype=plan.precision)
-    if plan.quantization == "none":
+    if plan.quantization == "none" or plan.loading == "host":  # host: quantized in host RAM, whole to the GPU
         copy.to(device)
     return copy.requires_grad_(False).eval()
 

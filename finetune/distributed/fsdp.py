@@ -1,10 +1,10 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over ranks.
 
-Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), then
-the root. `shard_grad_op` keeps the gathered parameters from forward to backward; `hybrid_shard` shards
-inside a node and replicates across nodes (a 2-D device mesh). Mixed precision computes in the plan's
-half precision and reduces gradients in fp32. Checkpoints hold every rank's shards in one torch.distributed.checkpoint
-folder (format `dcp`), written, read back and consolidated here.
+Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), so are the
+embeddings and the output head (unless tied), then the root. `shard_grad_op` keeps the gathered parameters from
+forward to backward; `hybrid_shard` shards inside a node and replicates across nodes (a 2-D device mesh). Mixed
+precision computes in the plan's half precision and reduces gradients in fp32. Checkpoints hold every rank's shards in
+one torch.distributed.checkpoint folder (format `dcp`), written, read back and consolidated here.
 
 `create_model` builds the model on the meta device, applies the adapter, shards it, then allocates each
 rank's shards and fills them from the safetensors files, each rank reading only its own rows of each
@@ -17,8 +17,8 @@ import contextlib
 
 import torch
 
+from finetune.distributed import ep, tp
 from finetune.distributed import mesh as meshes
-from finetune.distributed import tp
 
 
 def decoder_layers(model) -> list:
@@ -42,10 +42,15 @@ def wrap(
     offload: bool = False,
     tensor_parallel: int = 1,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
+    head_unit: bool = True,
 ):
-    """fully_shard each decoder layer, then the root; a model `create_model` already sharded is returned as it is.
+    """fully_shard each decoder layer, the embeddings and the output head (`ends`), then the root; a model that
+    `create_model` already sharded is returned as it is.
     With tensor (or context) parallelism the ranks form a (dp, cp, tp) mesh (distributed/mesh.py): each decoder layer
-    is first split over tp (distributed/tp.py), then FSDP2 shards every parameter over the dp (× cp) sub-mesh."""
+    is first split over tp (distributed/tp.py), then FSDP2 shards every parameter over the dp (× cp) sub-mesh. With
+    expert parallelism the routed experts are split over ep ranks first and each experts module is its own unit over
+    the ranks that hold the same experts (distributed/ep.py); the rest is sharded over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -71,14 +76,37 @@ def wrap(
     elif sharding == "hybrid_shard":
         kwargs["mesh"] = init_device_mesh(device.type, (nodes, per_node), mesh_dim_names=("replicate", "shard"))
     reshard = sharding != "shard_grad_op"
-    for layer in layers:
-        fully_shard(layer, reshard_after_forward=reshard, **kwargs)
+    if expert_parallel > 1:
+        experts = meshes.expert_mesh(device.type, nodes * per_node, expert_parallel)
+        split = ep.parallelize(runner(model), experts)
+        ep.shard(split, experts, nodes * per_node, reshard_after_forward=reshard, **kwargs)
+    for unit in (*layers, *ends(model, head_unit)):
+        fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     fully_shard(runner(model), reshard_after_forward=reshard, **kwargs)
     return model
 
 
+def ends(model, head: bool = True) -> list:
+    """The input embeddings and the output head, each sharded as a unit of its own (as torchtitan shards them), so that
+    they are gathered only while they run. In the root unit they would be whole through each pass: the root is gathered
+    before the first layer's forward and resharded after the head's, then gathered again by the first gradient of the
+    backward pass (the head's) and resharded by the final callback after the embeddings' (torch 2.13
+    _fsdp_param_group.py pre_backward, _fsdp_state.py _root_post_backward_final_callback): 2 GiB per rank for an 8B
+    model with a 128k vocabulary. None when they share a parameter (tied): such a table is needed at both ends of each
+    pass and stays in the root unit; a model without a head (a sequence classifier) shards its embeddings alone.
+    `head` false (a loss that runs the head outside the forward pass, chunk by chunk: methods/head.py) keeps the head
+    in the root: as a unit of its own it would be gathered again for every chunk, forward and backward (each chunk's
+    post-backward reshards it: _fsdp_param_group.py post_backward)."""
+    lm = runner(model)
+    embeddings, output = lm.get_input_embeddings(), lm.get_output_embeddings()
+    if output is not None and {id(p) for p in embeddings.parameters()} & {id(p) for p in output.parameters()}:
+        return []
+    return [m for m in (embeddings, output if head else None) if m is not None]
+
+
 def wrap_planned(model, plan, device: torch.device):
-    """`wrap` with the plan's precision, sharding, topology, offload and tensor/context-parallel degrees."""
+    """`wrap` with the plan's precision, sharding, topology, offload, tensor/context/expert-parallel degrees and loss
+    (the head is a unit of its own under the plain loss: `ends`)."""
     return wrap(
         model,
         plan.precision,
@@ -89,6 +117,8 @@ def wrap_planned(model, plan, device: torch.device):
         offload=plan.offload == "all",
         tensor_parallel=plan.tensor_parallel,
         context_parallel=plan.context_parallel,
+        expert_parallel=plan.expert_parallel,
+        head_unit=plan.loss_implementation == "plain",
     )
 
 
@@ -137,22 +167,26 @@ def is_sharded(model) -> bool:
     return root(model) is not None
 
 
-def full_state_dict(model, trainable_only: bool) -> dict:
-    """The whole (unsharded) state dict on rank 0, on CPU; other ranks get {}. With `trainable_only` only the trained
-    parameters are gathered (an adapter: the frozen base is never all-gathered)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def full_state_dict(model, trainable_only: bool, dtype=None) -> dict:
+    """The whole (unsharded) state dict on rank 0, on CPU, floating tensors in `dtype` (as they are: None); other ranks
+    get {}. Gathered one tensor at a time and cast on the device before the copy to the host (artifacts/weights.py
+    saved_tensor): rank 0 never holds a whole model in another dtype. With `trainable_only` only the trained
+    parameters are gathered (an adapter: the frozen base is never all-gathered). A tied tensor is gathered once."""
+    from finetune.artifacts.weights import saved_tensor
 
-    if not trainable_only:
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    out = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            # every rank takes part in each all-gather
-            whole = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            if rank0:
-                out[name] = whole.to("cpu", copy=True)
+    if trainable_only:
+        tensors = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    else:
+        tensors = list(model.state_dict(keep_vars=True).items())
+    out, done = {}, {}
+    for name, t in tensors:
+        if id(t) not in done:  # every rank takes part in each all-gather, and skips the same tied names
+            whole = t.detach().full_tensor() if hasattr(t, "full_tensor") else t.detach()
+            done[id(t)] = saved_tensor(whole, dtype, copy=True) if rank0 else None
             del whole
+        if rank0:
+            out[name] = done[id(t)]
     return out
 
 

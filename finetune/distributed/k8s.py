@@ -10,7 +10,8 @@ torchrun for the node's ranks); the nodes meet through torchrun's c10d rendezvou
   PET_NODE_RANK (pkg/controller.v1/pytorch/envvar.go, master.go at v1.9.4); a JobSet's Indexed Job sets
   JOB_COMPLETION_INDEX, and its headless service names pod 0 `<name>-node-0-0.<name>`. The operator also sets
   RANK and WORLD_SIZE in every pod, which would make `ft train` take itself for a torchrun rank (hardware.launch_env,
-  runtime.launched): the command unsets them, and torchrun's PET_* defaults, before ft starts.
+  runtime.launched): the command unsets them, and torchrun's PET_* defaults, before ft starts. Each pod's `ft train`
+  chooses gloo's network interface (distributed/netif.py), unless the pod's env sets GLOO_SOCKET_IFNAME.
 - Stops: deleting or preempting a pod sends SIGTERM; ft stops after its step with a checkpoint and exits 143
   within terminationGracePeriodSeconds (the plan's stop time). Exit codes of 128 and above (a signal) restart the
   job, which resumes (output.resume=auto); below 128 (ft's config and usage errors, a crash) fail it at once:

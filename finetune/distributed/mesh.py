@@ -51,6 +51,28 @@ def device_mesh(device_type: str, world_size: int, tensor_parallel: int = 1, con
     return _MESHES[key]
 
 
+EFSDP, EP, ETP = "efsdp", "ep", "etp"  # the expert mesh's dimensions (distributed/ep.py)
+
+
+def expert_mesh(device_type: str, world_size: int, expert_parallel: int):
+    """The mesh of the routed experts under expert parallelism: (efsdp, ep, etp). Rank r holds the experts of slot
+    r % ep: an expert-parallel group is `ep` consecutive ranks (one node where ep divides a node's processes: the
+    all-to-all stays on its links), and the world / ep ranks that hold the same experts (efsdp) shard them with FSDP2.
+    etp has size 1: transformers' dispatch takes the group of ranks that share a batch (none here: every rank is
+    data-parallel). Made once per process."""
+    if world_size % expert_parallel:
+        raise ValueError(f"world size {world_size} is not divisible by expert_parallel {expert_parallel}")
+    shape = (world_size // expert_parallel, expert_parallel, 1)
+    key = (device_type, EP, shape)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # GPUs: device_type "cuda"; the groups are split from the default "cpu:gloo,cuda:nccl" group, so the
+        # all-to-all of CUDA hidden states goes over NCCL (gloo serves it on CPUs: measured, uneven splits too)
+        _MESHES[key] = init_device_mesh(device_type, shape, mesh_dim_names=(EFSDP, EP, ETP))
+    return _MESHES[key]
+
+
 def shard_mesh(mesh):
     """The sub-mesh FSDP2 shards over: dp, or dp and cp flattened into one dimension where cp > 1."""
     if mesh[CP].size() == 1:

@@ -30,10 +30,14 @@ from finetune.distributed.launch import needs_launcher  # noqa: F401 (re-exporte
 from finetune.errors import LostPeers
 
 # Read by torch's NCCL process group when it starts, so set before any process exists (ft train's launcher, the
-# Slurm script); values the user exported win.
+# Slurm script, the K8s pods); values the user exported win.
 NCCL_ENV = (
-    # a collective that fails or times out tears the rank down instead of hanging it
-    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    # a collective that fails or times out ends the rank (exit 134) without ncclCommAbort, which can itself hang on a
+    # dead peer: 3 (SkipCleanUp), torch's own default (ProcessGroupNCCL's constructor: getCvarInt(
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING, 3); the modes are ErrorHandlingMode in ProcessGroupNCCL.hpp); 1 (TearDown)
+    # aborts the communicators first. Set explicitly: torchrun gives its workers 1 unless its own environment has a
+    # value (torch 2.13 distributed/elastic/agent/server/local_elastic_agent.py:430-432).
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3"),
     # each rank's last collectives, dumped when one times out (where: nccl_environment)
     ("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"),
     ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
@@ -196,7 +200,9 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
-        for name, value in NCCL_ENV:  # ft's launchers set them for the whole process; a rank started by hand too
+        # ft's launchers set them for the whole process; here for a rank started without torchrun (a torchrun
+        # started by hand has already given it TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless its own environment had one)
+        for name, value in NCCL_ENV:
             os.environ.setdefault(name, value)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))

@@ -149,7 +149,7 @@ def _join(job: GenerateJob, out: Path, processes: int | None, role) -> GenerateR
     per_node = _processes(processes, gpus, job.tensor_parallel, None)
     cmd = nodes.worker_command(store.parts_dir(out), None, role, per_node, gpus)
     _say_launch(role, cmd)
-    _check_code(_launch(cmd, None))
+    _check_code(_launch(cmd, None, role=role))
     return GenerateResult(out, 0, 0, 0, 0.0, per_node, engine, 0.0, nodes=role.nnodes, node_rank=role.node_rank)
 
 
@@ -244,7 +244,7 @@ def _run(parts: Path, attempt: int, world: int, total: int, progress: bool, role
             cmd = nodes.worker_command(parts, attempt, role, world, gpus)
             _say_launch(role, cmd)
         (parts / "launch.txt").write_text(_launch_record(cmd, role))
-        code = _launch(cmd, bar, parts, attempt)
+        code = _launch(cmd, bar, parts, attempt, role)
     _check_code(code)
 
 
@@ -270,14 +270,18 @@ def _check_code(code: int) -> None:
         )
 
 
-def _launch(cmd: list[str], bar, parts: Path | None = None, attempt: int = 0) -> int:
-    """Run torchrun (`cmd`); with a bar, follow attempt `attempt`'s part files in `parts` meanwhile."""
+def _launch(cmd: list[str], bar, parts: Path | None = None, attempt: int = 0, role=None) -> int:
+    """Run torchrun (`cmd`); with a bar, follow attempt `attempt`'s part files in `parts` meanwhile. `role`: this
+    node's place in a job across nodes (None: one node)."""
     import torch
 
     from finetune.distributed.lifecycle import run_forwarding_signals
+    from finetune.distributed.netif import gloo_environment
     from finetune.infer.store import PartsWatcher
 
     env = dict(os.environ)
+    if role is not None:  # the final barrier's gloo group spans the nodes (infer/nodes.py)
+        env.update(gloo_environment(role.master_addr, role.nnodes or 1))
     if not torch.cuda.is_available():
         env.setdefault("OMP_NUM_THREADS", "1")  # processes sharing cores each with several threads slow down badly
     if bar is None:

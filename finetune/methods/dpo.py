@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from finetune.data.collate import collate
 from finetune.methods import Context, register
 from finetune.methods.head import LossHead, loss_head
+from finetune.methods.loss import metric
 
 
 def token_logps(model, batch: dict, head: LossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,12 +112,12 @@ class DPO:
         losses = pair_losses(self.kind, self.beta, self.smoothing, chosen, rejected, ref_chosen, ref_rejected, n_c, n_r)
         rc, rr = self.beta * (chosen - ref_chosen).detach(), self.beta * (rejected - ref_rejected).detach()
         metrics = {
-            "rewards/chosen": rc.mean().item(),
-            "rewards/rejected": rr.mean().item(),
-            "rewards/margin": (rc - rr).mean().item(),
-            "rewards/accuracy": (rc > rr).float().mean().item(),
-            "logps/chosen": chosen.detach().mean().item(),
-            "logps/rejected": rejected.detach().mean().item(),
+            "rewards/chosen": metric(rc.mean()),
+            "rewards/rejected": metric(rr.mean()),
+            "rewards/margin": metric((rc - rr).mean()),
+            "rewards/accuracy": metric((rc > rr).float().mean()),
+            "logps/chosen": metric(chosen.mean()),
+            "logps/rejected": metric(rejected.mean()),
         }
         return losses.sum() / normaliser, metrics
 

@@ -28,7 +28,7 @@ from finetune.data.tokenize import pad_id
 from finetune.methods import Context, register
 from finetune.methods.dpo import reference_model, token_logps
 from finetune.methods.head import LossHead, loss_head
-from finetune.methods.loss import IGNORE
+from finetune.methods.loss import IGNORE, metric
 from finetune.methods.rewards import load_rewards
 
 
@@ -217,14 +217,14 @@ class GRPO:
         tokens = mask.sum().clamp(min=1)
         with torch.no_grad():
             active = ((ratio < 1 - self.s.clip_eps) & (adv < 0)) | ((ratio > 1 + self.s.clip_eps) & (adv > 0))
-            metrics = {"clip_fraction": float((active & mask).sum() / tokens)}
+            metrics = {"clip_fraction": metric((active & mask).sum() / tokens)}
         if self.s.kl_coef > 0:
             with torch.no_grad():
                 ref = self.reference(model, batch, self).to(logps.device)
             delta = ref - logps
             kl = torch.exp(delta) - delta - 1
             per_token = per_token + self.s.kl_coef * kl * ratio  # samples of π_old: ρ makes the KL gradient unbiased
-            metrics["kl"] = ((kl * mask).sum() / tokens).item()
+            metrics["kl"] = metric((kl * mask).sum() / tokens)
         per_token = per_token * mask
         if self.s.loss_normalization == "sequence":
             total = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum()

@@ -43,19 +43,26 @@ class Head:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of `hidden`, softcapped as the model does (cap · tanh(logits / cap))."""
-        logits = self.module(hidden).float()
+        return self.capped(self.module(hidden))
+
+    def capped(self, raw: torch.Tensor) -> torch.Tensor:
+        """The head's output in fp32, softcapped as the model does."""
+        logits = raw.float()
         return logits if self.softcap is None else self.softcap * torch.tanh(logits / self.softcap)
 
 
 class LossHead:
     """Computes what the methods need from the logits, never holding more of them than `implementation` allows."""
 
-    def __init__(self, implementation: str = "plain", chunk_tokens: int = 0):
+    def __init__(self, implementation: str = "plain", chunk_tokens: int = 0, rows: int = 0):
+        """`rows`: the most positions a micro-batch is expected to have (the plan's micro-batch of seq_len tokens),
+        from which ZeRO-3 counts its chunks (`chunk_count`)."""
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"unknown loss implementation {implementation!r} (known: {', '.join(IMPLEMENTATIONS)})")
         if implementation == "chunked" and chunk_tokens < 1:
             raise ValueError("a chunked loss needs chunk_tokens >= 1 (plan.loss_chunk_tokens)")
         self.implementation, self.chunk_tokens = implementation, chunk_tokens
+        self.calls = -(-rows // chunk_tokens) if implementation == "chunked" else 0  # the head's calls per micro-batch
         self._checked = weakref.WeakSet()  # models whose logits were compared with head(hidden) once
 
     def summed_nll(self, model, batch: dict) -> torch.Tensor:
@@ -98,13 +105,14 @@ class LossHead:
         of trained ones and the output head, with the head's parameters whole on this rank while the block runs."""
         lm = causal_lm(model)
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        hidden, logits = final_hidden(model, lm, inputs)
         head = Head(lm.get_output_embeddings(), getattr(lm.config, "final_logit_softcapping", None))
+        check = lm not in self._checked
+        hidden, logits, calls = final_hidden(model, lm, inputs, head.module if check else None)
         shifted = "shift_labels" in batch  # every position has its target (context parallelism: distributed/cp.py)
         targets = (batch["shift_labels"] if shifted else batch["labels"][:, 1:]).to(hidden.device)
         with whole_head(lm, head.module):
-            if lm not in self._checked:
-                check_head(self.implementation, head, hidden, logits)
+            if check:
+                check_head(self.implementation, head, hidden, logits, calls)
                 self._checked.add(lm)
             yield (hidden if shifted else hidden[:, :-1]), targets, targets != IGNORE, head
 
@@ -112,7 +120,8 @@ class LossHead:
         """fn(head, hidden, targets) over `chunk_tokens` rows at a time (at least once, so that an empty batch still
         reaches every parameter), each recomputed in the backward pass instead of keeping its logits."""
         out = []
-        for i in range(chunk_count(head, len(targets), self.chunk_tokens)):
+        self.calls = chunk_count(head, len(targets), self.chunk_tokens, self.calls)
+        for i in range(self.calls):
             rows = slice(i * self.chunk_tokens, (i + 1) * self.chunk_tokens)  # past the end: empty, still one call
             if torch.is_grad_enabled():
                 out.append(
@@ -131,14 +140,20 @@ def next_tokens(batch: dict) -> torch.Tensor:
     return F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE)
 
 
-def chunk_count(head: Head, rows: int, chunk_tokens: int) -> int:
-    """How many chunks: enough for `rows`, at least one; under ZeRO-3, the most any rank needs, since DeepSpeed
-    all-gathers the head's partitioned parameters at every call of the module, and again where the backward pass
-    recomputes it (deepspeed 0.19 runtime/zero/parameter_offload.py, pre_sub_module_forward_function): every rank
-    must call it as often. The agreement is one all-reduce of a CPU scalar (ft's process group: cpu:gloo,cuda:nccl)."""
+def chunk_count(head: Head, rows: int, chunk_tokens: int, job: int = 1) -> int:
+    """How many chunks: enough for `rows`, at least one. Under ZeRO-3 the job's count: at least `job` (the plan's
+    micro-batch, or the most an earlier call needed), and the most any rank needs. DeepSpeed all-gathers the head's
+    partitioned parameters at every call of the module, and again where the backward pass recomputes it (deepspeed
+    0.19 runtime/zero/parameter_offload.py, pre_sub_module_forward_function): every rank must call it as often. And it
+    records the order of the sub-modules called from one forward pass of the model to the next (reset_step at each,
+    parameter_offload.py:303-306); a pass that calls them otherwise (the head a different number of times) invalidates
+    that trace (partitioned_param_coordinator.py:202-219, trace_prologue), after which each call gathers its module
+    again and releases it (release_sub_module, :498-499) instead of keeping the head gathered for the calls that follow
+    (__params_to_release, :656-662) and prefetching by the trace. The agreement is one all-reduce of a CPU scalar
+    (ft's process group: cpu:gloo,cuda:nccl)."""
     count = max(-(-rows // chunk_tokens), 1)
     if any(hasattr(p, "ds_id") for p in head.module.parameters()) and torch.distributed.is_initialized():
-        agreed = torch.tensor([count])
+        agreed = torch.tensor([max(count, job)])
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX)
         count = int(agreed)
     return count
@@ -175,7 +190,9 @@ def loss_head(plan, per_token: bool) -> LossHead:
                 f"{_KEY}: ft uses liger's fused kernel for a summed loss (sft) only; this method needs per-token "
                 f"log-probabilities with their gradients: set {_KEY}: cut_cross_entropy or chunked"
             )
-    return LossHead(implementation, plan.loss_chunk_tokens)
+    if implementation != "chunked":
+        return LossHead(implementation, plan.loss_chunk_tokens)
+    return LossHead(implementation, plan.loss_chunk_tokens, plan.micro_batch_size * plan.seq_len)
 
 
 def causal_lm(model):
@@ -185,30 +202,41 @@ def causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def final_hidden(model, lm, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def final_hidden(model, lm, inputs: dict, head=None) -> tuple[torch.Tensor, torch.Tensor, list]:
     """One forward pass through the (wrapped) model, its head run on the last position only; returns the decoder's
-    output (the final normed hidden states, what the head reads) and those logits. The forward goes through the
-    outermost wrapper so that DDP, FSDP2 and DeepSpeed see it as they see any forward."""
-    seen = []
-    hook = lm.get_decoder().register_forward_hook(lambda module, args, output: seen.append(output[0]))
+    output (the final normed hidden states, what the head reads), those logits, and each call of the `head` module in
+    the pass as (input, output) (none recorded without `head`). The forward goes through the outermost wrapper so
+    that DDP, FSDP2 and DeepSpeed see it as they see any forward."""
+    seen, calls = [], []
+    hooks = [lm.get_decoder().register_forward_hook(lambda module, args, output: seen.append(output[0]))]
+    if head is not None:
+        hooks.append(head.register_forward_hook(lambda module, args, output: calls.append((args[0], output))))
     try:
         logits = model(**inputs, use_cache=False, logits_to_keep=1).logits
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     if len(seen) != 1 or logits.shape[-2] != 1:
         raise FtError(
             f"{_KEY}: {type(lm).__name__} does not compute its logits from one pass of its decoder with "
             f"logits_to_keep, which ft's {_KEY} other than plain need; set {_KEY}: plain"
         )
-    return seen[0], logits
+    return seen[0], logits, calls
 
 
-def check_head(implementation: str, head: Head, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+def check_head(implementation: str, head: Head, hidden: torch.Tensor, logits: torch.Tensor, calls: list) -> None:
     """The model's own logits of the last position must be its output head (and softcap) applied to the hidden state:
-    otherwise something (a scale, say) follows the head, which computing the head here would leave out."""
+    otherwise something (a scale, say) comes between them, which computing the head here would leave out. Read from
+    the head's one call in the model's forward pass (`calls`, final_hidden), not from a call of its own: under ZeRO-3
+    an extra call in the first batch would change the order of module calls DeepSpeed traces (`chunk_count`)."""
     with torch.no_grad():
-        ours = head.logits(hidden[:, -1:])
-    if ours.shape != logits.shape or not torch.allclose(ours, logits.float(), rtol=1e-2, atol=1e-2):
+        fits = len(calls) == 1 and calls[0][0].shape == hidden[:, -1:].shape
+        if fits:
+            x, raw = calls[0]
+            ours = head.capped(raw)
+            fits = torch.allclose(x.float(), hidden[:, -1:].float(), rtol=1e-3, atol=1e-5)
+            fits = fits and ours.shape == logits.shape and torch.allclose(ours, logits.float(), rtol=1e-2, atol=1e-2)
+    if not fits:
         raise FtError(
             f"{_KEY}: {implementation} computes the logits as the model's output head applied to the final hidden "
             f"state, but this model transforms them further (a scale, say); set {_KEY}: plain"
@@ -227,14 +255,15 @@ def whole_head(lm, head):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    sharded = isinstance(lm, FSDPModule) and any(isinstance(p, DTensor) for p in head.parameters())
+    unit = head if isinstance(head, FSDPModule) else lm  # the head's own unit (plain loss only: fsdp.ends), or the root
+    sharded = isinstance(unit, FSDPModule) and any(isinstance(p, DTensor) for p in head.parameters())
     if sharded:
-        lm.unshard()
+        unit.unshard()
     try:
         yield
     finally:
         if sharded and not torch.is_grad_enabled():
-            lm.reshard()
+            unit.reshard()
 
 
 def fused_nll(implementation: str, head: Head, hidden: torch.Tensor, targets: torch.Tensor, reduction: str):

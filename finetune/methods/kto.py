@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import torch
 
-from finetune.data.collate import IGNORE, collate
+from finetune.data.collate import IGNORE, collate, to_device
 from finetune.errors import FtError
 from finetune.methods import Context, register
 from finetune.methods.dpo import TABLE, Precomputed, precompute, reference_model, table_index, token_logps
 from finetune.methods.head import LossHead, loss_head
+from finetune.methods.loss import metric
 
 STEP_KL = "kl_step"  # the micro-batch's key for the step's mismatched pairs (StepKL), shared by its micro-batches
+DESIRABLE, UNDESIRABLE = "desirable_rows", "undesirable_rows"  # the micro-batch's row numbers of each kind
 
 
 def _completion_start(row: dict) -> int:
@@ -63,9 +65,13 @@ def kto_losses(
     return torch.where(desirable, good, bad)
 
 
-def _mean(values: torch.Tensor, where: torch.Tensor) -> float:
-    """Mean of the values where `where` holds; 0 where none does (every micro-batch reports the same keys)."""
-    return values[where].mean().item() if bool(where.any()) else 0.0
+def _mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Mean of the values of some rows (their numbers, counted on the host with the batch: selecting them needs no
+    wait for the device, as a boolean mask would), as a metric; 0 where there are none (every micro-batch reports
+    the same keys)."""
+    if not len(rows):
+        return metric(values.new_zeros(()))
+    return metric(values.index_select(0, rows.to(values.device)).mean())
 
 
 def _sequences(columns: dict) -> list[dict]:
@@ -152,10 +158,11 @@ class KTO:
         for part, seqs, kl, desirable in self._chunks(dataset, indices):
             step.batches.append({**collate(kl, self.pad_id, "sdpa"), "rows": torch.tensor(part), TABLE: table})
             batch = collate(seqs, self.pad_id, "sdpa")
+            good = torch.tensor(desirable, dtype=torch.bool)
             batch.update(
-                {STEP_KL: step},
+                {STEP_KL: step, DESIRABLE: good.nonzero().flatten(), UNDESIRABLE: (~good).nonzero().flatten()},
                 rows=torch.tensor(part),
-                desirable=torch.tensor(desirable, dtype=torch.bool),
+                desirable=good,
                 num_tokens=sum(len(x["input_ids"]) for x in seqs + kl),
             )
             batch[TABLE] = table
@@ -189,14 +196,15 @@ class KTO:
         desirable = batch["desirable"].to(logps.device)
         losses = kto_losses(desirable, logps - ref_logps, kl, self.beta, self.weights)
         rewards = self.beta * (logps - ref_logps).detach()
-        chosen, rejected = _mean(rewards, desirable), _mean(rewards, ~desirable)
+        good, bad = batch[DESIRABLE], batch[UNDESIRABLE]
+        chosen, rejected = _mean(rewards, good), _mean(rewards, bad)
         metrics = {
-            "kl": kl.item(),
+            "kl": metric(kl),
             "rewards/chosen": chosen,
             "rewards/rejected": rejected,
-            "rewards/margin": chosen - rejected,
-            "logps/chosen": _mean(logps.detach(), desirable),
-            "logps/rejected": _mean(logps.detach(), ~desirable),
+            "rewards/margin": chosen - rejected,  # float64, as Python's difference of the two was
+            "logps/chosen": _mean(logps.detach(), good),
+            "logps/rejected": _mean(logps.detach(), bad),
         }
         return losses.sum() / normaliser, metrics
 
@@ -210,14 +218,17 @@ class StepKL:
 
     @torch.no_grad()
     def baseline(self, model, method: KTO, device) -> torch.Tensor:
+        """z on the device, never read on the host (summed in float64 there, as Python summed the values before)."""
         if self.value is None:
             total, count = 0.0, 0
             for kl in self.batches:
-                kl = {k: v.to(device) if torch.is_tensor(v) else v for k, v in kl.items()}
+                kl = to_device(kl, device)
                 ratios = method.sequence_logps(model, kl) - method.kl_reference(model, kl, method).to(device)
-                total, count = total + ratios.double().sum().item(), count + len(ratios)
-            z = total / max(count, 1)
-            if self.runtime is not None and self.runtime.world_size > 1:  # a CPU float over gloo, as ft's scalars go
-                z = self.runtime.mean({"kl": z})["kl"]
-            self.value = torch.tensor(z, dtype=torch.float32).clamp(min=0)
+                total, count = total + ratios.double().sum(), count + len(ratios)
+            z = torch.as_tensor(total, dtype=torch.float64, device=device) / max(count, 1)
+            if self.runtime is not None and self.runtime.world_size > 1:
+                # on GPUs a CUDA tensor: ft's process group (cpu:gloo,cuda:nccl) reduces it with NCCL, on the device
+                torch.distributed.all_reduce(z)
+                z = z / self.runtime.world_size
+            self.value = z.float().clamp(min=0)
         return self.value

@@ -19,6 +19,7 @@ MODEL_INPUTS = (
     "cu_seq_lens_k",
     "max_length_q",
     "max_length_k",
+    "seq_idx",  # packed rows' sample index for state-space/linear-attention kernels (data/collate.py)
 )
 
 
@@ -38,3 +39,29 @@ def causal_lm_loss(model, batch: dict, normaliser: float, head) -> torch.Tensor:
     """Sum of next-token cross-entropy over trained tokens (computed by `head`, methods/head.py), divided by the
     step's normaliser."""
     return head.summed_nll(model, batch) / normaliser
+
+
+def router_loss(aux: torch.Tensor, share: float, coef: float) -> torch.Tensor:
+    """A micro-batch's part of the step's MoE load-balancing loss (methods/router.py): coef × its loss × its share
+    of the step's normaliser (its count of what the method normalises by, trained tokens, pairs or rows, divided by
+    the normaliser). Summed over the step's micro-batches and averaged over ranks as gradients are, the step adds
+    coef × the mean of its micro-batches' losses weighted by those counts (with equal micro-batches, trl's mean over
+    accumulation steps), whichever ranks its micro-batches run on."""
+    return coef * share * aux
+
+
+def metric(value: torch.Tensor) -> torch.Tensor:
+    """A figure a method logs for a micro-batch, as a 0-dim float64 tensor where it was computed (the device), never
+    read there: the loop reads every metric of the step with its loss, in the step's one host sync (`host_values`).
+    float64 holds the value `.item()` would have given exactly (float32, bf16 and integers up to 2**53 alike)."""
+    return value.detach().double()
+
+
+def host_values(*values) -> list[float]:
+    """Python floats of `values` (numbers or 0-dim tensors), with one wait for the device for all the tensors on it:
+    the training step's only host sync (its loss, gradient norm and the method's metrics), and validation's."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.detach().to(tensors[0].device, torch.float64) for t in tensors]).tolist())
+    return [next(read) if torch.is_tensor(v) else float(v) for v in values]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from finetune.methods import register
 from finetune.methods.head import LossHead
+from finetune.methods.loss import metric
 from finetune.methods.simpo import ReferenceFree, reward_metrics
 
 _LOG_HALF = -math.log(2)
@@ -48,9 +49,9 @@ class ORPO(ReferenceFree):
         losses = nll + self.weight * odds_term
         metrics = {
             **reward_metrics(self.weight * chosen, self.weight * rejected),
-            "logps/chosen": chosen.detach().mean().item(),
-            "logps/rejected": rejected.detach().mean().item(),
-            "nll": nll.detach().mean().item(),
-            "log_odds": log_odds.detach().mean().item(),
+            "logps/chosen": metric(chosen.mean()),
+            "logps/rejected": metric(rejected.mean()),
+            "nll": metric(nll.mean()),
+            "log_odds": metric(log_odds.mean()),
         }
         return losses.sum() / normaliser, metrics

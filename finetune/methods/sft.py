@@ -19,9 +19,12 @@ class SFT:
         micro_batch_size: int,
         validates: bool = True,
         head: LossHead | None = None,
+        masks: dict | None = None,
+        sample_index: bool = False,
     ):
         self.pad_id = pad_id
         self.attn = attn_implementation
+        self.masks, self.sample_index = masks or {}, sample_index  # how packed rows keep samples apart (the Plan's)
         self.micro = micro_batch_size
         self.validates = validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
@@ -29,7 +32,16 @@ class SFT:
     @classmethod
     def create(cls, section, context: Context) -> SFT:
         plan = context.plan
-        return cls(context.pad_id, context.attn, plan.micro_batch_size, section.validates, loss_head(plan, False))
+        head = loss_head(plan, False)
+        return cls(
+            context.pad_id,
+            context.attn,
+            plan.micro_batch_size,
+            section.validates,
+            head,
+            plan.attention_masks,
+            plan.sample_index,
+        )
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         """Collated micro-batches for one step's rows on this rank."""
@@ -39,7 +51,10 @@ class SFT:
         for i in range(0, len(rows), self.micro):
             chunk = rows[i : i + self.micro]
             out.append(
-                {**collate(chunk, self.pad_id, self.attn), "num_tokens": sum(len(r["input_ids"]) for r in chunk)}
+                {
+                    **collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index),
+                    "num_tokens": sum(len(r["input_ids"]) for r in chunk),
+                }
             )
         return out
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from finetune.methods import Context, register
 from finetune.methods.dpo import DPO
 from finetune.methods.head import LossHead, loss_head
+from finetune.methods.loss import metric
 
 
 class ReferenceFree(DPO):
@@ -36,14 +37,14 @@ class ReferenceFree(DPO):
         return (logps / counts.clamp(min=1)).chunk(2)
 
 
-def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
-    """What a preference method logs of its implicit rewards (the names DPO logs)."""
+def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a preference method logs of its implicit rewards (the names DPO logs), as metrics (methods/loss.py)."""
     chosen, rejected = chosen.detach(), rejected.detach()
     return {
-        "rewards/chosen": chosen.mean().item(),
-        "rewards/rejected": rejected.mean().item(),
-        "rewards/margin": (chosen - rejected).mean().item(),
-        "rewards/accuracy": (chosen > rejected).float().mean().item(),
+        "rewards/chosen": metric(chosen.mean()),
+        "rewards/rejected": metric(rejected.mean()),
+        "rewards/margin": metric((chosen - rejected).mean()),
+        "rewards/accuracy": metric((chosen > rejected).float().mean()),
     }
 
 
@@ -66,7 +67,7 @@ class SimPO(ReferenceFree):
         losses = simpo_losses(self.beta, self.gamma, self.smoothing, chosen, rejected)
         metrics = {
             **reward_metrics(self.beta * chosen, self.beta * rejected),
-            "logps/chosen": chosen.detach().mean().item(),
-            "logps/rejected": rejected.detach().mean().item(),
+            "logps/chosen": metric(chosen.mean()),
+            "logps/rejected": metric(rejected.mean()),
         }
         return losses.sum() / normaliser, metrics

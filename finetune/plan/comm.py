@@ -23,6 +23,10 @@ tokens (t / cp on each context-parallel rank), a = bytes of the compute dtype, L
   context parallel:       ring attention passes every rank's keys and values around the ring: 2*t*kv*a per layer
                           forward, twice that backward (keys and values again, their gradients), once more per
                           recomputed layer
+  expert parallel:        over ep ranks (plan/expert_parallel.py): the experts' share of P and G moves among the
+                          world / ep ranks that hold the same experts, 1/ep of it per rank; the routed tokens' hidden
+                          states (t*k*h*a, k experts per token) cross an all-to-all twice per layer forward, twice
+                          backward, twice per recomputed layer, inside a node where ep divides its processes
 Times assume 100 GB/s per GPU inside a node (NVLink class) and 12.5 GB/s per GPU between nodes
 (100 Gb/s links), unless the hardware says otherwise (`links`); they are orders of magnitude, for comparing setups,
 not promises.
@@ -36,6 +40,8 @@ INTRA_NODE_BPS = 100e9
 INTER_NODE_BPS = 12.5e9
 TENSOR_PARALLEL = "tensor-parallel activations (in node)"
 CONTEXT_PARALLEL = "context-parallel keys and values (ring)"
+EXPERT_PARALLEL = "expert-parallel routed tokens (all-to-all in node)"
+EXPERT_PARALLEL_NODES = "expert-parallel routed tokens (all-to-all across nodes)"
 
 
 @dataclass(frozen=True)
@@ -132,11 +138,41 @@ def parallel_traffic(
     return out
 
 
+def expert_parallel_traffic(
+    step: dict[str, float],
+    world: int,
+    per_node: int,
+    ep: int,
+    shares: tuple[float, float],
+    tokens: float,
+    hidden: int,
+    top_k: int,
+    layers: int,
+    recomputed: int,
+    act_bytes: int,
+    micro_batches: int,
+) -> dict[str, float]:
+    """`step` (FSDP2's bytes per rank, step_traffic) under expert parallelism over ep of the world ranks: the experts'
+    share of the gathered parameters and of the reduced gradients (`shares`) moves among the world / ep ranks that hold
+    the same experts, 1/ep of it per rank; each micro-batch's routed (token, expert) pairs (tokens x top_k hidden
+    states) cross the all-to-all twice per layer forward (dispatch, combine), twice backward, twice per recomputed
+    layer, (ep - 1)/ep of them to other ranks (uniform routing), inside a node where ep divides its processes."""
+    out = dict(step)
+    kept = _ring(world // ep) / (ep * _ring(world)) if world > 1 else 0.0
+    for name, share in (("all-gather parameters", shares[0]), ("reduce-scatter gradients", shares[1])):
+        if name in out:
+            out[name] *= 1 - share + share * kept
+    passes = 4 * layers + 2 * recomputed
+    name = EXPERT_PARALLEL if per_node % ep == 0 else EXPERT_PARALLEL_NODES
+    out[name] = micro_batches * passes * _ring(ep) * tokens * top_k * hidden * act_bytes
+    return out
+
+
 def crosses(name: str, nodes: int, sharding: str | None, per_node: int = 1, inner: int = 1) -> bool:
     """Whether a collective runs over inter-node links: tensor parallelism never does (it stays in a node), a
     context-parallel ring does when tp x cp ranks (`inner`) outgrow a node, hybrid_shard only for its across-nodes
     all-reduce, every other collective whenever the job spans nodes."""
-    if name == TENSOR_PARALLEL:
+    if name in (TENSOR_PARALLEL, EXPERT_PARALLEL):
         return False
     if name == CONTEXT_PARALLEL:
         return nodes > 1 and inner > per_node

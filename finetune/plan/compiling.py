@@ -31,6 +31,7 @@ def choose_compile(
     step_seconds: float,
     out,
     context_parallel: int = 1,
+    expert_parallel: int = 1,
 ) -> bool:
     """The plan's `compile`, with its Decision appended to `out`; PlanError for `true` where it cannot work."""
     asked = config.train.compile
@@ -38,7 +39,10 @@ def choose_compile(
         out.append(Decision("compile", False, "as set in the config", "config"))
         return False
     ring = "context parallelism replaces each layer's attention at run time (ring attention)" * (context_parallel > 1)
-    blocker = unsupported(backend, quantization) or ring or missing_toolchain(hw)
+    dispatch = "expert parallelism reads each MoE layer's split sizes on the host (distributed/ep.py)" * (
+        expert_parallel > 1
+    )
+    blocker = unsupported(backend, quantization) or ring or dispatch or missing_toolchain(hw)
     if asked is True:
         if blocker:
             raise PlanError(f"train.compile: true cannot run here: {blocker}. Set train.compile: false (or auto)")

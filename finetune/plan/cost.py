@@ -2,12 +2,18 @@
 
 The figures are orders of magnitude for ranking setups on one piece of hardware, not promises:
   compute         6·N·t for full fine-tuning (forward 2·N·t, backward 4·N·t), 4·N·t with an adapter (the frozen
-                  weights need no weight gradients), plus causal attention 2·seq·q per token per layer and pass;
+                  weights need no weight gradients), N the parameters a token computes with (an MoE model's active
+                  ones: the experts its router picks, not all it holds; the embedding lookup is no matmul), plus
+                  causal attention 2·seq·(q+v)/2 per token per full-attention layer and pass (a sliding layer: its
+                  window; a linear-attention layer: its state update);
                   at 40% of the accelerator's dense half-precision peak (fp32: a quarter of it); per rank, the
                   decoder layers' share / tensor_parallel (the output head is whole), the tokens / context_parallel
   recompute       the forward pass of each checkpointed layer again; the chunked loss recomputes the output head
-  quantization    4-bit / 8-bit bases dequantize every linear weight in forward and backward: memory-bound reads and
-                  writes of the weights at the accelerator's memory bandwidth, per micro-batch
+  quantization    4-bit / 8-bit bases dequantize every nn.Linear weight in forward and backward (fused MoE experts
+                  stay 16-bit): memory-bound reads and writes of the weights at the memory bandwidth, per micro-batch
+  eager scores    transformers' eager attention (the kernel the planner chooses where the class has no SDPA, or the
+                  config names) writes and reads each attention layer's T×T scores and probabilities, (2a+4) bytes
+                  per score, about three times (forward, backward) at the memory bandwidth, per micro-batch
   launches        a fixed cost per layer and micro-batch (kernel launches, Python): many tiny micro-batches are slow
   communication   plan/comm.py's bytes per step at its link speeds, less what hides behind the rest (plan/scaling.py;
                   plan/pricing.py adds it)
@@ -21,6 +27,7 @@ The figures are orders of magnitude for ranking setups on one piece of hardware,
 from __future__ import annotations
 
 from finetune.catalog import ModelFacts
+from finetune.catalog_layers import LINEAR_ATTENTION, WINDOWED, attention_dims
 from finetune.hardware import Hardware
 from finetune.plan.memory import (
     DTYPE_BYTES,
@@ -81,13 +88,27 @@ def accelerator_speed(hw: Hardware) -> tuple[float, float]:
 
 
 def forward_flops_per_token(m: ModelFacts, seq_len: int) -> float:
-    matmul = 2 * (m.num_params - m.embedding_params)  # the embedding lookup is not a matmul (a tied head is)
+    """Forward FLOPs of one token: its active parameters' matmuls and its attention (see the module docstring)."""
+    matmul = 2 * (m.active_params - m.embedding_params)  # the embedding lookup is not a matmul (a tied head is)
     if not m.lm_head_params:
         matmul += 2 * m.embedding_params
-    if m.num_experts:
-        inactive = m.expert_params * (1 - m.experts_per_token / m.num_experts)
-        matmul -= 2 * inactive
-    return matmul + 2 * seq_len * m.q_dim * m.num_layers
+    return matmul + attention_flops_per_token(m, seq_len)
+
+
+def attention_flops_per_token(m: ModelFacts, seq_len: int) -> float:
+    """Scores and weighted values of one token, causal (it sees seq_len/2 tokens on average), over all layers."""
+    flops = 0.0
+    for n, shape in m.layer_kinds:
+        if shape.attention == LINEAR_ATTENTION:  # the state update and readout: about 4 * heads * dk * dv
+            flops += n * 4 * m.linear_value_heads * m.linear_key_head_dim * m.linear_value_head_dim
+            continue
+        head_dim, _ = attention_dims(m, shape.attention)
+        seen = seq_len / 2
+        if shape.attention in WINDOWED and m.sliding_window:
+            seen = min(seen, m.sliding_window)
+        values = m.v_head_dim if m.is_mla else head_dim
+        flops += n * 2 * seen * m.num_attention_heads * (head_dim + values)
+    return flops
 
 
 def step_seconds(
@@ -111,11 +132,25 @@ def step_seconds(
         "launches": micro_batches * LAUNCH_SECONDS_PER_LAYER * m.num_layers,
         "communication": communication_seconds,
     }
+    if s.attention == "eager":
+        out["eager scores"] = micro_batches * eager_score_bytes(m, s) / bandwidth
     if s.quantization != "none":
-        quantized = m.linear_params + m.expert_params
+        quantized = m.linear_params  # bitsandbytes quantizes nn.Linear only: fused experts are read as they are
         out["quantization"] = micro_batches * 3 * quantized * 2.5 / bandwidth  # forward, backward, recompute-ish
     out["host transfers"] = host_seconds(m, s, micro_batches, out["compute"] / max(micro_batches, 1))
     return {k: v for k, v in out.items() if v}
+
+
+def eager_score_bytes(m: ModelFacts, s: Setup) -> float:
+    """Bytes eager attention moves for one micro-batch's scores on one rank: each attention layer's heads
+    (/ tensor parallel) × rows × seq² scores of (2a+4) bytes, forward, backward and each checkpointed layer's
+    recomputation (see the module docstring)."""
+    a = DTYPE_BYTES[s.precision]
+    layers = sum(n for n, shape in m.layer_kinds if shape.attention != LINEAR_ATTENTION)
+    rows = s.micro_batch_size * s.sequences_per_row
+    passes = 3 + checkpointed_layers(m, s) / m.num_layers
+    heads = m.num_attention_heads / s.tensor_parallel
+    return passes * layers * heads * rows * s.seq_len**2 * (2 * a + 4)
 
 
 def host_seconds(m: ModelFacts, s: Setup, micro_batches: int, compute_per_micro_batch: float) -> float:

@@ -209,7 +209,7 @@ def record_parallel(
     everyone = (fit, *others)
     group = (c.adapter, c.quantization)
     tp_tried = len(parallel.tp_degrees(config, hw, topo, m)) > 1
-    cp_tried = len(parallel.cp_degrees(config, hw, topo)) > 1
+    cp_tried = len(parallel.cp_degrees(config, hw, topo, m)) > 1
     for field, key, tried, what in (
         ("tensor_parallel", "tp", tp_tried, "split of its layers"),
         ("context_parallel", "cp", cp_tried, "split of its sequences"),
@@ -223,7 +223,7 @@ def record_parallel(
             without = [f for f in rivals if getattr(f.candidate, key) == 1]
             why = _pays(field, value, fit, without[0] if without else None, topo)
         elif not tried:
-            why = _untried(field, config, hw, topo)
+            why = _untried(field, config, hw, topo, m)
         else:
             split = [f for f in rivals if getattr(f.candidate, key) > 1]
             why = f"the fastest setup that fits needs no {what} (est. {fit.step_seconds:.3g} s/step" + (
@@ -252,7 +252,7 @@ def _pays(field: str, n: int, fit: Fit, without: Fit | None, topo: Topology) -> 
     )
 
 
-def _untried(field: str, config: Config, hw: Hardware, topo: Topology) -> str:
+def _untried(field: str, config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> str:
     """Why auto did not try a degree above 1."""
     if hw.is_cpu and field == "context_parallel":
         return "CPU: torch's ring attention replaces the CUDA attention kernels only"
@@ -261,7 +261,7 @@ def _untried(field: str, config: Config, hw: Hardware, topo: Topology) -> str:
     if topo.world == 1:
         return "one device: nothing to split over"
     if field == "context_parallel":
-        problems = parallel.cp_config_problems(config, hw)
+        problems = parallel.cp_config_problems(config, hw, m)
         if problems:
             return "not tried: " + "; ".join(problems)
         return f"sequences of {config.data.seq_len} tokens: tried from {parallel.CP_MIN_SEQ} tokens on"

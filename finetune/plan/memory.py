@@ -5,29 +5,37 @@ q = heads*head_dim, kv = kv_heads*head_dim, L layers, V vocab, t tokens per micr
 (micro_batch * seq_len * sequences per row: 2 for DPO's chosen+rejected), a = bytes of the compute dtype (2 for
 bf16/fp16, 4 for fp32), S = ranks one shard group spans.
 
-weights        frozen base: N*a; nf4: 0.5 B per quantizable (linear/expert) parameter + constants
+weights        frozen base: N*a; nf4: 0.5 B per nn.Linear parameter + constants
                (blocks of 64: fp32 absmax = 4/64 B; with double quantization 1/64 + 4/(64*256) B),
-               the rest (embeddings, head, norms) in a; int8: 1 B + a 4-byte scale per output row.
-               Full fine-tuning keeps fp32 master weights: 4*N.
+               the rest (embeddings, head, norms, and MoE experts: bitsandbytes quantizes nn.Linear only, and
+               transformers stores experts as fused 3-D parameters) in a; int8: 1 B + a 4-byte scale per output row.
+               Full fine-tuning keeps fp32 master weights: 4*N. N counts every expert (all are held, whichever a
+               token picks); checkpoints published quantized (gpt-oss's MXFP4 experts) are dequantized on load: a.
 compute copy   full fine-tuning in bf16/fp16: autocast keeps a half-precision copy of each weight it
                casts for the whole step: a*N (replicated unless the parameters are sharded).
 adapter        LoRA: r*(in+out) per targeted linear, + out per module with DoRA, + modules_to_save;
                stored in fp32: 4*T.
 gradients      4*T (fp32, like the trained weights; 2*T with pure bf16); with the optimizer step in backward
                only the largest parameter's gradient at once. DeepSpeed bf16/fp16: half-precision gradients
-               (whole under ZeRO-1, a reduce bucket under ZeRO-2/3) and an fp32 gradient partition.
+               (whole under ZeRO-1, a reduce bucket under ZeRO-2/3) and an fp32 gradient partition. DDP: the
+               gradients are views of its all-reduce buckets (distributed/ddp.py), nothing beyond them.
 master weights DeepSpeed bf16/fp16: fp32 copies of the trained parameters, partitioned from ZeRO-1 on; the
                parameters themselves are half precision (`weights`).
 optimizer      AdamW: 8*T (two fp32 moments; 4*T in bf16 with pure bf16, +2*T for its Kahan buffer); 8-bit
                AdamW: 2*T. Paged variants keep their states in CUDA unified memory, which pages out to host RAM
                under pressure: counted in host RAM, with their paging traffic in the step time.
-activations    saved for backward, per token and layer (elements): 4h + 3q + 3kv + MLP
-               (gated: 4I; plain: 2I; MoE: 4*I_moe*k + experts) + LoRA inputs after dropout;
-               times a*t*L. Eager attention adds heads*seq*(2a+4) per token per layer (scores,
-               probabilities in fp32). With k of L layers checkpointed: a*h*t for each of the k (its
-               input), full activations for the other L-k, plus one layer's recomputed activations. With
-               activation offload only two layers' stored tensors are on the device (in flight); the rest wait
-               in pinned host memory.
+activations    saved for backward, per token and layer (elements), averaged over the layers' kinds: attention
+               4h + 3q + 3kv (q doubled where it also computes an output gate; MLA: kv = heads*v_head_dim plus the
+               two latents; gated DeltaNet: q = k = the key width, kv = the value width, plus the gate), MLP
+               (gated: 4I; plain: 2I; MoE: 4*I_moe*k for the k experts a token visits, its k dispatched copies in
+               and out 2*k*h, router logits and probabilities in fp32 2E*4/a, a shared expert 4*I_shared) + LoRA
+               inputs after dropout; times a*t*L. Eager attention adds heads*seq*(2a+4) per token per layer (scores,
+               probabilities in fp32); flex_attention its block masks, one per attention layer type, 4 int32
+               index tensors of (seq/128)^2 per row. The kernel is the one the planner chooses for the model
+               class (plan/attention.py), not only the one the config names. With k of L layers checkpointed:
+               a*h*t for each of the k (its input), full activations for the other L-k, plus one layer's
+               recomputed activations. With activation offload only two layers' stored tensors are on the device
+               (in flight); the rest wait in pinned host memory.
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
@@ -39,8 +47,10 @@ reward scoring Its forward pass under inference mode on batch_size sequences of 
                residual stream and its norm, attention projections and the MLP's intermediates,
                a*(2h + 2q + 2kv + 3I) (2I for a plain MLP). A phase of its own, after the rollout, before training.
 generation     GRPO rollouts by the training model (transformers): KV cache 2*L*kv*a*(prompt+completion)
-               per sequence for the whole per-rank batch, plus fp32 logits of the last position. Rollout
-               and backward do not overlap, so the peak counts the larger of the two phases.
+               per sequence for the whole per-rank batch (sliding layers: their window; MLA: its compressed
+               latent and rotary key, kv_lora_rank + qk_rope_head_dim per layer; linear attention: a fixed
+               state), plus fp32 logits of the last position. Rollout and backward do not overlap, so the peak
+               counts the larger of the two phases.
 rollout engine A colocated vLLM engine's memory share (plan/rollout.py). Asleep during the backward pass (GPUs,
                sleep level 1: weights to host RAM) it shares the device with the resident state only (the
                larger phase counts); awake all along (CPU, asynchronous rollouts, or where that is faster)
@@ -63,7 +73,8 @@ loading        What a rank holds while its model is created, before gradients an
 Sharding divides by S: ZeRO-1 the optimizer; ZeRO-2 and FSDP shard_grad_op also the gradients
 (shard_grad_op keeps unsharded half-precision parameters between forward and backward); ZeRO-3 and
 FSDP full/hybrid shard also the weights, plus two gathered layers (the one in use and the prefetched
-one); FSDP's root unit (embeddings, head, final norm) stays gathered for the whole step, and with `all`
+one); FSDP's untied embeddings and head (the head under the plain loss) are gathered only while they run, its root
+unit (final norm, a tied table, a head the chunked loss runs) for the whole step (gathered_bytes); with `all`
 offloaded each layer's shard is staged on the device before its all-gather. Offloading moves optimizer
 states (`optimizer`) or weights, gradients and optimizer states (`all`) into host RAM, which is checked per
 node with ~2.5 GiB per process for the runtime. ZeRO-1/2 shard the fp32 master weights with the optimizer
@@ -77,9 +88,11 @@ tokens each rank holds: activations and logits / cp. S is then the FSDP group (d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from finetune.catalog import ModelFacts
+from finetune.catalog_layers import LINEAR_ATTENTION, LayerShape, attention_dims, linear_attention_dims
 
 GiB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -107,6 +120,7 @@ REWARD_MODEL = "reward model"  # GRPO: trained reward models, whole on every ran
 SCORING = "reward scoring"  # their forward pass: a phase of its own
 TRANSIENT = ("activations", "logits and loss", "generation (KV cache)", SCORING)  # freed between the steps' phases
 CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
+QUANT_STATE = "4-bit quantization state (whole)"  # bitsandbytes' constants: never sharded (see _shard_and_offload)
 DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
 
 
@@ -156,6 +170,10 @@ class Setup:
     # parallel norms), each sequence over context_parallel ranks; shard_size then counts the FSDP group (dp x cp)
     tensor_parallel: int = 1
     context_parallel: int = 1
+    expert_parallel: int = 1  # routed experts split over this many data-parallel ranks (plan/expert_parallel.py)
+    # FSDP: untied embeddings and output head are units of their own (ft's FSDP2, distributed/fsdp.py ends); False:
+    # in the root unit, as FSDP1's wrapping of decoder layers leaves them (published runs, tests/calibration.py)
+    fsdp_end_units: bool = True
 
 
 @dataclass(frozen=True)
@@ -205,6 +223,7 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     }
     state = _split_layers(m, s, trainable, state)
     device, host = _shard_and_offload(m, s, a, state)
+    expert_parallel_bytes(m, s, a, device)
     split = s.tensor_parallel * s.context_parallel  # tokens (context) and layer widths (tensor) per rank
     acts, logits = activation_bytes(m, s, a) / split, logits_bytes(m, s, a) / s.context_parallel
     device[REWARD_MODEL] = sum(a * reward_model_params(f) for f, _ in s.reward_models)
@@ -230,7 +249,43 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     host[f"process runtimes ({PROCESS_HOST_RAM / GiB:g} GiB each)"] = PROCESS_HOST_RAM * processes_per_node
     host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
-    return Estimate(device, {k: int(v) for k, v in host.items() if v}, m.num_params, trainable)
+    host = {k: int(v) for k, v in host.items() if v}
+    return Estimate(device, host, m.num_params, trainable, model_notes(m, s, a))
+
+
+def model_notes(m: ModelFacts, s: Setup, a: int) -> tuple[str, ...]:
+    """What the estimate assumes of this model's architecture, one line each: experts held and computed, fused experts
+    under QLoRA, a checkpoint's published format, and what generation caches."""
+    notes = []
+    if m.is_moe:
+        shared = f" and a shared expert of {m.shared_expert_size}" if m.shared_expert_size else ""
+        dense = f"; {len(m.dense_layers)} of the {m.num_layers} layers are dense" if m.dense_layers else ""
+        held, active = m.num_params / 1e9, m.active_params / 1e9
+        notes.append(
+            f"MoE: {m.num_experts} experts of {m.moe_intermediate_size}{shared}, {m.experts_per_token} per token"
+            f"{dense}: memory holds all {held:.1f}B parameters, a token is computed by {active:.1f}B (its experts "
+            "and all that is not an expert); activations count the router's logits and each token's dispatched copies"
+        )
+    if m.is_moe and s.quantization != "none":
+        experts = m.expert_params / 1e9
+        notes.append(
+            f"{s.quantization}: bitsandbytes quantizes nn.Linear modules only, so the {experts:.1f}B fused expert "
+            f"parameters stay {s.precision} ({m.expert_params * a / GiB:.1f} GiB before sharding)"
+        )
+    if m.checkpoint_quantization == "mxfp4":  # transformers dequantizes MXFP4 experts to train them
+        notes.append(f"the published MXFP4 expert weights are dequantized on load: counted at {s.precision}")
+    elif m.checkpoint_quantization:
+        notes.append(
+            f"the published checkpoint stores {m.checkpoint_quantization} weights: the plan counts them "
+            f"dequantized, at {s.precision}"
+        )
+    if s.generation_tokens and (m.is_mla or m.layer_count(LINEAR_ATTENTION) or m.sliding_window):
+        per_token = m.cache_elements(s.generation_tokens) / s.generation_tokens
+        notes.append(
+            f"generation caches {per_token:,.0f} values per token over all layers (MLA's compressed latent, sliding "
+            "windows and linear-attention states as they apply)"
+        )
+    return tuple(notes)
 
 
 def tp_shares(m: ModelFacts, s: Setup, trainable: int) -> tuple[float, float]:
@@ -240,7 +295,7 @@ def tp_shares(m: ModelFacts, s: Setup, trainable: int) -> tuple[float, float]:
     tp = s.tensor_parallel
     if tp == 1:
         return 1.0, 1.0
-    layers = m.num_layers * m.layer_params
+    layers = m.decoder_params
     params = (layers / tp + m.num_params - layers) / m.num_params
     if s.adapter == "full":
         return params, params
@@ -282,8 +337,7 @@ def gradient_bytes(m: ModelFacts, s: Setup, a: int, trainable: int) -> float:
     the largest parameter's gradient exists at once."""
     per_value = 2 if s.pure_bf16 else 4
     if s.optimizer_in_backward:
-        largest = max(m.embedding_params, m.lm_head_params, max(lin.params for lin in m.layer_linears()))
-        return per_value * min(trainable, largest)
+        return per_value * min(trainable, m.largest_tensor_params)
     if deepspeed(s) and a < 4:
         # half-precision gradients, reduced in buckets into fp32 partitions (counted with the optimizer's shard);
         # ZeRO-1 keeps the whole half-precision gradient, ZeRO-2/3 only its bucket
@@ -331,16 +385,53 @@ def _shard_and_offload(
         moved = set()
     for k in moved:
         host[f"offloaded {k}"] = device.pop(k)
+    if params_sharded and s.quantization == "nf4":
+        # bitsandbytes keeps each 4-bit layer's quantization state (absmax, nested statistics) on the module, beside its
+        # parameter (nn/modules.py Params4bit._quantize: module.quant_state), and moves it with the parameter in place
+        # (Params4bit.to); FSDP2 and ZeRO-3 shard and offload parameters only, so it stays whole on every device
+        whole = quant_state_bytes(m, s)
+        held = host if s.offload == "all" else device
+        key = "offloaded weights" if s.offload == "all" else "weights"
+        held[key] -= whole / n
+        device[QUANT_STATE] = whole
     if params_sharded:
         stored = a if s.quantization == "none" else 0.5 + 2 / 64
-        device["gathered layers"] = 2 * m.layer_params * (a if s.adapter == "full" else stored) / s.tensor_parallel
-        if s.sharding in FSDP:  # the root unit (embeddings, head, final norm) stays gathered for the whole step
-            device["gathered layers"] += a * (m.num_params - m.num_layers * m.layer_params)
+        device["gathered layers"] = gathered_bytes(m, s, a, stored)
         if s.offload == "all":  # each layer's shard is copied to the device before it is gathered
             device["offload staging (host to device)"] = 2 * m.layer_params * stored / n
     if s.sharding == "shard_grad_op" and s.adapter == "full":
         device["compute copy"] = a * m.num_params  # kept unsharded between forward and backward
     return device, host
+
+
+def gathered_bytes(m: ModelFacts, s: Setup, a: int, stored: float) -> float:
+    """Parameters gathered whole at once under ZeRO-3 / FSDP: two decoder layers (the one in use and the prefetched
+    one). FSDP2 (distributed/fsdp.py `ends`): untied embeddings and the output head are units of their own, each
+    gathered only while it runs, next to one layer; the root unit (final norm, a tied table, and the head where the
+    loss runs it outside the forward pass, chunk by chunk) stays gathered for the whole step."""
+    layer = m.layer_params * (a if s.adapter == "full" else stored) / s.tensor_parallel
+    if s.sharding not in FSDP:
+        return 2 * layer
+    rest = m.num_params - m.decoder_params  # embeddings, head, final norm (not quantized)
+    own = [] if m.tie_word_embeddings or not s.fsdp_end_units else [m.embedding_params]
+    own += [m.lm_head_params] if own and s.loss == "plain" else []
+    return max(2 * layer, layer + a * max(own, default=0)) + a * (rest - sum(own))
+
+
+EXPERT_DISPATCH = "expert dispatch (all-to-all buffers)"
+
+
+def expert_parallel_bytes(m: ModelFacts, s: Setup, a: int, device: dict[str, float]) -> None:
+    """Expert parallelism (plan/expert_parallel.py) in place of `device`'s terms: an experts module is gathered over the
+    ranks that hold the same experts, 1/ep of a layer's experts (the rest of the layer as before); the layer in flight
+    holds a second copy of its routed tokens' hidden states and of the experts' outputs (sent, and received: 2·t·k·h
+    beyond what the experts' computation holds without it).
+    Sharded state is unchanged: the experts are split over ep × world/ep ranks, as FSDP2 splits them over the world."""
+    ep = s.expert_parallel
+    if ep <= 1 or not m.num_experts or "gathered layers" not in device:
+        return
+    device["gathered layers"] -= 2 * (m.expert_params / max(m.moe_layers, 1)) * a * (1 - 1 / ep)  # one MoE layer
+    device[EXPERT_DISPATCH] = 2 * tokens_per_micro_batch(s) * m.experts_per_token * m.hidden_size * a
 
 
 def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> float:
@@ -368,7 +459,6 @@ def trainable_params(m: ModelFacts, s: Setup) -> int:
     total = 0
     for lin in targeted_linears(m, s.lora_targets):
         total += lin.count * (s.lora_r * (lin.in_features + lin.out_features) + (lin.out_features if s.dora else 0))
-    total *= m.num_layers
     for name in s.modules_to_save:
         if name in ("embed_tokens", "wte"):
             total += m.embedding_params
@@ -377,9 +467,10 @@ def trainable_params(m: ModelFacts, s: Setup) -> int:
     return total
 
 
-def targeted_linears(m: ModelFacts, targets: str | tuple[str, ...]):
-    """The decoder-layer linears a LoRA adapter wraps (`all-linear` or module names)."""
-    layer = m.layer_linears()
+def targeted_linears(m: ModelFacts, targets: str | tuple[str, ...], linears: tuple | None = None):
+    """The decoder linears a LoRA adapter wraps (`all-linear` or module names): of all layers (`count` in all of
+    them), or of the given ones. Fused MoE experts are not nn.Linear modules: `all-linear` leaves them out."""
+    layer = m.decoder_linears if linears is None else linears
     if targets == "all-linear":
         return layer
     return tuple(lin for lin in layer if lin.name in targets)
@@ -389,17 +480,24 @@ def weight_bytes(m: ModelFacts, s: Setup, a: int, frozen: bool = False) -> float
     """Bytes of the model's weights as stored (the trained fp32 master for full fine-tuning)."""
     if s.adapter == "full" and not frozen:  # the trained weights: fp32 masters, unless bf16 or DeepSpeed's half copy
         return (2 if s.pure_bf16 else a if deepspeed(s) else 4) * m.num_params
-    quantizable = m.linear_params + m.expert_params
+    quantizable = m.linear_params  # bitsandbytes replaces nn.Linear modules only: fused experts keep dtype a
     rest = m.num_params - quantizable
     if s.quantization != "none" and s.precision == "fp16":
         a = 4  # fp16 training keeps the weights it does not quantize in fp32 (adapters.py)
     if s.quantization == "nf4":
-        constants = (1 / 64 + 4 / (64 * 256)) if s.double_quant else 4 / 64
-        return quantizable * (0.5 + constants) + rest * a
+        return quantizable * 0.5 + quant_state_bytes(m, s) + rest * a
     if s.quantization == "int8":
-        rows = sum(lin.out_features * lin.count for lin in m.layer_linears()) * m.num_layers
+        rows = sum(lin.out_features * lin.count for lin in m.decoder_linears)
         return quantizable + 4 * rows + rest * a
     return m.num_params * a
+
+
+def quant_state_bytes(m: ModelFacts, s: Setup) -> float:
+    """nf4's constants: an absmax per block of 64 weights, fp32, or with double quantization 8-bit with an fp32
+    absmax per 256 of them."""
+    if s.quantization != "nf4":
+        return 0
+    return m.linear_params * ((1 / 64 + 4 / (64 * 256)) if s.double_quant else 4 / 64)
 
 
 def tokens_per_micro_batch(s: Setup) -> int:
@@ -407,16 +505,41 @@ def tokens_per_micro_batch(s: Setup) -> int:
 
 
 def layer_activation_elements(m: ModelFacts, s: Setup) -> float:
-    """Elements saved for backward per token in one decoder layer (no checkpointing)."""
-    h, q, kv = m.hidden_size, m.q_dim, m.kv_dim
-    if m.num_experts:
-        mlp = 4 * m.moe_intermediate_size * m.experts_per_token + m.num_experts
-    else:
-        mlp = 4 * m.intermediate_size if m.mlp == "gated" else 2 * m.intermediate_size
-    elems = 4 * h + 3 * q + 3 * kv + mlp
+    """Elements saved for backward per token in one decoder layer, averaged over the layers (no checkpointing)."""
+    total = sum(n * _kind_activation_elements(m, s, shape) for n, shape in m.layer_kinds)
+    return total / m.num_layers
+
+
+def _kind_activation_elements(m: ModelFacts, s: Setup, shape: LayerShape) -> float:
+    """One layer kind's saved elements per token: attention, MLP (or experts), LoRA inputs (see the docstring)."""
+    elems = (
+        4 * m.hidden_size + _attention_activation_elements(m, shape.attention) + _mlp_activation_elements(m, s, shape)
+    )
     if s.adapter != "full" and s.lora_dropout > 0:
-        elems += sum(lin.count * (lin.in_features + s.lora_r) for lin in targeted_linears(m, s.lora_targets))
+        wrapped = targeted_linears(m, s.lora_targets, shape.linears)
+        elems += sum(lin.count * (lin.in_features + s.lora_r) for lin in wrapped)
     return elems
+
+
+def _attention_activation_elements(m: ModelFacts, attention: str) -> float:
+    if attention == LINEAR_ATTENTION:
+        key, value = linear_attention_dims(m)
+        return 3 * key + 3 * value + 2 * value  # queries and keys of the key width, values, the output gate
+    head_dim, kv_heads = attention_dims(m, attention)
+    q = m.num_attention_heads * head_dim
+    if m.is_mla:
+        return 3 * q + 3 * m.num_attention_heads * m.v_head_dim + m.q_lora_rank + m.kv_lora_rank
+    return 3 * q + 3 * kv_heads * head_dim + (2 * q if m.query_gate else 0)
+
+
+def _mlp_activation_elements(m: ModelFacts, s: Setup, shape: LayerShape) -> float:
+    dense = 4 * m.intermediate_size if m.mlp == "gated" else 2 * m.intermediate_size
+    if not shape.moe:
+        return dense
+    k, a = m.experts_per_token, DTYPE_BYTES[s.precision]
+    experts = 4 * m.moe_intermediate_size * k + 2 * k * m.hidden_size  # the k experts' MLPs, the dispatched copies
+    router = 2 * m.num_experts * 4 / a  # logits and probabilities, in fp32
+    return experts + router + 4 * m.shared_expert_size + (dense if m.moe_dense_mlp else 0)
 
 
 def checkpointed_layers(m: ModelFacts, s: Setup) -> int:
@@ -450,13 +573,51 @@ def activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     working = per_layer if k else 0  # the layer being recomputed (its gradients are transient, layer by layer)
     if s.activation_offload:  # two layers' stored tensors in flight: a checkpointed layer stores only its input
         stored = a * tokens_per_micro_batch(s) * m.hidden_size if k == m.num_layers else per_layer
-        return 2 * stored + working
-    return stored_activation_bytes(m, s, a) + working
+        return 2 * stored + working + block_mask_bytes(m, s)
+    return stored_activation_bytes(m, s, a) + working + block_mask_bytes(m, s)
+
+
+FLEX_BLOCK = 128  # torch's flex_attention block (torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE)
+
+
+def block_mask_bytes(m: ModelFacts, s: Setup) -> float:
+    """flex_attention's block masks for one micro-batch (transformers builds one per attention layer type, H=None):
+    kv_indices, full_kv_indices, q_indices and full_q_indices, int32 (blocks x blocks) per row. 0 for other kernels."""
+    if s.attention != "flex_attention":
+        return 0
+    kinds = {shape.attention for _, shape in m.layer_kinds if shape.attention != LINEAR_ATTENTION}
+    blocks = -(-s.seq_len // FLEX_BLOCK)
+    return max(1, len(kinds)) * s.micro_batch_size * s.sequences_per_row * 4 * 4 * blocks * blocks
 
 
 def offloaded_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """Host memory for offloaded activations: one micro-batch's stored activations, in pinned buffers."""
-    return stored_activation_bytes(m, s, a)
+    """Host memory for offloaded activations: one micro-batch's stored activations (stored_activation_bytes), each
+    buffer as torch's pinned allocator rounds it (`pinned_bytes`): the k checkpointed layers' inputs, the embedding
+    output and final norm are t*h*a each; every other layer's buffers at the most any of its widths rounds up."""
+    t, k = tokens_per_micro_batch(s), checkpointed_layers(m, s)
+    inputs = (k + 3) * pinned_bytes(a * t * m.hidden_size)
+    return inputs + (m.num_layers - k) * layer_activation_bytes(m, s, a) * _layer_rounding(m, s, a)
+
+
+def pinned_bytes(nbytes: float) -> int:
+    """What torch's caching host allocator pins for a buffer of `nbytes`: the next power of two (torch 2.13
+    ATen/core/CachingHostAllocator.h:300-309, PowerOf2Ceil below pinned_max_round_threshold_mb, unset by default:
+    c10/core/AllocatorConfig.h:361), up to twice the buffer; freed blocks stay pinned for reuse."""
+    n = math.ceil(nbytes)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def _layer_rounding(m: ModelFacts, s: Setup, a: int) -> float:
+    """The most a saved tensor of a decoder layer is rounded up (pinned / its bytes): each is t tokens by a width of
+    the layer's linears' inputs or outputs (hidden size, q, kv, MLP), or by the heads' scores (eager). Experts see a
+    share of the tokens that routing decides: up to 2."""
+    if m.is_moe:
+        return 2.0
+    t = tokens_per_micro_batch(s)
+    widths = {m.hidden_size, *(w for lin in m.decoder_linears for w in (lin.in_features, lin.out_features))}
+    if s.attention == "eager":
+        widths.add(m.num_attention_heads * s.seq_len)
+    return max(pinned_bytes(a * t * w) / (a * t * w) for w in widths)
 
 
 def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
@@ -483,7 +644,7 @@ def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
 
 def kv_cache_bytes(m: ModelFacts, a: float, tokens: float, sequences: float) -> float:
     """Keys and values of every layer for `sequences` sequences of `tokens` tokens each, in a-byte elements."""
-    return 2 * m.num_layers * m.kv_dim * a * tokens * sequences
+    return m.cache_elements(tokens) * a * sequences
 
 
 def reward_model_params(f: ModelFacts) -> int:

@@ -12,9 +12,10 @@ where one sequence's activations dominate memory (long sequences). `auto` tries 
 (plan/search.py) keeps one where it is the fastest setup that fits by more than PAYS, or the only one.
 
 The rules: tensor parallelism's layout and divisibility come from finetune/distributed/tp.py's `check`; the config's
-(backend, sharding, offload, quantization, DoRA) and context parallelism's (GPUs, method, packing, attention, sequence
-divisible by 2 x cp) mirror finetune/distributed/cp.py's `check` without importing torch. The planner runs both
-under FSDP2 only (cp.py would also run under DDP; the planner does not offer it).
+(backend, sharding, offload, quantization, DoRA) and context parallelism's (GPUs, method, packing, attention: the
+config's and the kernel the planner chooses for the model class, sequence divisible by 2 x cp) mirror
+finetune/distributed/cp.py's `check` without importing torch. The planner runs both under FSDP2 only (cp.py
+would also run under DDP; the planner does not offer it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
+from finetune.plan.attention import ring_problem
 from finetune.plan.topology import Topology
 
 CP_MIN_SEQ = 16384  # auto tries context parallelism from this many tokens per sequence: below, activations are small
@@ -76,9 +78,10 @@ def tp_problems(config: Config, topo: Topology, m: ModelFacts, tp: int) -> list[
     return out + [p for p in _model_problems(m, tp, ppn) if tp <= ppn or "processes per node" not in p]
 
 
-def cp_config_problems(config: Config, hw: Hardware) -> list[str]:
-    """What the config and hardware allow of context parallelism, whatever the degree (finetune/distributed/cp.py's
-    rules, mirrored here so that planning needs no torch)."""
+def cp_config_problems(config: Config, hw: Hardware, m: ModelFacts) -> list[str]:
+    """What the config, hardware and model class allow of context parallelism, whatever the degree
+    (finetune/distributed/cp.py's rules, mirrored here so that planning needs no torch; the attention the planner
+    chooses for the class: plan/attention.py)."""
     d, data = config.distributed, config.data
     out = []
     if hw.is_cpu:
@@ -92,6 +95,8 @@ def cp_config_problems(config: Config, hw: Hardware) -> list[str]:
     attn = config.model.attn_implementation
     if attn not in ("auto", "sdpa"):
         out.append(f"attn_implementation {attn}: ring attention wraps sdpa (set model.attn_implementation: sdpa)")
+    elif (ring := ring_problem(config, hw, m)) is not None:
+        out.append(ring)
     if d.backend not in TP_BACKENDS:
         out.append(f"backend {d.backend}: context parallelism composes with FSDP2 only (set distributed.backend: fsdp)")
     if d.sharding not in TP_SHARDINGS:
@@ -99,11 +104,11 @@ def cp_config_problems(config: Config, hw: Hardware) -> list[str]:
     return out
 
 
-def cp_problems(config: Config, hw: Hardware, topo: Topology, tp: int, cp: int) -> list[str]:
+def cp_problems(config: Config, hw: Hardware, topo: Topology, m: ModelFacts, tp: int, cp: int) -> list[str]:
     """Why `cp` cannot run next to `tp`, each naming the constraint and the fix; empty when it can."""
     if cp == 1:
         return []
-    out = cp_config_problems(config, hw)
+    out = cp_config_problems(config, hw, m)
     seq = config.data.seq_len
     if seq % (2 * cp):
         up = -(-seq // (2 * cp)) * 2 * cp
@@ -120,7 +125,7 @@ def check(config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> None:
     """Every problem of an explicit tensor- or context-parallel degree, together, as one PlanError."""
     d = config.distributed
     tp, cp = asked(d.tensor_parallel) or 1, asked(d.context_parallel) or 1
-    problems = tp_problems(config, topo, m, tp) + cp_problems(config, hw, topo, tp, cp)
+    problems = tp_problems(config, topo, m, tp) + cp_problems(config, hw, topo, m, tp, cp)
     if not problems and topo.world % (tp * cp):
         problems.append(
             f"distributed.tensor_parallel {tp} x context_parallel {cp}: their product must divide the "
@@ -152,14 +157,15 @@ def tp_degrees(config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> l
     return [1] + [d for d in _powers(ppn) if not _model_problems(m, d, ppn)]
 
 
-def cp_degrees(config: Config, hw: Hardware, topo: Topology) -> list[int]:
+def cp_degrees(config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> list[int]:
     """Context-parallel degrees to try: the one asked, else 1 and (on GPUs, for sequences of CP_MIN_SEQ tokens or
-    more) every power of two that divides a node's processes and half the sequence."""
+    more, where the model class runs SDPA) every power of two that divides a node's processes and half the
+    sequence."""
     explicit = asked(config.distributed.context_parallel)
     if explicit:
         return [explicit]
     seq = config.data.seq_len
-    if topo.world == 1 or seq < CP_MIN_SEQ or cp_config_problems(config, hw):
+    if topo.world == 1 or seq < CP_MIN_SEQ or cp_config_problems(config, hw, m):
         return [1]
     return [1] + _powers(topo.processes_per_node)
 
@@ -172,7 +178,7 @@ def degrees(config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> list
     ppn, seq = topo.processes_per_node, config.data.seq_len
     out = []
     for tp in tp_degrees(config, hw, topo, m):
-        for cp in cp_degrees(config, hw, topo):
+        for cp in cp_degrees(config, hw, topo, m):
             inner = tp * cp
             if inner == 1 or (ppn % inner == 0 and seq % (2 * cp) == 0):
                 out.append((tp, cp))

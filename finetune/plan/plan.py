@@ -87,6 +87,8 @@ class Plan:
     # innermost (consecutive ranks, one node); data-parallel degree = world_size / (tensor_parallel * context_parallel)
     tensor_parallel: int = 1  # each decoder layer's attention and MLP weights split over this many ranks (DTensor)
     context_parallel: int = 1  # each sequence split over this many ranks (ring attention)
+    # each MoE layer's routed experts split over this many data-parallel ranks (all-to-all dispatch, distributed/ep.py)
+    expert_parallel: int = 1
     scaling: dict = field(default_factory=dict)  # predicted compute/communication/overlap seconds and efficiency
     step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
@@ -99,6 +101,17 @@ class Plan:
     stop_seconds: int = 0
     max_steps: int = 0  # optimizer steps of the run when train.max_steps sets them; 0: train.epochs does
     device_memory_bytes: int = 0  # each device's whole memory (device_capacity_bytes: what the planner may fill)
+    # How packed rows keep samples apart besides the kernel (plan/attention.py): masks per layer type ({} one causal
+    # mask; else layer type -> {"window": n} | {"chunk": n} | {}), seq_idx for state-space/linear-attention kernels
+    attention_masks: dict = field(default_factory=dict)
+    sample_index: bool = False
+    flash_upgrade: bool = False  # flash_attention_2 may replace the planned kernel where flash-attn is installed
+    # the model routes tokens to experts (ModelFacts.is_moe): a 4/8-bit base keeps what peft adapts by parameter in
+    # 16 bits (models.kept_modules reads the model's structure for it); a dense model's loading reads nothing more
+    moe: bool = False
+    # the LoRA dropout trained with: adapter.dropout, or 0 where the adapter reaches an MoE model's fused experts
+    # (config/moe_checks.py lora_dropout); 0 for full fine-tuning; None in plans written before it was recorded
+    lora_dropout: float | None = 0.0
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
@@ -138,6 +151,11 @@ class Plan:
             "seq_len": self.seq_len,
             "lr": self.lr,
             "attn_implementation": self.attn_implementation,
+            "attention_masks": dict(self.attention_masks),
+            "sample_index": self.sample_index,
+            "flash_upgrade": self.flash_upgrade,
+            "moe": self.moe,
+            "lora_dropout": self.lora_dropout,
             "params": {"total": e.total_params, "trainable": e.trainable_params},
             "memory": {
                 "per_device_gib": round(e.device_bytes / GiB, 2),
@@ -176,6 +194,7 @@ class Plan:
             "compile": self.compile,
             "tensor_parallel": self.tensor_parallel,
             "context_parallel": self.context_parallel,
+            "expert_parallel": self.expert_parallel,
             "scaling": dict(self.scaling),
             "step_seconds_estimate": self.step_seconds,
             "max_steps": self.max_steps,
@@ -248,6 +267,7 @@ class Plan:
         # absent from plans written before tensor and context parallelism
         savers["tensor_parallel"] = data.get("tensor_parallel", 1)
         savers["context_parallel"] = data.get("context_parallel", 1)
+        savers["expert_parallel"] = data.get("expert_parallel", 1)  # absent from plans written before it
         savers["scaling"] = dict(data.get("scaling", {}))
         savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
         cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned
@@ -256,6 +276,11 @@ class Plan:
         savers["checkpoint_bytes"] = exact.get("checkpoint_bytes", 0)
         savers["max_steps"] = data.get("max_steps", 0)  # absent from plans written before it was recorded
         savers["device_memory_bytes"] = exact.get("device_memory_bytes", 0)  # likewise
+        savers["attention_masks"] = dict(data.get("attention_masks", {}))  # absent before plan/attention.py
+        savers["sample_index"] = data.get("sample_index", False)
+        savers["flash_upgrade"] = data.get("flash_upgrade", data["attn_implementation"] in ("sdpa", "sdpa_varlen"))
+        savers["moe"] = data.get("moe", False)  # absent from plans written before MoE models were planned
+        savers["lora_dropout"] = data.get("lora_dropout")  # absent before it was recorded: the config's dropout
         return cls(
             **simple,
             **savers,

@@ -13,11 +13,18 @@ that would fit this hardware (see `finetune.plan.advice`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from finetune.catalog import ModelFacts
+from finetune.config.moe_checks import lora_dropout, moe_notes, moe_problems
 from finetune.config.schema import Config
 from finetune.distributed.launch import needs_launcher, rank_command
+from finetune.errors import ConfigError
 from finetune.hardware import Hardware
+from finetune.model_class import for_facts
+from finetune.plan import expert_parallel
 from finetune.plan.advice import no_fit_error
+from finetune.plan.attention import choose_attention
 from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
@@ -49,6 +56,9 @@ def plan(
     speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
     """
     speeds = speeds or links(hardware)
+    problems = moe_problems(config, model)  # what peft and the loss cannot do on this model, with the key and fix
+    if problems:
+        raise ConfigError(config_path, problems)
     if new_tokens or config.data.add_special_tokens:
         config = _train_embeddings(config)
     decisions: list[Decision] = []
@@ -63,7 +73,10 @@ def plan(
     check_parallel(config, hardware, topo, model)  # explicit degrees' refusals before the batch arithmetic uses them
     fixed = (asked(d.tensor_parallel) or 1) * (asked(d.context_parallel) or 1)  # auto degrees divide world / fixed
     batch = choose_global_batch(config, topo, decisions, topo.world // fixed if fixed > 1 else None)
-    outcome = search(config, hardware, model, topo, precision, batch, speeds)
+    # the attention, before the search, whose estimates count it (search.setup: estimated_kernel); recorded below
+    attention_decisions: list[Decision] = []
+    attn = choose_attention(config, hardware, for_facts(model), asked(d.context_parallel) or 1, attention_decisions)
+    outcome = search(expert_parallel.confined(config, topo, model), hardware, model, topo, precision, batch, speeds)
     fit = outcome.chosen
     if fit is None:
         raise no_fit_error(config, hardware, model, topo, precision, batch)
@@ -72,7 +85,9 @@ def plan(
     record_savers(config, fit, model, hardware, topo, precision, batch, decisions, speeds)
     record_headroom(fit, hardware, model, decisions)
     c = fit.candidate
-    compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp)
+    s = setup(config, hardware, topo, precision, batch, c, fit.micro_batch_size, fit.savers, model)
+    fit, ep = expert_parallel.apply(config, hardware, topo, model, fit, s, speeds, decisions)
+    compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp, ep)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -83,9 +98,10 @@ def plan(
                 "trained in full next to the adapter",
             )
         )
+    decisions.extend(Decision(*note) for note in moe_notes(config, model, c.adapter, c.quantization))
     lr = choose_lr(config, fit.candidate.adapter, decisions)
-    attn = choose_attention(config, hardware, decisions)
-    s = setup(config, hardware, topo, precision, batch, c, fit.micro_batch_size, fit.savers, model)
+    decisions.extend(attention_decisions)
+    s = replace(s, expert_parallel=ep)
     accumulation = s.accumulation
     step = traffic(fit, topo, model, s)
     written = checkpoint_bytes_per_node(
@@ -111,7 +127,12 @@ def plan(
         global_batch_size=batch,
         seq_len=config.data.seq_len,
         lr=lr,
-        attn_implementation=attn,
+        attn_implementation=attn.kernel,
+        attention_masks=attn.masks,
+        sample_index=attn.sample_index,
+        flash_upgrade=attn.flash_upgrade,
+        moe=model.is_moe,
+        lora_dropout=lora_dropout(config.adapter, model, c.adapter),
         estimate=fit.estimate,
         device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware),
@@ -144,6 +165,7 @@ def plan(
         compile=compiled,
         tensor_parallel=c.tp,
         context_parallel=c.cp,
+        expert_parallel=ep,
         scaling=fit.scaling,
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(fit, outcome.others, model),
@@ -323,31 +345,6 @@ def choose_lr(config: Config, adapter: str, out: list[Decision]) -> float:
     lr, why = config.method.default_lr(full=adapter == "full")
     out.append(Decision("lr", lr, why))
     return lr
-
-
-def choose_attention(config: Config, hw: Hardware, out: list[Decision]) -> str:
-    asked = config.model.attn_implementation
-    if asked != "auto":
-        out.append(Decision("attn_implementation", asked, "as set in the config", "config"))
-        return asked
-    if config.data.packing:
-        out.append(
-            Decision(
-                "attn_implementation",
-                "sdpa_varlen",
-                "packed rows: ft's padding-free SDPA runs one causal attention per sample, so samples never see "
-                "each other and no T×T mask is built",
-            )
-        )
-        return "sdpa_varlen"
-    out.append(
-        Decision(
-            "attn_implementation",
-            "sdpa",
-            "torch's scaled-dot-product attention: memory-efficient kernels with no extra install",
-        )
-    )
-    return "sdpa"
 
 
 def _train_embeddings(config: Config) -> Config:

@@ -11,6 +11,7 @@ from finetune.hardware import Hardware
 from finetune.plan.candidates import Candidate
 from finetune.plan.comm import (
     Links,
+    expert_parallel_traffic,
     parallel_traffic,
     reduces_every_micro_batch,
     seconds,
@@ -73,6 +74,22 @@ def traffic(fit: Fit, topo: Topology, m: ModelFacts, s: Setup) -> dict[str, floa
             c.cp,
         )
     )
+    if s.expert_parallel > 1:  # the routed experts split over ranks (plan/expert_parallel.py)
+        share = m.expert_params / m.num_params
+        out = expert_parallel_traffic(
+            out,
+            topo.world,
+            topo.processes_per_node,
+            s.expert_parallel,
+            (share, share if c.adapter == "full" else 0.0),
+            tokens_per_micro_batch(s),
+            m.hidden_size,
+            m.experts_per_token,
+            m.num_layers,
+            checkpointed_layers(m, s),
+            DTYPE_BYTES[s.precision],
+            s.accumulation,
+        )
     return out
 
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
+from finetune.config.moe_checks import lora_dropout
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import parallel
 from finetune.plan import savers as saver_options
+from finetune.plan.attention import estimated_kernel
 from finetune.plan.candidates import Candidate, candidates, data_parallel, loading
 from finetune.plan.comm import Links
 from finetune.plan.memory import (
@@ -259,7 +261,8 @@ def setup(
     dp = data_parallel(topo.world, cand)
     # FSDP's group: a node (hybrid_shard), else the data- and context-parallel ranks of one tensor-parallel slot
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world // cand.tp
-    attn = "eager" if config.model.attn_implementation == "eager" else "sdpa"
+    # the kernel the planner will choose for this model (plan/attention.py): eager's T×T scores, flex's block mask
+    attn = estimated_kernel(config, hw, m) if m is not None else config.model.attn_implementation
     gen_tokens = method.generation_tokens(config.data.seq_len) if topo.engine.samples else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
@@ -282,7 +285,7 @@ def setup(
         offload=cand.offload,
         lora_r=a.r,
         lora_targets=targets,
-        lora_dropout=a.dropout,
+        lora_dropout=lora_dropout(a, m, cand.adapter) if m is not None else a.dropout,
         dora=a.dora,
         modules_to_save=tuple(a.modules_to_save),
         double_quant=config.quantization.double_quant,

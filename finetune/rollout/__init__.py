@@ -38,8 +38,9 @@ class RolloutEngine(Protocol):
         """Take the trainer's current weights (a weights.Weights: an adapter folder or full tensors)."""
         ...
 
-    def sleep(self) -> None:
-        """Free the engine's device memory until the next `wake` (vLLM sleep mode on GPUs; nothing elsewhere)."""
+    def sleep(self, reloading: bool = False) -> None:
+        """Free the engine's device memory until the next `wake` (vLLM sleep mode on GPUs; nothing elsewhere).
+        `reloading`: the trainer's weights are sent again before the engine next generates."""
         ...
 
     def wake(self) -> None: ...

@@ -55,7 +55,7 @@ class RolloutDriver:
         """The rollout of the batch that starts at optimizer step `step` (the policy's version)."""
         ready = self._take_ahead(indices)
         self.sync_seconds = 0.0
-        if self.weights is not None and (self.synced is None or step - self.synced >= self.sync_every):
+        if self._updates_at(step):
             started = time.perf_counter()
             self.engine.update(self.weights(step))
             self.synced, self.sync_seconds = step, time.perf_counter() - started
@@ -65,9 +65,13 @@ class RolloutDriver:
             after = step + self.steps_per_batch
             rows = self.upcoming()
             self.background.submit(self._generate, rows, self.prompts_for(rows), after, self.synced)
-        else:
-            self.engine.sleep()  # the trainer's forward and backward passes get the memory (GPUs)
+        else:  # the trainer's forward and backward passes get the memory (GPUs); the next rollout comes a batch later
+            self.engine.sleep(reloading=self._updates_at(step + self.steps_per_batch))
         return ready
+
+    def _updates_at(self, step: int) -> bool:
+        """Whether the engine gets the trainer's weights before the rollout at `step` (and at any later step)."""
+        return self.weights is not None and (self.synced is None or step - self.synced >= self.sync_every)
 
     def _generate(self, indices: list[int], prompts: list[list[int]], key: int, version: int) -> Rollout:
         started = time.perf_counter()

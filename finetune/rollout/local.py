@@ -58,7 +58,7 @@ class TransformersRollout:
     def update(self, weights) -> None:
         pass  # it samples with the training model's own weights
 
-    def sleep(self) -> None:
+    def sleep(self, reloading: bool = False) -> None:
         pass
 
     def wake(self) -> None:

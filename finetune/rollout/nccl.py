@@ -10,8 +10,13 @@ NCCL: there the weights go over HTTP (server.py).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
 import socket
+
+from finetune.errors import FtError
 
 CONTROL = ("init", "start", "update", "finish")  # the server's /nccl/<op> endpoints
 PACK_BYTES = 256 * 2**20  # each of vLLM's two packing buffers on rank 0's GPU during an update (its default: 1 GiB)
@@ -22,21 +27,66 @@ def weight_source(engine):
     """The trainer's parameters as vLLM's `WeightSource`: shapes without gathering, then each gathered in turn."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
-    class TrainerParameters(WeightSource):
+    def metadata():
+        return [
+            ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", None) or p.shape))  # ZeRO-3: the full shape
+            for name, p in engine.inner.named_parameters(remove_duplicate=False)
+        ]
+
+    def tensors():
+        import torch
+
+        here = torch.device("cuda", torch.cuda.current_device())
+        for name, tensor in engine.full_parameters():  # parameters offloaded to host RAM are gathered over gloo
+            yield name, tensor if tensor.is_cuda else tensor.to(here)  # NCCL sends CUDA tensors only
+
+    return source_class(WeightSource, metadata, tensors)()
+
+
+def source_class(base, metadata, tensors):
+    """A `base` (vLLM's WeightSource) subclass declaring `metadata()`'s parameters and yielding `tensors()`, in the
+    form the installed vLLM asks for. 0.30-0.32 (weight_transfer/base.py): abstract `metadata()` and `__iter__`. 0.33:
+    an abstract `metadata` property that subclasses must define as a functools.cached_property (checked in its
+    `__init_subclass__`), and `iter_full()`, which its NCCL engine iterates (`implements_iter_full`)."""
+    if isinstance(inspect.getattr_static(base, "metadata", None), property):
+
+        class TrainerParameters(base):
+            @functools.cached_property
+            def metadata(self):
+                return metadata()
+
+            def iter_full(self):
+                yield from tensors()
+
+        return TrainerParameters
+
+    class TrainerParameters(base):
         def metadata(self):
-            return [
-                ParamMeta(name, p.dtype, tuple(getattr(p, "ds_shape", None) or p.shape))  # ZeRO-3: the full shape
-                for name, p in engine.inner.named_parameters(remove_duplicate=False)
-            ]
+            return metadata()
 
         def __iter__(self):
-            import torch
+            yield from tensors()
 
-            here = torch.device("cuda", torch.cuda.current_device())
-            for name, tensor in engine.full_parameters():  # parameters offloaded to host RAM are gathered over gloo
-                yield name, tensor if tensor.is_cuda else tensor.to(here)  # NCCL sends CUDA tensors only
+    return TrainerParameters
 
-    return TrainerParameters()
+
+def init_info(cls, **values):
+    """vLLM's `NCCLTrainerInitInfo` from the values ft has, passing only the fields the installed version declares
+    (0.30-0.33: master_address, master_port, world_size, packed, packed_buffer_size_bytes, packed_num_buffers; rank,
+    keyword-only, from its base TrainerInitInfo); a field it requires that ft does not know is named."""
+    declared = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    missing = [
+        name
+        for name, f in declared.items()
+        if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise FtError(
+            f"this vLLM's {cls.__name__} requires {', '.join(missing)}, which ft does not know (ft was written "
+            "against vLLM 0.30-0.33).\n    fix: pip install 'vllm>=0.30,<0.34', or set method.rollout.placement: "
+            "colocated"
+        )
+    return cls(**{k: v for k, v in values.items() if k in declared})
 
 
 class ServerControl:
@@ -68,7 +118,8 @@ class NcclSender:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
         address = os.environ.get(ADDRESS_ENV) or socket.gethostname()
-        info = NCCLTrainerInitInfo(
+        info = init_info(
+            NCCLTrainerInitInfo,
             master_address=address,
             master_port=_free_port(),
             world_size=1 + server_workers,  # trainer rank 0 sends; the server's workers receive

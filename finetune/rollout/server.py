@@ -376,7 +376,7 @@ class RemoteRollout:
                 self._post("/weights/done", b"{}")
         weights.runtime.barrier()  # no rank samples before the server has the new weights
 
-    def sleep(self) -> None:
+    def sleep(self, reloading: bool = False) -> None:
         pass  # the server's devices are its own
 
     def wake(self) -> None:

@@ -3,9 +3,9 @@
 Weights: an adapter is served as a new LoRA request on the unchanged base after every update (no merge); a model
 trained in full receives its tensors in place through the model's own `load_weights`, one parameter (or one layer)
 at a time, and the prefix cache is reset so that no KV block computed with the old weights is reused. On GPUs the
-engine sleeps (level 1: weights to host memory, KV cache freed) while the trainer runs its forward and backward
-passes, when the plan says so. The log-probs vLLM returns are its raw ones (before temperature), the same quantity
-the trainer computes.
+engine sleeps while the trainer runs its forward and backward passes, when the plan says so (`sleep`: level 2, the
+weights dropped, where the trainer's are loaded again before the next generation; else level 1, the weights kept in
+host memory). The log-probs vLLM returns are its raw ones (before temperature), the same quantity the trainer computes.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class VllmRollout:
         self.llm = llm if llm is not None else build_llm(spec)
         self.lora = None  # the LoRA request serving the trained adapter (none before the first update)
         self.asleep = False
+        self.sleep_level = 0  # of the last sleep (0: never slept)
+        self.dropped = False  # the weights were dropped by a level 2 sleep and not loaded again since
 
     def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
         group = self._tensor_parallel_group()
@@ -151,10 +153,11 @@ class VllmRollout:
         return self._sample(prompts, [seed + j for j in range(len(prompts))], temperature, top_p, max_new_tokens, stop)
 
     def _sample(self, prompts, seeds, temperature, top_p, max_new_tokens, stop) -> list[Completion]:
+        self.wake()
+        self._check_weights()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake()
         params = [
             SamplingParams(
                 n=1,
@@ -175,10 +178,11 @@ class VllmRollout:
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The engine's log-prob of each token of each sequence after its first (the current weights and adapter)."""
+        self.wake()
+        self._check_weights()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self.wake()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         out = []
         for seq in sequences:  # one at a time: vLLM 0.32's CPU LoRA kernels fail on prompt log-probs of a batch
@@ -208,11 +212,24 @@ class VllmRollout:
         reload: the model's own loader maps the names, fuses q/k/v and gate/up, and redoes each layer's processing)."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # KV blocks computed with the old weights must not be reused
+        self.dropped = False
 
-    def sleep(self) -> None:
-        if self.spec.sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+    def sleep(self, reloading: bool = False) -> None:
+        """Give the GPU memory back until the next wake (a sleep-mode engine). `reloading`: the trainer's weights are
+        loaded before this engine generates again (rollout/driver.py says so when its next rollout updates them)."""
+        if not self.spec.sleep or self.asleep:
+            return
+        # vLLM 0.30-0.33 (device_allocator/sleep_mode_backend.py CuMemBackend.suspend, 0.32:127-137; LLM.sleep's
+        # docstring): level 1 copies the "weights" allocations to pinned host memory and back at wake-up (a 7B bf16
+        # model: ~14 GB per GPU each way); level 2 drops them, keeping only the model's buffers (and, from 0.31, the
+        # parameters named by sleep_preserve_parameter_names) in host memory (v1/worker/gpu_worker.py sleep and
+        # wake_up, 0.32:294-347), so the model computes garbage until its weights are loaded again. A model trained
+        # in full gets every weight loaded at each update (`load`: reload_weights), so level 2 is right when that
+        # update comes before the next generation. A LoRA adapter is served on base weights that are never sent
+        # again: level 1.
+        self.sleep_level = 2 if reloading and not self.spec.lora_rank else 1
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep, self.dropped = True, self.sleep_level == 2
 
     def wake(self) -> None:
         if self.asleep:
@@ -221,6 +238,13 @@ class VllmRollout:
             torch.cuda.empty_cache()  # the trainer's freed blocks go back to the device, where vLLM reclaims them
             self.llm.wake_up()
             self.asleep = False
+
+    def _check_weights(self) -> None:
+        if self.dropped:
+            raise RuntimeError(
+                "the vLLM engine slept at level 2 (its weights dropped) and was asked to generate before the trainer's "
+                "weights were loaded again"
+            )
 
     def close(self) -> None:
         self.llm = None
