@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
-# ft's GPU checks in one prepared run (about 4 minutes on one H200; every section has a timeout, 8 minutes at most).
+# ft's GPU checks in one prepared run: the first hour on a GPU machine (issue 31), sized to fit in 10 minutes on one
+# H200: every section has a timeout (its cap, CAP below), the default sections' caps sum to the budget (560 s).
 #
-#   bash scripts/gpu-check.sh                  every section, then a summary; exit 1 if any section failed
-#   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): pytest memory loss bf16pure savers bench
-#                                              scaling rollout
+#   bash scripts/gpu-check.sh                  the default sections, then a summary; exit 1 if any section failed:
+#                                              first-contact vllm memory savers loss bf16pure pytest
+#   bash scripts/gpu-check.sh pytest memory    only these (setup always runs): first-contact vllm memory savers loss
+#                                              bf16pure pytest bench scaling rollout
 #   bash scripts/gpu-check.sh --fetch-wheels   on a machine with PyPI: download into .whl/ the Python 3.12 wheels that a
 #                                              GPU machine without network lacks; carry .whl/ along (installed from there)
+# Every check prints one line, `check NAME: PASS|FAIL|SKIP <figure>` ($OUT/checks.txt; the summary repeats them).
 # Sections:
 #   setup   the Python to use: .venv if it has torch; else python3 if its torch sees CUDA (used as it is, plus the
 #           wheels in .whl/ if any, installed into $WORK/site); else scripts/setup.sh into a .venv that sees python3's
 #           packages (needs network). Prints torch, CUDA, the GPUs, bitsandbytes, deepspeed, flash-attn, ...
-#   pytest  pytest -m gpu over every test file with gpu marks (tests/test_gpu.py: one GPU; tests/test_gpu_multi.py:
-#           two GPUs, skipped with one), 4 workers, a timeout per test; $OUT/pytest-gpu.xml (junit) and .log
+#   first-contact  what issue 31 found on first contact with GPUs, each check a GPU-marked test (or command) under its
+#           own timeout (bench/gpu_first_contact.py check): host loading keeps torch.cuda.memory_allocated() ~0 while
+#           loading (host-loading); DDP's buckets are the gradients (ddp-buckets); the final full model is written in
+#           bf16 (save-dtype) (FSDP2's root unit, item 12, has no GPU test yet: its 2-rank test is in pytest -m slow);
+#           the varlen kernel is taken under autocast with no host reads (varlen-autocast); offloaded activations pin
+#           what the plan counts, torch.cuda.host_memory_stats() (pinned-host); the chunked loss under FSDP2 and ZeRO-3
+#           with DeepSpeed's trace invalidations counted (chunked-loss); compile under FSDP2 LoRA with TORCH_LOGS=
+#           recompiles, failing above a few "Recompiling function" lines (compile-fsdp2). The tests it ran are left
+#           out of the pytest section.
+#   vllm    vLLM alone on the GPU (in the Python that FT_GPU_CHECK_VLLM_PYTHON names, else .venv-vllm, else $PY; every
+#           check SKIPs where none has vLLM): a colocated engine's sleep frees its memory and wakes with new weights
+#           (tests/test_gpu_rollout.py -k sleeping_colocated), the trainer API versions
+#           (tests/test_weight_transfer_versions.py), sleep levels' freed and host GiB (bench/vllm_sleep_bench.py
+#           --size 1b); $OUT/vllm-sleep.jsonl
+#   pytest  pytest -m gpu over every other test file with gpu marks (tests/test_gpu.py: one GPU; tests/test_gpu_multi.py:
+#           two GPUs, skipped with one; not tests/test_gpu_rollout.py, the vllm section's), less the tests first-contact
+#           ran, 4 workers, a timeout per test; $OUT/pytest-gpu.xml (junit) and .log
 #   memory  a ~1B Llama built offline, LoRA under FSDP2 full_shard on the visible GPUs: memory per rank after loading
-#           and after each step next to the plan's per-device estimate (bench/gpu_bench.py memory); $OUT/memory.json
+#           and after each step next to the plan's per-device estimate (bench/gpu_bench.py memory); summary line per
+#           rank: max_memory_allocated vs the estimate and their ratio; $OUT/memory.json
 #   bench   tokens/s, MFU and peak memory of the same model, LoRA and full fine-tuning, bf16, 20 steps
 #           (bench/gpu_bench.py throughput); $OUT/bench.json
 #   scaling the same model's full fine-tuning, bf16, 8 x 1024 packed tokens per GPU and step, on one GPU and then on all
@@ -22,7 +41,8 @@
 #           (bench/gpu_bench.py scaling); skipped (passes) with fewer than two GPUs; $OUT/scaling.json
 #   savers  activation offload on vs off in ft's loop (full fine-tuning of a ~170M Llama, bf16, 4 x 2048 tokens):
 #           max_memory_allocated and step time; fails unless offload lowers the peak and gives plain's losses and
-#           gradient norms (bench/memory_savers_bench.py); $OUT/savers.json
+#           gradient norms (bench/memory_savers_bench.py); summary line per saver: max_memory_allocated (and the
+#           estimate with the ratio where savers.json has one); $OUT/savers.json
 #   bf16pure full fine-tuning of the ~1B model, mixed bf16 then bf16-pure, 20 steps each: max_memory_allocated and
 #           losses; fails unless bf16-pure saves >= 6 bytes per trained parameter and its loss is within 2%;
 #           $OUT/bf16-pure.jsonl
@@ -30,11 +50,12 @@
 #           bf16, 2 x 4096 tokens): plain, chunked, and liger / cut_cross_entropy where installed; max_memory_allocated
 #           over the loss and its backward, time, and the loss, gradients and log-probs against plain's; fails unless
 #           they agree and every other implementation peaks below 0.6 x plain's; $OUT/loss.json
-#   rollout GRPO's vLLM rollout engine on GPUs (tests/test_gpu_rollout.py, not in the default list: it needs vLLM, in
-#           the Python that FT_GPU_CHECK_VLLM_PYTHON names, else $PY): a colocated engine's sleep mode frees its memory
+#   rollout GRPO's vLLM rollout engine on GPUs, all of tests/test_gpu_rollout.py (not in the default list: it needs
+#           vLLM, in the Python that FT_GPU_CHECK_VLLM_PYTHON names, else $PY; two GPUs for its NCCL test): a colocated engine's sleep mode frees its memory
 #           and wakes with new weights; full weights reach a rollout server over NCCL (two GPUs); $OUT/rollout.log
 # Environment: OUT (default gpu-check-out), FT_GPU_CHECK_WORK (default /tmp/ft-gpu-check: the model, runs; removed at
-# the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the whole script, default 460),
+# the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the
+# sections, default 560),
 # FT_GPU_CHECK_BENCH_ARGS (more options for the bench/gpu_bench.py commands: memory, bench, scaling),
 # FT_GPU_CHECK_PYTHON (the Python to use),
 # FT_WHEEL_DIR (default .whl).
@@ -69,14 +90,19 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
   exit
 fi
 
-SECTIONS=${*:-pytest memory loss bf16pure savers bench scaling}
+DEFAULT_SECTIONS="first-contact vllm memory savers loss bf16pure pytest"
+# Each section's cap (its timeout, seconds): the default sections' caps sum to at most the default budget.
+declare -A CAP=([first-contact]=170 [vllm]=100 [memory]=50 [savers]=40 [loss]=40 [bf16pure]=70 [pytest]=90
+                [bench]=120 [scaling]=120 [rollout]=180)
+SECTIONS=${*:-$DEFAULT_SECTIONS}
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 WORK=${FT_GPU_CHECK_WORK:-/tmp/ft-gpu-check}
-BUDGET=${FT_GPU_CHECK_BUDGET:-460}
+BUDGET=${FT_GPU_CHECK_BUDGET:-560}
 mkdir -p "$WORK"
 rm -f "$OUT"/gpu-check.log "$OUT"/pytest-gpu.log "$OUT"/pytest-gpu.xml "$OUT"/memory.json "$OUT"/bench.json "$OUT"/summary.txt
-rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json "$OUT"/rollout.log "$OUT"/scaling.json
+rm -f "$OUT"/savers.json "$OUT"/bf16-pure.jsonl "$OUT"/loss.json "$OUT"/rollout.log "$OUT"/scaling.json "$OUT"/checks.txt
+rm -f "$OUT"/vllm-sleep.jsonl "$WORK"/first-contact.ids
 exec > >(tee "$OUT/gpu-check.log") 2>&1
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # ft importable without an install
@@ -213,7 +239,8 @@ EOF
 # shellcheck disable=SC2329  # run through bash -c, under the section's timeout
 run_pytest() {
   local files args=(-m gpu -v -ra -p no:cacheprovider --durations=0 --durations-min=2 --junitxml="$OUT/pytest-gpu.xml")
-  mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py)
+  mapfile -t files < <(grep -l -E 'mark\.gpu' tests/test_*.py | grep -v test_gpu_rollout.py)
+  [ -s "$WORK/first-contact.ids" ] && while read -r id; do args+=(--deselect "$id"); done <"$WORK/first-contact.ids"
   python_sees "$PY" 'import xdist' && args+=(-n "${FT_GPU_CHECK_WORKERS:-4}")
   python_sees "$PY" 'import pytest_timeout' && args+=(--timeout "${FT_GPU_CHECK_TEST_TIMEOUT:-200}")
   echo "$PY -m pytest ${args[*]} ${files[*]}"
@@ -301,6 +328,42 @@ else:
     sys.exit(0 if ok else 1)
 EOF
 )
+# first-contact: check NAME TIMEOUT FIGURE CMD...: one line `check NAME: PASS|FAIL|SKIP <figure>`
+check() {
+  local name=$1 t=$2 fig=$3
+  shift 3
+  "$PY" bench/gpu_first_contact.py check "$name" "$t" --figure "$fig" --ids "$WORK/first-contact.ids" -- "$@"
+}
+# shellcheck disable=SC2329  # run through bash -c, under the section's timeout
+run_first_contact() {
+  local fc=tests/test_gpu_first_contact.py g=(-m pytest -m gpu -v -s -ra -p no:cacheprovider) rc=0
+  check host-loading 20 "host loading" "$PY" "${g[@]}" $fc -k host_loading_leaves_the_gpu_empty || rc=1
+  check ddp-buckets 25 "DDP on a GPU" "$PY" "${g[@]}" $fc -k ddp_on_a_gpu || rc=1
+  check save-dtype 25 "" "$PY" "${g[@]}" $fc -k gpu_full_fine_tune_in_mixed_bf16 || rc=1
+  check varlen-autocast 15 "varlen kernel calls" "$PY" "${g[@]}" tests/test_attention.py -k autocast || rc=1
+  check pinned-host 15 "" "$PY" "${g[@]}" tests/test_activation_savers.py -k offloaded_activations_pin || rc=1
+  check chunked-loss 40 "" "$PY" "${g[@]}" tests/test_gpu.py -k chunked_loss || rc=1
+  check compile-fsdp2 40 "recompiles" "$PY" bench/gpu_first_contact.py compile --timeout 38 || rc=1
+  return $rc
+}
+# vllm: alone on the GPU; every check SKIPs where no Python has vLLM
+# shellcheck disable=SC2329  # run through bash -c, under the section's timeout
+run_vllm() {
+  local py=${FT_GPU_CHECK_VLLM_PYTHON:-} c rc=0
+  for c in "$REPO/.venv-vllm/bin/python" "$PY"; do
+    [ -z "$py" ] && python_sees "$c" 'import vllm' && py=$c
+  done
+  if [ -z "$py" ] || ! python_sees "$py" 'import vllm'; then
+    for c in vllm-sleep vllm-versions vllm-sleep-bench; do
+      echo "check $c: SKIP no vLLM (set FT_GPU_CHECK_VLLM_PYTHON)" | tee -a "$OUT/checks.txt"
+    done
+    return 0
+  fi
+  check vllm-sleep 45 "" "$py" -m pytest -m gpu -v -s -ra -p no:cacheprovider tests/test_gpu_rollout.py -k sleeping_colocated || rc=1
+  check vllm-versions 10 "" "$py" -m pytest -v -ra -p no:cacheprovider tests/test_weight_transfer_versions.py || rc=1
+  check vllm-sleep-bench 40 "freed_gib" "$py" bench/vllm_sleep_bench.py --size 1b --out "$OUT/vllm-sleep.jsonl" || rc=1
+  return $rc
+}
 # shellcheck disable=SC2329  # run through bash -c, under the section's timeout
 run_rollout() {
   local py=${FT_GPU_CHECK_VLLM_PYTHON:-$PY}
@@ -394,26 +457,33 @@ run_loss() {
   "$PY" -c "$LOSS_PY"
 }
 export BF16_PURE_PY LOSS_PY
-export -f junit run_pytest python_sees run_bf16_pure run_loss
+export -f junit run_pytest python_sees run_bf16_pure run_loss check run_first_contact run_vllm
 
 START=$(now)
 setup
 export PY
 read -ra EXTRA <<<"${FT_GPU_CHECK_BENCH_ARGS:-}"  # e.g. "--size small --hardware cpu --seq-len 128 --micro 2 --steps 3": a CPU dry run
-for s in $SECTIONS; do
+read -ra LIST <<<"$SECTIONS"
+for i in "${!LIST[@]}"; do
+  s=${LIST[$i]}
+  reserve=0  # kept for the sections after this one: their caps
+  for later in "${LIST[@]:i+1}"; do reserve=$((reserve + ${CAP[$later]:-0})); done
+  cap=${CAP[$s]:-0}
   case $s in
     setup) ;;
-    pytest) section pytest 220 130 bash -c run_pytest ;;
-    memory) section memory 100 110 "$PY" bench/gpu_bench.py memory --model "$WORK/llama-1b" --work "$WORK/memory" --json "$OUT/memory.json" "${EXTRA[@]}" ;;
-    bench) section bench 120 35 "$PY" bench/gpu_bench.py throughput --model "$WORK/llama-1b" --work "$WORK/bench" --json "$OUT/bench.json" "${EXTRA[@]}" ;;
-    scaling) section scaling 120 0 "$PY" bench/gpu_bench.py scaling --model "$WORK/llama-1b" --work "$WORK/scaling" --json "$OUT/scaling.json" "${EXTRA[@]}" ;;
-    savers) section savers 90 0 "$PY" bench/memory_savers_bench.py --device cuda --columns "plain,activation offload" \
+    first-contact) section first-contact "$cap" "$reserve" bash -c run_first_contact ;;
+    vllm) section vllm "$cap" "$reserve" bash -c run_vllm ;;
+    pytest) section pytest "$cap" "$reserve" bash -c run_pytest ;;
+    memory) section memory "$cap" "$reserve" "$PY" bench/gpu_bench.py memory --model "$WORK/llama-1b" --work "$WORK/memory" --json "$OUT/memory.json" "${EXTRA[@]}" ;;
+    bench) section bench "$cap" "$reserve" "$PY" bench/gpu_bench.py throughput --model "$WORK/llama-1b" --work "$WORK/bench" --json "$OUT/bench.json" "${EXTRA[@]}" ;;
+    scaling) section scaling "$cap" "$reserve" "$PY" bench/gpu_bench.py scaling --model "$WORK/llama-1b" --work "$WORK/scaling" --json "$OUT/scaling.json" "${EXTRA[@]}" ;;
+    savers) section savers "$cap" "$reserve" "$PY" bench/memory_savers_bench.py --device cuda --columns "plain,activation offload" \
       --expect-lower "activation offload" --loss-tolerance 2e-3 --hidden 1024 --layers 8 --seq-len 2048 --micro 4 \
-      --steps 5 --json "$OUT/savers.json" ;;
-    bf16pure) section bf16pure 150 0 bash -c run_bf16_pure ;;
-    loss) section loss 90 0 bash -c run_loss ;;
-    rollout) section rollout 180 0 bash -c run_rollout ;;
-    *) record "$s" "FAIL (no such section: setup, pytest, memory, bench, scaling, savers, bf16pure, loss, rollout)" ;;
+      --steps 3 --json "$OUT/savers.json" ;;
+    bf16pure) section bf16pure "$cap" "$reserve" env FT_BF16_PURE_STEPS="${FT_BF16_PURE_STEPS:-10}" bash -c run_bf16_pure ;;
+    loss) section loss "$cap" "$reserve" bash -c run_loss ;;
+    rollout) section rollout "$cap" "$reserve" bash -c run_rollout ;;
+    *) record "$s" "FAIL (no such section: setup, first-contact, vllm, pytest, memory, bench, scaling, savers, bf16pure, loss, rollout)" ;;
   esac
 done
 
@@ -423,7 +493,7 @@ done
   echo "================ ft GPU check: summary ($(($(now) - START)) s) ================"
   "$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, " + ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))' 2>/dev/null
   for i in "${!NAMES[@]}"; do
-    printf '%-8s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"
+    printf '%-13s %s\n' "${NAMES[$i]}" "${RESULTS[$i]}"
     [ "${NAMES[$i]}" = pytest ] && junit | grep -v '^ok$\|^not ok$' | sed 's/^/         /'
   done
   echo
@@ -432,6 +502,9 @@ done
   [[ " $SECTIONS " == *" bench "* ]] && figures+=(--throughput "$OUT/bench.json")
   [[ " $SECTIONS " == *" scaling "* ]] && figures+=(--scaling "$OUT/scaling.json")
   ((${#figures[@]})) && "$PY" bench/gpu_bench.py summary "${figures[@]}" 2>/dev/null
+  "$PY" bench/gpu_first_contact.py figures --memory "$OUT/memory.json" --savers "$OUT/savers.json" >/dev/null 2>&1
+  echo "one line per check:"
+  [ -s "$OUT/checks.txt" ] && cat "$OUT/checks.txt"
   echo
   echo "logs and figures: $OUT (gpu-check.log, pytest-gpu.log/.xml, memory.json, bench.json, scaling.json)"
   [ "$FAILED" = 0 ] && echo "ALL PASSED" || echo "SOME SECTIONS FAILED"
