@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,19 +32,17 @@ def without_hub(tmp_path) -> dict:
     return {**env, "HF_ENDPOINT": NOWHERE, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hub")}
 
 
-def plan(tmp_path, name: str) -> tuple[subprocess.CompletedProcess, float]:
+def plan(tmp_path, name: str) -> subprocess.CompletedProcess:
+    """`ft plan` of a job naming `name` on a machine without the hub (bench/offline_lookup_bench.py times it)."""
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(name=name, data=REPO / "examples/data/arithmetic.jsonl", out=tmp_path / "run"))
-    start = time.monotonic()
     cmd = [sys.executable, "-m", "finetune", "plan", str(job), "--hardware", "cpu"]
-    done = subprocess.run(cmd, env=without_hub(tmp_path), capture_output=True, text=True, timeout=120, cwd=REPO)
-    return done, time.monotonic() - start
+    return subprocess.run(cmd, env=without_hub(tmp_path), capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def test_an_unknown_model_without_the_hub_is_answered_at_once_with_the_fix(tmp_path):
-    done, seconds = plan(tmp_path, "some-org/no-such-model-xyz")
+    done = plan(tmp_path, "some-org/no-such-model-xyz")
     assert done.returncode != 0
-    assert seconds < 5, f"{seconds:.1f} s"  # huggingface_hub's retries alone take ~25 s
     err = done.stderr
     assert "Retry" not in err and "thrown while requesting" not in err  # none of huggingface_hub's retry lines
     assert err.count("some-org/no-such-model-xyz") >= 1 and err.count("error:") == 1  # said once
@@ -70,7 +67,7 @@ def test_a_cached_model_is_planned_without_the_hub(tmp_path):
         "max_position_embeddings": 256,
     }
     (snapshot / "config.json").write_text(json.dumps(config))
-    done, _ = plan(tmp_path, "some-org/cached-model")
+    done = plan(tmp_path, "some-org/cached-model")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Retry" not in done.stderr and "some-org/cached-model" in done.stdout
 
@@ -81,11 +78,10 @@ def test_a_tokenizer_without_the_hub_fails_at_once_naming_the_model(tmp_path):
         "from finetune.config.schema import ModelSection\nfrom finetune.models import load_tokenizer\n"
         "load_tokenizer(ModelSection(name='Qwen/Qwen2.5-0.5B'))"
     )
-    start = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-c", code], env=without_hub(tmp_path), capture_output=True, text=True, timeout=120, cwd=REPO
     )
-    assert done.returncode != 0 and time.monotonic() - start < 20  # importing transformers takes most of it
+    assert done.returncode != 0
     assert "Retry" not in done.stderr
     assert "model.name: 'Qwen/Qwen2.5-0.5B' is not a local folder and not in the local cache" in done.stderr
     assert f"the hub ({NOWHERE}) cannot be reached" in done.stderr and "HF_HUB_OFFLINE=1" in done.stderr

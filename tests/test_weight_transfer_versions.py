@@ -81,7 +81,7 @@ class Source033(ABC):  # 0.33 WeightSource: `metadata` an abstract property, a c
     def implements_iter_full(self) -> bool:
         return type(self).iter_full is not Source033.iter_full
 
-    def iter_full(self):
+    def iter_full(self):  # the base's own, as in vLLM 0.33: a source that does not override it is refused
         raise NotImplementedError
 
 
