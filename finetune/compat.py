@@ -46,3 +46,12 @@ def quiet_unused_bitsandbytes_kernel() -> None:
     logger = logging.getLogger(BNB_KERNEL_LOGGER)
     if not any(isinstance(f, _DropUnusedKernelWarning) for f in logger.filters):
         logger.addFilter(_DropUnusedKernelWarning())
+
+
+def ddp_buckets_rebuilt(model) -> bool:
+    """Whether DDP has rebuilt its buckets in the order the backward pass produced gradients (torch 2.13
+    nn/parallel/distributed.py: `_pre_forward` sets `_has_rebuilt_buckets` once the Reducer has rebuilt them, at the
+    second step). Torch has no public name for it; ft reads the attribute here only, and tests/test_compat.py fails
+    the day torch renames it (before it is set, ft's DDP frees gradients each step instead of zeroing them in place:
+    the same maths, more all-reduces)."""
+    return bool(getattr(model, "_has_rebuilt_buckets", False))

@@ -45,3 +45,22 @@ def test_the_unused_bitsandbytes_kernel_warning_is_dropped_and_nothing_else(capl
         logger.warning("some other bitsandbytes warning")
     messages = [r.getMessage() for r in caplog.records if r.name == BNB_KERNEL_LOGGER]
     assert messages == ["some other bitsandbytes warning"]
+
+
+def test_ddp_says_when_its_buckets_are_rebuilt(tmp_path):
+    """The attribute compat.ddp_buckets_rebuilt reads: False before DDP's second forward, True after it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from finetune.compat import ddp_buckets_rebuilt
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DistributedDataParallel(torch.nn.Linear(4, 4), gradient_as_bucket_view=True)
+        assert hasattr(model, "_has_rebuilt_buckets") and not ddp_buckets_rebuilt(model)
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+        model(torch.randn(2, 4))
+        assert ddp_buckets_rebuilt(model)
+    finally:
+        dist.destroy_process_group()

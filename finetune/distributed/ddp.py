@@ -34,7 +34,9 @@ def zero_in_place(model) -> bool:
     first), which frees them only where no gradient still views them; on GPUs the caching allocator holds a bucket
     from its allocation (CPU RSS counts pages only as they are written), so fresh gradients accumulated beside
     allocated buckets would count in full there."""
-    return getattr(model, "gradient_as_bucket_view", False) and getattr(model, "_has_rebuilt_buckets", False)
+    from finetune.compat import ddp_buckets_rebuilt
+
+    return getattr(model, "gradient_as_bucket_view", False) and ddp_buckets_rebuilt(model)
 
 
 def accumulating(model, last: bool):
