@@ -26,6 +26,20 @@ PAGED = ("paged_adamw_8bit", "paged_adamw_32bit")  # states in CUDA unified memo
 # FSDP1 runs (fsdp_qlora's train.py, accelerate's FSDP plugin in PEFT's guides) wrap the decoder layers only: the
 # embeddings and the output head stay in the root unit, gathered for the whole step (ft's FSDP2 shards them apart)
 FSDP1_SOURCES = ("https://github.com/AnswerDotAI/fsdp_qlora/", "https://github.com/huggingface/peft/")
+# How each source's code differs from ft's where the estimate can say so (Setup's fields for published runs):
+# torchtune: LoRA dropout 0.0 (its configs and builders; modules/peft/lora.py then uses nn.Identity, no saved copy);
+# NF4 is torchao's NF4Tensor (scalers sharded with the data); lora_finetune_distributed.py shards `layers.i` and the
+# root only (embeddings and output in the root, gathered all step under FSDP2), full_finetune_distributed.py also
+# shards the configs' custom_sharded_layers [tok_embeddings, output] apart.
+TORCHTUNE_SOURCE = "https://github.com/pytorch/torchtune/"
+# transformers <= 4.44 (these runs' dates) upcast the logits in the model and shifted an fp32 copy for the loss;
+# fsdp_qlora's train.py keeps the model's output through loss.backward() (`output = None` after it), the Trainer
+# (PEFT's guides) keeps only the loss. Both train LoRA with dropout 0.1 (train.py's default, PEFT's scripts).
+LOSS_COPIES = {"https://github.com/AnswerDotAI/fsdp_qlora/": "kept", "https://github.com/huggingface/peft/": "shifted"}
+# What an `unknown` measure was, where the source shows it: PEFT's guides read "the memory consumed per GPU" off the
+# run's GPU-memory chart ("64 GB (80%) as seen in the screenshot below", docs/source/accelerate/deepspeed.md): the
+# device's whole use as NVML reports it, like nvidia-smi (its example scripts call no torch.cuda memory statistic).
+MEASURED_AS = {"https://github.com/huggingface/peft/": "nvidia-smi"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ def setup_of(row: dict) -> Setup:
     sharding = None if s["sharding"] in ("none", None) else s["sharding"]
     adapter = s["adapter"]
     targets = s.get("lora_targets") or "all-linear"
-    return Setup(
+    fields = dict(
         adapter=adapter,
         quantization=s["quantization"],
         precision="bf16" if s["precision"] == "bf16-pure" else s["precision"],
@@ -71,8 +85,18 @@ def setup_of(row: dict) -> Setup:
         activation_offload=bool(s["activation_offload"]),
         optimizer_in_backward=bool(s["optimizer_in_backward"]),
         accumulation=int(s.get("gradient_accumulation") or 1),
-        fsdp_end_units=not row["source"].startswith(FSDP1_SOURCES),
     )
+    return Setup(**{**fields, **source_setup(row)})
+
+
+def source_setup(row: dict) -> dict:
+    """Setup's fields for what the row's source code does differently from ft (see TORCHTUNE_SOURCE, LOSS_COPIES)."""
+    source, s = row["source"], row["settings"]
+    if source.startswith(TORCHTUNE_SOURCE):
+        lora_distributed = s["adapter"] != "full" and s["world_size"] > 1
+        return {"lora_dropout": 0.0, "nf4_library": "torchao", "fsdp_end_units": not lora_distributed}
+    copies = next((v for k, v in LOSS_COPIES.items() if source.startswith(k)), "none")
+    return {"lora_dropout": 0.1, "loss_copies": copies, "fsdp_end_units": not source.startswith(FSDP1_SOURCES)}
 
 
 def compare(row: dict) -> Row:
@@ -84,6 +108,8 @@ def compare(row: dict) -> Row:
     if s.optimizer in PAGED:
         training.pop("optimizer", None)
     measure = row["measure"]
+    if measure == "unknown":
+        measure = next((v for k, v in MEASURED_AS.items() if row["source"].startswith(k)), measure)
     total = sum(v for k, v in training.items() if not k.startswith("while loading"))
     if measure == "max_memory_allocated":
         total -= training.get("allocator reserve (fragmentation)", 0) + training.get("CUDA context", 0)

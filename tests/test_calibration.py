@@ -17,13 +17,24 @@ ROWS = calibration.rows()
 NEEDS_SHARDED_4BIT_LOADING = {"torchtune-llama31-405b-qlora-8xa100"}
 
 
+# Rows the estimate cannot bring within 30% from the settings the source states, and why.
+OUTSIDE_30_PERCENT = {
+    # at 2 x 2048 tokens the floor alone (NF4 shard 25 GiB, the FSDP2 root's bf16 embeddings and output gathered all
+    # step 7.8 GiB, two NF4 layers 3.1 GiB, 126 checkpointed layer inputs 15.8 GiB) is above the 44.8 measured; at the
+    # config's batch_size 1 the estimate is 52.6 GiB (+17%)
+    "torchtune-llama31-405b-qlora-8xa100",
+}
+
+
 def test_estimate_error_on_published_runs_is_within_bounds():
     results = [calibration.compare(r) for r in ROWS]
     median, p90 = calibration.summary(results)
     table = "\n".join(f"{r.id}: measured {r.measured_gib:.1f}, estimated {r.estimated_gib:.1f}" for r in results)
     assert len(results) >= 30
-    assert median <= 0.15, table
-    assert p90 <= 0.30, table
+    assert median <= 0.09, table
+    assert p90 <= 0.18, table
+    outside = {r.id for r in results if abs(r.error) > 0.30}
+    assert outside <= OUTSIDE_30_PERCENT, table
 
 
 @pytest.mark.parametrize(

@@ -133,7 +133,9 @@ def test_sharded_qlora_matches_one_process_in_bf16(results, backend):
     moved = _max_diff(ref["after"], ref["before"])
     assert _max_diff(got["after"], ref["after"]) <= 0.25 * moved
     other = results[f"{({'fsdp', 'deepspeed'} - {backend}).pop()}/bf16"]
-    assert _max_diff(got["after"], other["after"]) == 0  # both backends compute in bf16 the same way
+    # FSDP2 computes the head's logits a chunk of vocabulary rows at a time (distributed/vocab.py), DeepSpeed in one
+    # GEMM: the same bf16 rounding bound as against one process, not bit equality
+    assert _max_diff(got["after"], other["after"]) <= 0.25 * moved
 
 
 @pytest.mark.slow

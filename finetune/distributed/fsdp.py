@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from finetune.distributed import ep, tp
+from finetune.distributed import ep, tp, vocab
 from finetune.distributed import mesh as meshes
 
 
@@ -44,15 +44,17 @@ def wrap(
     context_parallel: int = 1,
     expert_parallel: int = 1,
     head_unit: bool = True,
+    vocab_rows: bool = True,
 ):
-    """fully_shard each decoder layer, the embeddings and the output head (`ends`), then the root; a model that
+    """fully_shard each decoder layer, then the root; the embeddings and the output head split by vocabulary rows
+    (distributed/vocab.py; `vocab_rows` false, or where it cannot apply: units of their own, `ends`). A model that
     `create_model` already sharded is returned as it is.
     With tensor (or context) parallelism the ranks form a (dp, cp, tp) mesh (distributed/mesh.py): each decoder layer
     is first split over tp (distributed/tp.py), then FSDP2 shards every parameter over the dp (× cp) sub-mesh. With
     expert parallelism the routed experts are split over ep ranks first and each experts module is its own unit over
     the ranks that hold the same experts (distributed/ep.py); the rest is sharded over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if is_sharded(model):
         return model
@@ -80,9 +82,22 @@ def wrap(
         experts = meshes.expert_mesh(device.type, nodes * per_node, expert_parallel)
         split = ep.parallelize(runner(model), experts)
         ep.shard(split, experts, nodes * per_node, reshard_after_forward=reshard, **kwargs)
-    for unit in (*layers, *ends(model, head_unit)):
+    plain_mesh = grid is None and sharding != "hybrid_shard" and not offload and expert_parallel == 1
+    rows = vocab.shardable(runner(model), head_unit) if vocab_rows and plain_mesh else []
+    ignored = set()
+    if rows:  # the ends split by vocabulary rows, never gathered whole (distributed/vocab.py)
+        kwargs.setdefault("mesh", init_device_mesh(device.type, (nodes * per_node,)))
+        budget = max(sum(p.numel() for p in layer.parameters()) for layer in layers) // 2
+        ignored = vocab.shard(
+            rows, kwargs["mesh"], budget, kwargs["mp_policy"].param_dtype if "mp_policy" in kwargs else None
+        )
+    for unit in (*layers, *(m for m in ends(model, head_unit) if m not in rows)):
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
-    fully_shard(runner(model), reshard_after_forward=reshard, **kwargs)
+    fully_shard(runner(model), reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
+    if device.type == "cpu":  # gloo's all-gather stages a second copy of each unit (vocab.gather_rows)
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_custom_all_gather(vocab.CpuAllGather())
     return model
 
 
@@ -147,20 +162,22 @@ def accumulating(model, last: bool, every_micro_batch: bool = False):
 
 @contextlib.contextmanager
 def unsharded(model, reshard_after_forward: bool):
-    """Every FSDP unit all-gathered once and kept whole until the block ends (no collectives inside it)."""
+    """Every FSDP unit all-gathered once and kept whole until the block ends (no collectives inside it), the
+    row-sharded ends too (vocab.whole)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.unshard()
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
+    with vocab.whole(model):
         for unit in units:
-            unit.reshard()
-            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+            unit.unshard()
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
 
 
 def is_sharded(model) -> bool:

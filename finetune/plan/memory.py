@@ -35,11 +35,14 @@ activations    saved for backward, per token and layer (elements), averaged over
                class (plan/attention.py), not only the one the config names. With k of L layers checkpointed:
                a*h*t for each of the k (its input), full activations for the other L-k, plus one layer's
                recomputed activations. With activation offload only two layers' stored tensors are on the device
-               (in flight); the rest wait in pinned host memory.
+               (in flight); the rest wait in pinned host memory. A quantized base adds its largest linear
+               dequantized to a for the matmul, one at a time. (plan/transients.py computes these and the logits.)
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
                A reward model's score head (plan.head score): the final hidden states and their gradient, t*h*(a+4).
+               Published runs on transformers <= 4.44 (Setup.loss_copies): t*V*12 (fp32 upcast, shifted copy,
+               log_softmax), t*V*16 where the loop keeps the model's fp32 logits through the backward pass.
 reference      DPO/GRPO with a frozen copy as reference: the base weights again.
 reward model   GRPO rewards by trained reward models: each whole on every rank in a (never sharded), its parameters
                from its config.json (the language model without its head, plus a one-output score).
@@ -73,8 +76,9 @@ loading        What a rank holds while its model is created, before gradients an
 Sharding divides by S: ZeRO-1 the optimizer; ZeRO-2 and FSDP shard_grad_op also the gradients
 (shard_grad_op keeps unsharded half-precision parameters between forward and backward); ZeRO-3 and
 FSDP full/hybrid shard also the weights, plus two gathered layers (the one in use and the prefetched
-one); FSDP's untied embeddings and head (the head under the plain loss) are gathered only while they run, its root
-unit (final norm, a tied table, a head the chunked loss runs) for the whole step (gathered_bytes); with `all`
+one); FSDP's embeddings and head (the head under the plain loss) stay sharded by vocabulary rows, walked half a
+layer at a time, or, where that cannot apply, are gathered only while they run; its root unit (final norm, a tied
+table the chunked loss runs) for the whole step (gathered_bytes); with `all`
 offloaded each layer's shard is staged on the device before its all-gather. Offloading moves optimizer
 states (`optimizer`) or weights, gradients and optimizer states (`all`) into host RAM, which is checked per
 node with ~2.5 GiB per process for the runtime. ZeRO-1/2 shard the fp32 master weights with the optimizer
@@ -88,14 +92,32 @@ tokens each rank holds: activations and logits / cp. S is then the FSDP group (d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from finetune.catalog import ModelFacts
-from finetune.catalog_layers import LINEAR_ATTENTION, LayerShape, attention_dims, linear_attention_dims
+from finetune.catalog_layers import LINEAR_ATTENTION
+from finetune.plan.setup import Setup
+
+# activations and logits are computed in plan/transients.py; imported here for the estimate and its callers
+from finetune.plan.transients import (  # noqa: F401
+    DTYPE_BYTES,
+    FLEX_BLOCK,
+    activation_bytes,
+    block_mask_bytes,
+    checkpointed_layers,
+    dequantized_weight_bytes,
+    layer_activation_bytes,
+    layer_activation_elements,
+    logits_bytes,
+    offloaded_activation_bytes,
+    pinned_bytes,
+    stored_activation_bytes,
+    targeted_linears,
+    tokens_per_micro_batch,
+    transient_bytes,
+)
 
 GiB = 1024**3
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_BYTES = {
     "adamw_torch": 8,
     "adamw_torch_fused": 8,
@@ -122,58 +144,6 @@ TRANSIENT = ("activations", "logits and loss", "generation (KV cache)", SCORING)
 CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
 QUANT_STATE = "4-bit quantization state (whole)"  # bitsandbytes' constants: never sharded (see _shard_and_offload)
 DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One candidate training setup: what the estimate depends on."""
-
-    adapter: str  # full | lora | qlora
-    quantization: str  # none | nf4 | int8
-    precision: str  # bf16 | fp16 | fp32
-    optimizer: str
-    micro_batch_size: int
-    seq_len: int
-    gradient_checkpointing: bool
-    sharding: str | None = None  # None | zero1 | zero2 | zero3 | full_shard | shard_grad_op | hybrid_shard
-    shard_size: int = 1
-    offload: str = "none"  # none | optimizer | all
-    lora_r: int = 16
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    lora_dropout: float = 0.05
-    dora: bool = False
-    modules_to_save: tuple[str, ...] = ()
-    double_quant: bool = True
-    attention: str = "sdpa"
-    sequences_per_row: int = 1  # sequences one row puts through the model (DPO: chosen + rejected, 2)
-    reference_copy: bool = False  # a frozen full copy of the model as reference
-    generation_tokens: int = 0  # methods that sample (GRPO): prompt + completion tokens per generated sequence
-    generation_batch: int = 0  # sequences generated at once per rank
-    accelerator: bool = True  # False on CPU: no CUDA context
-    loading: str = "replica"  # replica | meta | partitioned: how a rank creates its model (plan.loading)
-    accumulation: int = 1  # micro-batches per optimizer step on each rank
-    rollout_bytes: int = 0  # a colocated rollout engine's device memory while awake (topology.EngineShare)
-    rollout_sleeps: bool = False  # it sleeps during the backward pass: it only shares the device with resident state
-    rollout_host_bytes: int = 0  # per process: its weights in host RAM while asleep
-    reward_models: tuple = ()  # GRPO rewards by trained reward models: (ModelFacts, batch_size) of each
-    head: str = "lm"  # lm: next-token logits | score: one value per sequence (reward-model training)
-    # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
-    # activations in host memory, optimizer step in backward
-    pure_bf16: bool = False
-    compensation: str = "none"
-    loss: str = "plain"  # plain | chunked | fused
-    loss_chunk_tokens: int = 0
-    checkpoint_layers: int | None = None  # None: all layers when gradient_checkpointing, else none
-    activation_offload: bool = False
-    optimizer_in_backward: bool = False
-    # parallelism inside the model (plan/parallel.py): decoder layers split over tensor_parallel ranks (sequence
-    # parallel norms), each sequence over context_parallel ranks; shard_size then counts the FSDP group (dp x cp)
-    tensor_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1  # routed experts split over this many data-parallel ranks (plan/expert_parallel.py)
-    # FSDP: untied embeddings and output head are units of their own (ft's FSDP2, distributed/fsdp.py ends); False:
-    # in the root unit, as FSDP1's wrapping of decoder layers leaves them (published runs, tests/calibration.py)
-    fsdp_end_units: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,8 +194,7 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     state = _split_layers(m, s, trainable, state)
     device, host = _shard_and_offload(m, s, a, state)
     expert_parallel_bytes(m, s, a, device)
-    split = s.tensor_parallel * s.context_parallel  # tokens (context) and layer widths (tensor) per rank
-    acts, logits = activation_bytes(m, s, a) / split, logits_bytes(m, s, a) / s.context_parallel
+    acts, logits = transient_bytes(m, s, a)  # the loss and each layer's backward: the larger phase counts
     device[REWARD_MODEL] = sum(a * reward_model_params(f) for f, _ in s.reward_models)
     gen_peak, scoring = generation_bytes(m, s, a), scoring_bytes(s, a)
     engine = s.rollout_bytes / (1 + FRAGMENTATION) if s.accelerator else s.rollout_bytes  # no reserve counts on it
@@ -385,10 +354,12 @@ def _shard_and_offload(
         moved = set()
     for k in moved:
         host[f"offloaded {k}"] = device.pop(k)
-    if params_sharded and s.quantization == "nf4":
+    if params_sharded and s.quantization == "nf4" and s.nf4_library == "bitsandbytes":
         # bitsandbytes keeps each 4-bit layer's quantization state (absmax, nested statistics) on the module, beside its
         # parameter (nn/modules.py Params4bit._quantize: module.quant_state), and moves it with the parameter in place
-        # (Params4bit.to); FSDP2 and ZeRO-3 shard and offload parameters only, so it stays whole on every device
+        # (Params4bit.to); FSDP2 and ZeRO-3 shard and offload parameters only, so it stays whole on every device.
+        # torchao's NF4Tensor splits its scalers with its data (torchao/dtypes/nf4tensor.py, nf4_split over
+        # _INNER_TENSOR_NAMES_FOR_SHARDING): sharded with the weights, as counted above
         whole = quant_state_bytes(m, s)
         held = host if s.offload == "all" else device
         key = "offloaded weights" if s.offload == "all" else "weights"
@@ -406,16 +377,33 @@ def _shard_and_offload(
 
 def gathered_bytes(m: ModelFacts, s: Setup, a: int, stored: float) -> float:
     """Parameters gathered whole at once under ZeRO-3 / FSDP: two decoder layers (the one in use and the prefetched
-    one). FSDP2 (distributed/fsdp.py `ends`): untied embeddings and the output head are units of their own, each
-    gathered only while it runs, next to one layer; the root unit (final norm, a tied table, and the head where the
-    loss runs it outside the forward pass, chunk by chunk) stays gathered for the whole step."""
+    one). FSDP2 on a plain mesh (`vocab_rows`) gathers the embeddings and the head half a layer at a time; otherwise
+    (distributed/fsdp.py `ends`) untied embeddings and the output head are units of their own, each gathered only
+    while it runs, next to one layer; the root unit (final norm, a tied table, and the head where the loss runs it
+    outside the forward pass, chunk by chunk) stays gathered for the whole step."""
     layer = m.layer_params * (a if s.adapter == "full" else stored) / s.tensor_parallel
     if s.sharding not in FSDP:
         return 2 * layer
     rest = m.num_params - m.decoder_params  # embeddings, head, final norm (not quantized)
+    if s.fsdp_end_units and vocab_rows(s):
+        # distributed/vocab.py: the tables stay sharded and are walked half a layer at a time, next to one layer; a
+        # head the chunked loss runs stays in the root (and a table tied to it with it)
+        plain = s.loss == "plain"
+        if m.tie_word_embeddings:
+            tables = m.embedding_params if plain else 0
+        else:
+            tables = m.embedding_params + (m.lm_head_params if plain else 0)
+        return 2 * layer + a * (rest - tables)
     own = [] if m.tie_word_embeddings or not s.fsdp_end_units else [m.embedding_params]
     own += [m.lm_head_params] if own and s.loss == "plain" else []
     return max(2 * layer, layer + a * max(own, default=0)) + a * (rest - sum(own))
+
+
+def vocab_rows(s: Setup) -> bool:
+    """Whether FSDP2 shards the embeddings and head by vocabulary rows (distributed/fsdp.py wrap): a 1-D data-parallel
+    mesh, no CPU offload of the parameters."""
+    plain_mesh = s.tensor_parallel == 1 and s.context_parallel == 1 and s.expert_parallel == 1
+    return plain_mesh and s.sharding in ("full_shard", "shard_grad_op") and s.offload != "all"
 
 
 EXPERT_DISPATCH = "expert dispatch (all-to-all buffers)"
@@ -467,15 +455,6 @@ def trainable_params(m: ModelFacts, s: Setup) -> int:
     return total
 
 
-def targeted_linears(m: ModelFacts, targets: str | tuple[str, ...], linears: tuple | None = None):
-    """The decoder linears a LoRA adapter wraps (`all-linear` or module names): of all layers (`count` in all of
-    them), or of the given ones. Fused MoE experts are not nn.Linear modules: `all-linear` leaves them out."""
-    layer = m.decoder_linears if linears is None else linears
-    if targets == "all-linear":
-        return layer
-    return tuple(lin for lin in layer if lin.name in targets)
-
-
 def weight_bytes(m: ModelFacts, s: Setup, a: int, frozen: bool = False) -> float:
     """Bytes of the model's weights as stored (the trained fp32 master for full fine-tuning)."""
     if s.adapter == "full" and not frozen:  # the trained weights: fp32 masters, unless bf16 or DeepSpeed's half copy
@@ -498,141 +477,6 @@ def quant_state_bytes(m: ModelFacts, s: Setup) -> float:
     if s.quantization != "nf4":
         return 0
     return m.linear_params * ((1 / 64 + 4 / (64 * 256)) if s.double_quant else 4 / 64)
-
-
-def tokens_per_micro_batch(s: Setup) -> int:
-    return s.micro_batch_size * s.seq_len * s.sequences_per_row
-
-
-def layer_activation_elements(m: ModelFacts, s: Setup) -> float:
-    """Elements saved for backward per token in one decoder layer, averaged over the layers (no checkpointing)."""
-    total = sum(n * _kind_activation_elements(m, s, shape) for n, shape in m.layer_kinds)
-    return total / m.num_layers
-
-
-def _kind_activation_elements(m: ModelFacts, s: Setup, shape: LayerShape) -> float:
-    """One layer kind's saved elements per token: attention, MLP (or experts), LoRA inputs (see the docstring)."""
-    elems = (
-        4 * m.hidden_size + _attention_activation_elements(m, shape.attention) + _mlp_activation_elements(m, s, shape)
-    )
-    if s.adapter != "full" and s.lora_dropout > 0:
-        wrapped = targeted_linears(m, s.lora_targets, shape.linears)
-        elems += sum(lin.count * (lin.in_features + s.lora_r) for lin in wrapped)
-    return elems
-
-
-def _attention_activation_elements(m: ModelFacts, attention: str) -> float:
-    if attention == LINEAR_ATTENTION:
-        key, value = linear_attention_dims(m)
-        return 3 * key + 3 * value + 2 * value  # queries and keys of the key width, values, the output gate
-    head_dim, kv_heads = attention_dims(m, attention)
-    q = m.num_attention_heads * head_dim
-    if m.is_mla:
-        return 3 * q + 3 * m.num_attention_heads * m.v_head_dim + m.q_lora_rank + m.kv_lora_rank
-    return 3 * q + 3 * kv_heads * head_dim + (2 * q if m.query_gate else 0)
-
-
-def _mlp_activation_elements(m: ModelFacts, s: Setup, shape: LayerShape) -> float:
-    dense = 4 * m.intermediate_size if m.mlp == "gated" else 2 * m.intermediate_size
-    if not shape.moe:
-        return dense
-    k, a = m.experts_per_token, DTYPE_BYTES[s.precision]
-    experts = 4 * m.moe_intermediate_size * k + 2 * k * m.hidden_size  # the k experts' MLPs, the dispatched copies
-    router = 2 * m.num_experts * 4 / a  # logits and probabilities, in fp32
-    return experts + router + 4 * m.shared_expert_size + (dense if m.moe_dense_mlp else 0)
-
-
-def checkpointed_layers(m: ModelFacts, s: Setup) -> int:
-    """Decoder layers that recompute their activations in the backward pass."""
-    if s.checkpoint_layers is not None:
-        return min(s.checkpoint_layers, m.num_layers)
-    return m.num_layers if s.gradient_checkpointing else 0
-
-
-def layer_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """One decoder layer's saved activations for one micro-batch (no checkpointing)."""
-    t = tokens_per_micro_batch(s)
-    per_layer = a * t * layer_activation_elements(m, s)
-    if s.attention == "eager":
-        per_layer += t * m.num_attention_heads * s.seq_len * (2 * a + 4)
-    return per_layer
-
-
-def stored_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """What the forward pass leaves for the backward pass: each checkpointed layer's input, every other layer's
-    activations, and the embedding output and final norm around them."""
-    t, k = tokens_per_micro_batch(s), checkpointed_layers(m, s)
-    return a * t * m.hidden_size * (k + 3) + (m.num_layers - k) * layer_activation_bytes(m, s, a)
-
-
-def activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """Activations on the device at the peak of one micro-batch's backward pass: the stored activations (or, when they
-    are offloaded, the two layers' worth in flight), plus a checkpointed layer's recomputed activations and their
-    gradients."""
-    per_layer, k = layer_activation_bytes(m, s, a), checkpointed_layers(m, s)
-    working = per_layer if k else 0  # the layer being recomputed (its gradients are transient, layer by layer)
-    if s.activation_offload:  # two layers' stored tensors in flight: a checkpointed layer stores only its input
-        stored = a * tokens_per_micro_batch(s) * m.hidden_size if k == m.num_layers else per_layer
-        return 2 * stored + working + block_mask_bytes(m, s)
-    return stored_activation_bytes(m, s, a) + working + block_mask_bytes(m, s)
-
-
-FLEX_BLOCK = 128  # torch's flex_attention block (torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE)
-
-
-def block_mask_bytes(m: ModelFacts, s: Setup) -> float:
-    """flex_attention's block masks for one micro-batch (transformers builds one per attention layer type, H=None):
-    kv_indices, full_kv_indices, q_indices and full_q_indices, int32 (blocks x blocks) per row. 0 for other kernels."""
-    if s.attention != "flex_attention":
-        return 0
-    kinds = {shape.attention for _, shape in m.layer_kinds if shape.attention != LINEAR_ATTENTION}
-    blocks = -(-s.seq_len // FLEX_BLOCK)
-    return max(1, len(kinds)) * s.micro_batch_size * s.sequences_per_row * 4 * 4 * blocks * blocks
-
-
-def offloaded_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """Host memory for offloaded activations: one micro-batch's stored activations (stored_activation_bytes), each
-    buffer as torch's pinned allocator rounds it (`pinned_bytes`): the k checkpointed layers' inputs, the embedding
-    output and final norm are t*h*a each; every other layer's buffers at the most any of its widths rounds up."""
-    t, k = tokens_per_micro_batch(s), checkpointed_layers(m, s)
-    inputs = (k + 3) * pinned_bytes(a * t * m.hidden_size)
-    return inputs + (m.num_layers - k) * layer_activation_bytes(m, s, a) * _layer_rounding(m, s, a)
-
-
-def pinned_bytes(nbytes: float) -> int:
-    """What torch's caching host allocator pins for a buffer of `nbytes`: the next power of two (torch 2.13
-    ATen/core/CachingHostAllocator.h:300-309, PowerOf2Ceil below pinned_max_round_threshold_mb, unset by default:
-    c10/core/AllocatorConfig.h:361), up to twice the buffer; freed blocks stay pinned for reuse."""
-    n = math.ceil(nbytes)
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-def _layer_rounding(m: ModelFacts, s: Setup, a: int) -> float:
-    """The most a saved tensor of a decoder layer is rounded up (pinned / its bytes): each is t tokens by a width of
-    the layer's linears' inputs or outputs (hidden size, q, kv, MLP), or by the heads' scores (eager). Experts see a
-    share of the tokens that routing decides: up to 2."""
-    if m.is_moe:
-        return 2.0
-    t = tokens_per_micro_batch(s)
-    widths = {m.hidden_size, *(w for lin in m.decoder_linears for w in (lin.in_features, lin.out_features))}
-    if s.attention == "eager":
-        widths.add(m.num_attention_heads * s.seq_len)
-    return max(pinned_bytes(a * t * w) / (a * t * w) for w in widths)
-
-
-def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """The output head and loss: plain materialises t·V logits, their fp32 copy and its fp32 gradient; chunked holds one
-    chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states' fp32
-    gradient."""
-    t, h, v = tokens_per_micro_batch(s), m.hidden_size, m.vocab_size
-    if s.head == "score":  # a reward model: one score per sequence, read from the last hidden states
-        return t * h * (a + 4)
-    per_logit = 8 + (a if a < 4 else 0)  # fp32 logits and their gradient, plus the half-precision logits they came from
-    if s.loss == "chunked":
-        return min(t, s.loss_chunk_tokens or t) * v * per_logit + t * h * (a + 4)
-    if s.loss == "fused":
-        return t * h * (a + 8)
-    return t * v * per_logit
 
 
 def generation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
