@@ -18,36 +18,25 @@ from finetune.distributed import fsdp, vocab
 VOCAB = 301  # odd: the last rank holds fewer rows, and the last chunk of each shard is partial
 
 
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+)
+
+
 def model(tied: bool, family: str = "llama"):
     torch.manual_seed(0)
     if family == "gemma3":  # scaled embeddings (Gemma3TextScaledWordEmbedding), tied to the head
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        cfg = Gemma3TextConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            max_position_embeddings=64,
-            sliding_window=8,
-            pad_token_id=0,
-        )
-        return Gemma3ForCausalLM(cfg).train()
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(cfg).train()
+        return Gemma3ForCausalLM(Gemma3TextConfig(**SHAPE, head_dim=8, sliding_window=8)).train()
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=tied)).train()
 
 
 def batch(rank: int) -> torch.Tensor:
