@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over ranks.
 
-Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), so are the
-embeddings and the output head (unless tied), then the root. `shard_grad_op` keeps the gathered parameters from
+Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), then the root; the
+embeddings and the output head stay sharded by vocabulary rows, walked a chunk at a time (distributed/vocab.py), or
+where that cannot apply are units of their own (unless tied). `shard_grad_op` keeps the gathered parameters from
 forward to backward; `hybrid_shard` shards inside a node and replicates across nodes (a 2-D device mesh). Mixed
 precision computes in the plan's half precision and reduces gradients in fp32. Checkpoints hold every rank's shards in
 one torch.distributed.checkpoint folder (format `dcp`), written, read back and consolidated here.
