@@ -146,25 +146,33 @@ def exit_process(main) -> None:
     import sys
     import threading
 
+    unset = object()
+    code = unset
     try:
-        main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    if sys.getprofile() is not None or sys.gettrace() is not None:  # a profiler or coverage writes its report at exit
-        sys.exit(code)
-    if not isinstance(code, int):  # sys.exit("message") or sys.exit(None), as the interpreter treats them
-        if code is not None:
-            sys.stderr.write(f"{code}\n")
-        code = 0 if code is None else 1
-    # The interpreter's own first step at exit (Py_FinalizeEx -> threading._shutdown): the callbacks registered with
-    # threading._register_atexit run first, which is how concurrent.futures tells idle pool workers (torch's compile
-    # pool among them) to stop; then every other non-daemon thread is joined. Joining the threads alone would wait
-    # forever for those idle workers.
-    try:
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        if sys.getprofile() is not None or sys.gettrace() is not None:  # a profiler or coverage writes its report
+            sys.exit(code)
+        if not isinstance(code, int):  # sys.exit("message") or sys.exit(None), as the interpreter treats them
+            if code is not None:
+                sys.stderr.write(f"{code}\n")
+            code = 0 if code is None else 1
+        # The interpreter's own first step at exit (Py_FinalizeEx -> threading._shutdown): the callbacks registered
+        # with threading._register_atexit run first, which is how concurrent.futures tells idle pool workers (torch's
+        # compile pool among them) to stop; then every other non-daemon thread is joined. Joining the threads alone
+        # would wait forever for those idle workers.
         threading._shutdown()
         atexit._run_exitfuncs()  # CPython's own call at exit (Modules/atexitmodule.c), exposed for this use
-    except KeyboardInterrupt:  # Ctrl-C while a thread or an exit handler finishes: everything ft wrote is written
+    except KeyboardInterrupt as stop:
+        # Ctrl-C inside main itself propagates as it would without this function; from the moment main has ended
+        # (its SystemExit being handled is the stop's context) it is a Ctrl-C while a thread or an exit handler
+        # finishes: everything ft wrote is written. Left to the interpreter, the traceback would be followed by a
+        # join of the same threads that no second Ctrl-C interrupts.
+        if code is unset and not isinstance(stop.__context__, SystemExit):
+            raise
         sys.stderr.write("stopped while finishing (Ctrl-C)\n")
         code = 130
     for stream in (sys.stdout, sys.stderr):
