@@ -20,6 +20,22 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share th
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
+@pytest.fixture(autouse=True)
+def signal_dispositions():
+    """What a test leaves of this process's signal handlers is put back: a rank that stops ignores further stop
+    signals for its exit (lifecycle.ignore_stop_signals), and a test running that code in this process would otherwise
+    pass SIG_IGN on to every process the later tests start (a Python child then never raises KeyboardInterrupt)."""
+    import signal
+
+    from finetune.distributed.lifecycle import STOP_SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+
+
 @pytest.fixture
 def write_yaml(tmp_path):
     """write_yaml(text) -> path of a job file holding the dedented text."""

@@ -138,7 +138,14 @@ def test_ctrl_c_while_finishing_exits_130_without_a_traceback(tmp_path):
 
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # a terminal's default: an ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert proc.stdout.readline().strip() == b"written"
     time.sleep(0.5)  # inside the exit's thread join
     proc.send_signal(signal.SIGINT)
