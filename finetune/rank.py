@@ -48,7 +48,7 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     """Train; under a launcher, a stop becomes this rank's report to it (exit 0), a Ctrl-C its own message."""
     from finetune.distributed import lifecycle
     from finetune.distributed.lifecycle import LOST_PEERS
-    from finetune.distributed.runtime import failed_during, launched
+    from finetune.distributed.runtime import failed_during, launched, leave
     from finetune.errors import LostPeers
     from finetune.runlock import joined, locked
     from finetune.train import Stopped
@@ -56,18 +56,21 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
         with locked(run_dir, f"python -m finetune.rank {run_dir}", make=False):  # the whole job, as ft train
             train_run_folder(run_dir, resume_from)
+        leave()
         return 0
     lifecycle.start_rank()
     try:
         with joined(run_dir):  # the lock its launcher shared: held while any rank of the job runs
             train_run_folder(run_dir, resume_from)
-    except Stopped as e:
+    except Stopped as e:  # every rank agreed on the stop after the same step
+        leave()
         return lifecycle.rank_stopped(str(e), e.exit_code - 128)
     except KeyboardInterrupt:
         return lifecycle.rank_interrupted(failed_during())
     except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
         lifecycle.report(LOST_PEERS, 0, message=str(e))
         raise
+    leave()
     return 0
 
 
@@ -112,6 +115,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     import json
 
     from finetune import checkpoint, train
+    from finetune.artifacts import RunFolder
     from finetune.files import atomic_write_text
     from finetune.metrics import plot_losses
     from finetune.modelcard import model_card
@@ -155,7 +159,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             "artifact": artifact_kind(job_plan),
         }
     )
-    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png", shown)
+    folder = RunFolder(run_dir)
+    plot_losses(folder.metrics_path, folder.loss_plot_path, shown)
     card = {
         "config": config,
         "plan": job_plan.to_json(),
@@ -166,8 +171,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
         "path": str(final),
         "name": config.output.run_name or run_dir.name,
     }
-    atomic_write_text(run_dir / "README.md", model_card(card))
-    atomic_write_text(run_dir / "result.json", json.dumps(result, indent=2))
+    atomic_write_text(folder.card_path, model_card(card))
+    atomic_write_text(folder.result_path, json.dumps(result, indent=2))
     _report(console, config, result)
     return result
 
@@ -211,11 +216,12 @@ def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: 
     every = config.evaluation.every_steps if config.evaluation is not None else 0
     if not every or step % every or step >= total:
         return
+    from finetune.artifacts import RunFolder
     from finetune.metrics import MetricsWriter
 
     score = _task_eval(config, job, tokenizer)
     if score is not None and job.runtime.is_main:
-        with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+        with MetricsWriter(RunFolder(run_dir).metrics_path) as metrics:
             metrics.log(step, **{f"eval_{config.evaluation.metric}": score})
         trackers.log(step, {f"eval_{config.evaluation.metric}": score})
 

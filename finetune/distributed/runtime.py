@@ -214,9 +214,9 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
 def nccl_environment(run_dir) -> dict[str, str]:
     """The NCCL/torch variables for the ranks of a run (each unless already set): NCCL_ENV, with the collective
     traces of a timeout dumped into RUN/nccl-traces/."""
-    from pathlib import Path
+    from finetune.artifacts.run import RunFolder
 
-    traces = Path(run_dir) / "nccl-traces"
+    traces = RunFolder(run_dir).nccl_traces_dir
     env = {k: os.environ.get(k, v) for k, v in NCCL_ENV}
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):  # the newer name, the older one
         env[name] = os.environ.get(name, str(traces / "rank-"))
@@ -230,8 +230,13 @@ def backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def stop(runtime: Runtime) -> None:
-    if torch.distributed.is_initialized():
+def leave() -> None:
+    """End this process's part in the group once its last collective is done, before the interpreter's teardown:
+    left to the teardown, gloo's worker threads may still hold finished work whose tensors are freed without the
+    interpreter, and the process aborts (SIGABRT, "terminate called without an active exception") after a run
+    that succeeded. Only after a rank ended well: one that failed may leave its peers inside a collective, where
+    destroying the group can wait for ever."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
 
