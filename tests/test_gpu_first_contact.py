@@ -261,8 +261,9 @@ def test_fsdp_lora_rank_of_a_large_vocabulary_model_holds_little_more_than_its_s
         f"{params['heavy'] / 1e6:.0f}M with a 64k vocabulary {', '.join(f'{x:.3f}' for x in above['heavy'])}"
     )
     assert all(r["loading"] == "meta" for name in params for r in runs[name].values())
-    # measured 0.68-0.72 (0.82-0.85 with the tables as FSDP2 units, 0.95 in the root unit): the shard (0.5), one
-    # decoder layer's all-gather buffer and its unsharded copy (2 x 4.6%), LoRA's fp32 states
-    assert all(x <= 0.78 for x in above["big"])
+    # measured 0.66-0.67 (0.68-0.72 without hostmem.trim, 0.82-0.85 with the tables as FSDP2 units, 0.95 in the root
+    # unit): the shard (0.5), one decoder layer's all-gather buffer and its unsharded copy (2 x 4.6%), the activations
+    # of 32 tokens without recomputation (~8%: 3.3 MB a layer on a CPU), LoRA's fp32 gradients
+    assert all(x <= 0.74 for x in above["big"])
     # as FSDP2 units the tables are gathered whole, with the all-gather buffer beside each: measured 1.37-1.44 here
     assert all(x <= 0.75 for x in above["heavy"])

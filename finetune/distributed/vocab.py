@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from finetune.distributed import hostmem
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -72,6 +74,7 @@ class CpuAllGather:
     _fsdp_param_group.py wait_for_unshard), a third copy of a unit on a CPU, where nothing overlaps."""
 
     def allocate(self, size, *, dtype, device):
+        hostmem.trim()  # what the previous unit's backward freed on the heap, before this unit's buffer is mapped
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
