@@ -20,22 +20,16 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
+from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError
-
-PATTERN = re.compile(r"^step-(\d{8})$")
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if PATTERN.match(p.name) and (p / "state.json").is_file()]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+    return RunFolder(run_dir).checkpoints()
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -50,7 +44,7 @@ def agreed(run_dir: Path, resume_from: Path | None, runtime) -> Path | None:
     chosen = int(runtime.sum(step if runtime.is_main else 0))
     if chosen == step:
         return resume_from
-    path = Path(run_dir) / "checkpoints" / f"step-{chosen:08d}" if chosen else None
+    path = RunFolder(run_dir).checkpoint(chosen) if chosen else None
     import sys
 
     sys.stderr.write(
@@ -112,8 +106,8 @@ def save(run_dir: Path, step: int, engine, state: dict, keep: int, runtime, meth
     (the engine's, and its RNG state), rank 0 adds the schedule and state.json and renames the folder into place,
     then deletes all but the newest `keep`. After each stage the ranks agree whether all succeeded: on any failure
     the partial folder is removed, the earlier checkpoints are kept, and every rank raises."""
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step-{step:08d}", root / f".tmp-step-{step:08d}"
+    folder = RunFolder(run_dir)
+    final, tmp = folder.checkpoint(step), folder.checkpoint_staging(step)
     main = runtime.is_main
     _stage(runtime, step, tmp, (lambda: _fresh(tmp)) if main else None)
     _stage(runtime, step, tmp, lambda: _write_rank_part(tmp, engine, runtime, method))

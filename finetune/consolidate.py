@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 from finetune import checkpoint
+from finetune.artifacts.run import RunFolder, checkpoint_step, refuse_replacing_run
 from finetune.artifacts.weights import final_dtype, record_dtype, saved_state
 from finetune.errors import FtError
 
@@ -27,8 +28,7 @@ def consolidate(
 
     run_dir = Path(run_dir)
     ckpt = _checkpoint(run_dir, step)
-    out = Path(out) if out is not None else run_dir / "consolidated" / ckpt.name
-    from finetune.runfolder import refuse_replacing_run
+    out = Path(out) if out is not None else RunFolder(run_dir).consolidated_dir / ckpt.name
 
     refuse_replacing_run(out, "--out")
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -43,7 +43,7 @@ def consolidate(
     extra = sorted(n for n in trained if n not in params or not params[n].requires_grad)[:3]
     if missing or extra:
         raise FtError(
-            f"checkpoint {ckpt} does not match the model of {run_dir / 'config.yaml'} (missing {missing}, "
+            f"checkpoint {ckpt} does not match the model of {RunFolder(run_dir).config_path} (missing {missing}, "
             f"unexpected {extra}); was the run folder's config edited?"
         )
     with torch.no_grad():
@@ -67,19 +67,20 @@ def consolidate(
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
-    if not (run_dir / "plan.json").is_file():
+    folder = RunFolder(run_dir)
+    if not folder.plan_path.is_file():
         raise FtError(f"{run_dir} is not an ft run folder (no plan.json); give the output.dir of a run")
     if step is None:
         found = checkpoint.latest(run_dir)
         if found is None:
             raise FtError(
                 f"{run_dir} has no complete checkpoint (checkpoints/step-*/state.json); its final weights, if "
-                f"training finished, are in {run_dir / 'final'}"
+                f"training finished, are in {folder.final}"
             )
         return found
-    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    path = folder.checkpoint(step)
     if not (path / "state.json").is_file():
-        have = ", ".join(str(int(p.name.split("-")[1])) for p in checkpoint.checkpoints(run_dir)) or "none"
+        have = ", ".join(str(checkpoint_step(p)) for p in folder.checkpoints()) or "none"
         raise FtError(f"--step {step}: {run_dir} has no complete checkpoint at that step (complete: {have})")
     return path
 
@@ -89,12 +90,12 @@ def _run(run_dir: Path):
     attention kernel and every other decision as planned; no quantization, sharding or process group)."""
     from dataclasses import replace
 
-    from finetune.artifacts import RunFolder
     from finetune.config import load
 
-    config = load(run_dir / "config.yaml")
+    folder = RunFolder(run_dir)
+    config = load(folder.config_path)
     plan = replace(
-        RunFolder(run_dir).plan(),
+        folder.plan(),
         quantization="none",
         quant_storage=None,
         precision="fp32",

@@ -114,7 +114,7 @@ def _check_out_dir(out: Path, overwrite: bool, reads: list[Path]) -> None:
             )
     if out.exists() and not out.is_dir():
         raise FtError(f"out_dir {out} is a file.\n    fix: choose a folder path")
-    from finetune.runfolder import refuse_replacing_run
+    from finetune.artifacts.run import refuse_replacing_run
 
     refuse_replacing_run(out, "out_dir")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

@@ -3,6 +3,7 @@ removes, and which config changes a resume accepts (the rest are refused, or rec
 
 from __future__ import annotations
 
+from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError
 
 
@@ -13,7 +14,7 @@ def resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
     import sys
 
     from finetune import checkpoint
-    from finetune.runfolder import looks_like_run, refuse_foreign
+    from finetune.artifacts.run import looks_like_run, refuse_foreign
 
     refuse_foreign(run_dir)
     holds_run = looks_like_run(run_dir)
@@ -26,7 +27,7 @@ def resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
         steps = [p.name for p in checkpoint.checkpoints(run_dir)]
         raise FtError(
             f"output.dir {run_dir} already holds a run "
-            f"({', '.join(steps) or 'no checkpoints'}{', final model' if (run_dir / 'final').exists() else ''}); "
+            f"({', '.join(steps) or 'no checkpoints'}{', final model' if RunFolder(run_dir).final.exists() else ''}); "
             "use --resume to continue it, --overwrite to replace it, or choose another output.dir"
         )
     return None
@@ -36,7 +37,7 @@ def overwrite_run(run_dir, job_file) -> None:
     """--overwrite: remove what ft wrote in the old run (never a folder ft did not make); say what was left."""
     import sys
 
-    from finetune.runfolder import remove_run
+    from finetune.artifacts.run import remove_run
 
     if not run_dir.exists():
         return
@@ -70,13 +71,12 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
     import sys
     import time
 
-    import yaml
-
     from finetune.data.stream import steps_for
     from finetune.redaction import redact_config
 
-    if (run_dir / "result.json").exists():
-        done = json.loads((run_dir / "result.json").read_text()).get("steps") or 0
+    folder = RunFolder(run_dir)
+    if folder.result_path.exists():
+        done = json.loads(folder.result_path.read_text()).get("steps") or 0
         total = steps_for(
             len(prepared.train),
             config.method.rows_per_step(job_plan.global_batch_size),
@@ -87,11 +87,11 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
         if total <= done:
             sys.stderr.write(
                 f"{run_dir} finished all {done} steps (final "
-                f"{'model' if job_plan.adapter == 'full' else 'adapter'} in {run_dir / 'final'}); "
+                f"{'model' if job_plan.adapter == 'full' else 'adapter'} in {folder.final}); "
                 "nothing to do. Raise train.max_steps to train further, or use --overwrite to start again\n"
             )
-            return {"steps": done, "finished": True, "final": str(run_dir / "final")}
-    saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+            return {"steps": done, "finished": True, "final": str(folder.final)}
+    saved = folder.written_config()
     changes = config_changes(saved, redact_config(config, exclude_unset=True))
     if changes:  # a run folder of an older ft holds every value from the environment as its ${VAR}: compare as written
         as_written = {
@@ -102,12 +102,12 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
     if unsafe and not allow_changes:
         listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in unsafe[:10])
         raise FtError(
-            f"--resume: the config differs from the run's ({run_dir / 'config.yaml'}) in {len(unsafe)} key(s) that "
+            f"--resume: the config differs from the run's ({folder.config_path}) in {len(unsafe)} key(s) that "
             f"change what is trained: {listed}. Resume with the run's config, start a new output.dir, or pass "
             "--allow-changes to resume anyway (recorded in the run folder)"
         )
     if changes:
-        with open(run_dir / "resume-changes.jsonl", "a", encoding="utf-8") as f:
+        with open(folder.resume_changes_path, "a", encoding="utf-8") as f:
             f.write(
                 json.dumps(
                     {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}

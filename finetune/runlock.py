@@ -1,6 +1,6 @@
 """The lock of a run folder: one job writes it at a time.
 
-`ft train` takes the lock (RUN/.ft-lock, runfolder.LOCK) exclusively before it reads, removes (`--overwrite`) or
+`ft train` takes the lock (RUN/.ft-lock, artifacts.run.LOCK) exclusively before it reads, removes (`--overwrite`) or
 writes anything in the folder, and writes into the file which process holds it (PID, host, command, since when). A
 second `ft train` of the same folder, with `--overwrite` or `--resume` or neither, is refused with that holder. Before
 it starts torchrun the launcher shares the lock, and each rank joins it (a shared lock on the same file): the lock
@@ -29,8 +29,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from finetune.artifacts.run import LOCK
 from finetune.errors import FtError
-from finetune.runfolder import LOCK
 
 try:
     import fcntl

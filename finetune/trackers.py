@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError, Problem
 from finetune.redaction import is_config, redact
 
@@ -145,7 +146,7 @@ class _TensorBoard:
 
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(RunFolder(run_dir).tracker_path("tensorboard")))
         self.writer.add_text("config", "```json\n" + json.dumps(config, indent=2, default=str) + "\n```", 0)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -181,8 +182,9 @@ class _MLflow:
         # Without a server, a SQLite store in the run folder (MLflow 3 refuses its old ./mlruns file store).
         uri, artifacts = os.environ.get("MLFLOW_TRACKING_URI"), None
         if not uri:
-            uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve().as_posix()}"
-            artifacts = (run_dir / "mlartifacts").resolve().as_uri()
+            folder = RunFolder(run_dir)
+            uri = f"sqlite:///{folder.tracker_path('mlflow.db').resolve().as_posix()}"
+            artifacts = folder.tracker_path("mlartifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "ft"
         experiment = self.client.get_experiment_by_name(name)

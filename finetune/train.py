@@ -20,6 +20,7 @@ import torch
 
 from finetune import checkpoint
 from finetune.activations import offloading
+from finetune.artifacts.run import RunFolder
 from finetune.config.schema import Config
 from finetune.data.collate import to_device
 from finetune.data.stream import Stream, steps_for
@@ -277,7 +278,9 @@ def run(
         }  # running totals only: position and stop cause are per checkpoint
     # From step 0 too: a fresh start in a folder an earlier attempt wrote to (resume: auto before any checkpoint) starts
     # a fresh log.
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_from_step=start) if job.runtime.is_main else _NoMetrics()
+    metrics = (
+        MetricsWriter(RunFolder(run_dir).metrics_path, resume_from_step=start) if job.runtime.is_main else _NoMetrics()
+    )
     stop = stop or SignalStop()
     last = {}
     with stop:
@@ -349,7 +352,7 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
     (rank 0 writes)."""
     from finetune.artifacts.weights import final_dtype, record_dtype, saved_state
 
-    final, full = run_dir / "final", job.plan.adapter == "full"
+    final, full = RunFolder(run_dir).final, job.plan.adapter == "full"
     dtype = final_dtype(job.config.output, job.plan)
     with activity("gathering the final weights"):
         state = job.engine.full_state_dict(trainable_only=not full, dtype=dtype)  # a collective where sharded

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError, HardwareError, set_run_dir
 from finetune.plan.plan import Plan
 
@@ -141,14 +142,14 @@ def run_train(
             resuming = resume or config.output.resume == "auto"
             lock = None
             if role.node_rank == 0:  # node 0 owns the run folder
-                from finetune.runfolder import check_output_dir
+                from finetune.artifacts.run import check_output_dir
 
                 check_output_dir(run_dir)
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config)  # once per node, before any rank starts
             job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
-            if role.node_rank == 0 and resuming and (run_dir / "config.yaml").exists():
+            if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:
                     return finished
@@ -240,7 +241,7 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bo
     else:  # before any rank exists: torch reads them when the NCCL group starts
         env.update(nccl_environment(run_dir))
         if owner:  # node 0, before its torchrun: before any rank of any node runs (only node 0 makes the folder)
-            (run_dir / "nccl-traces").mkdir(exist_ok=True)
+            RunFolder(run_dir).nccl_traces_dir.mkdir(exist_ok=True)
     if job_plan.stop_seconds:  # a stop's checkpoint may take this long: torchrun's shutdown, an orphan's grace
         env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(job_plan.stop_seconds))
         env[ENV_STOP_SECONDS] = str(job_plan.stop_seconds)
@@ -313,32 +314,31 @@ def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> No
 
     import yaml
 
+    from finetune.artifacts.run import mark
     from finetune.files import atomic_write_text
     from finetune.redaction import redact_config
-    from finetune.runfolder import mark
     from finetune.runinfo import environment_snapshot
 
+    folder = RunFolder(run_dir)
     mark(run_dir)  # first: from now on this folder is ft's run folder (and --overwrite may remove what ft writes here)
     # What the user wrote (after --set and ${VAR}), so that the file validates again as it is; plan.json has every
     # derived value.
+    atomic_write_text(folder.config_path, yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False))
+    atomic_write_text(folder.plan_path, json.dumps(job_plan.to_json(), indent=2))
+    atomic_write_text(folder.environment_path, json.dumps(environment_snapshot(), indent=2, default=str))
     atomic_write_text(
-        run_dir / "config.yaml", yaml.safe_dump(redact_config(config, exclude_unset=True), sort_keys=False)
-    )
-    atomic_write_text(run_dir / "plan.json", json.dumps(job_plan.to_json(), indent=2))
-    atomic_write_text(run_dir / "environment.json", json.dumps(environment_snapshot(), indent=2, default=str))
-    atomic_write_text(
-        run_dir / "data.json",
+        folder.data_path,
         json.dumps(
             {"cache": str(prepared.path), "fingerprint": prepared.path.name, "summary": prepared.summary}, indent=2
         ),
     )
     how = "" if job_plan.process_group else "# run inside the ft train process; the same as running:\n"
-    atomic_write_text(run_dir / "launch.txt", how + " ".join(shlex.quote(a) for a in cmd) + "\n")
+    atomic_write_text(folder.launch_record_path, how + " ".join(shlex.quote(a) for a in cmd) + "\n")
     if job_plan.backend == "deepspeed":  # what the ranks pass to deepspeed.initialize, for the record and for re-use
         from finetune.distributed import deepspeed
 
         atomic_write_text(
-            run_dir / deepspeed.FILE,
+            folder.deepspeed_path,
             json.dumps(deepspeed.config_for(job_plan, config.train, config.distributed), indent=2),
         )
 
@@ -382,16 +382,16 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     script. The run folder, where Slurm writes the job's log (sbatch does not make that folder), exists afterwards."""
     from pathlib import Path
 
+    from finetune.artifacts.run import check_output_dir, refuse_foreign
     from finetune.distributed.slurm import sbatch_script
     from finetune.files import atomic_write_text
-    from finetune.runfolder import check_output_dir, refuse_foreign
 
     config = check_job(config_path, overrides)
     run_dir = Path(config.output.dir).expanduser()
     check_output_dir(run_dir)
     refuse_foreign(run_dir)  # what ft train would refuse on the cluster, said now
     job_plan = compile_plan(config_path, overrides, hardware)
-    out = Path(out) if out else run_dir / "job.sbatch"
+    out = Path(out) if out else RunFolder(run_dir).sbatch_path
     name = config.output.run_name or run_dir.name
     text = sbatch_script(
         str(config_path), job_plan, str(run_dir), f"ft-{name}", time_limit, partition, tuple(overrides)

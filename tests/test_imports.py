@@ -117,3 +117,34 @@ def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
     known["finetune.y"].write_text("from finetune import x\nfrom finetune.x import _hidden\nx._other()\n")
     targets, private = imports("finetune.y", known["finetune.y"], known)
     assert targets == {"finetune.x"} and len(private) == 2
+
+
+def test_only_the_run_folder_module_joins_its_names_to_a_path():
+    """`x / "result.json"` (or "checkpoints", f"step-...", ...) outside finetune/artifacts/run.py: a second place that
+    knows the run folder's layout. Every entry ft writes there is named by RunFolder."""
+    import fnmatch
+
+    from finetune.artifacts.run import TRACKERS, WRITTEN
+
+    names = [n for n in WRITTEN if n not in TRACKERS]  # a tracker's name is also its config value
+    starts = [n.split("*")[0] for n in names if "*" in n] + ["step-", ".tmp-step-"]  # and the checkpoints' folders
+
+    def named(node) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value if any(fnmatch.fnmatch(node.value, n) for n in names) else None
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            text = str(node.values[0].value)  # f"step-{step:08d}": its literal start
+            return text if any(text.startswith(s) for s in starts) else None
+        return None
+
+    # errors.py writes its traceback log in the run folder or the temporary folder (it imports nothing of ft's);
+    # ft generate's launch.txt is in its own output's parts folder, not a run folder
+    elsewhere = {"finetune.errors", "finetune.infer.generate"}
+    found = []
+    for name, path in modules().items():
+        if name == "finetune.artifacts.run" or name in elsewhere:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (text := named(node.right)):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {text!r}")
+    assert not found, "run folder names outside RunFolder: " + "; ".join(found)

@@ -140,8 +140,8 @@ def test_bitsandbytes_optimizers_are_refused_under_fsdp_and_avoided_by_auto():
 
 # ---------------------------------------------------------------- what ft launch and Slurm leave, and --overwrite
 def test_a_folder_holding_only_what_a_launch_left_is_no_run_and_overwrite_keeps_those_files(tmp_path):
+    from finetune.artifacts.run import LOCK, looks_like_run, remove_run
     from finetune.resume import resume_point
-    from finetune.runfolder import LOCK, looks_like_run, remove_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -172,7 +172,7 @@ def test_a_folder_holding_only_what_a_launch_left_is_no_run_and_overwrite_keeps_
 
 
 def test_commands_that_replace_their_output_refuse_a_run_folder(tmp_path):
-    from finetune.runfolder import refuse_replacing_run
+    from finetune.artifacts.run import refuse_replacing_run
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from finetune.artifacts.run import LOCK
 from finetune.errors import FtError
-from finetune.runfolder import LOCK
 from finetune.runlock import joined, locked
 from tests.helpers import REPO, ft_train, job, metric_rows
 

@@ -8,14 +8,27 @@ A run folder (output.dir) holds:
     final/           the trained adapter (peft format) or model, with the tokenizer
     consolidated/    what `ft consolidate` wrote from a checkpoint
     metrics.jsonl, loss.png, README.md (model card), environment.json, launch.txt
-    .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runfolder.py, runlock.py)
+    .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runlock.py)
     job.sbatch, slurm-*.out, job-k8s.yaml  what ft launch wrote and the scheduler's log (no run by themselves)
-`RunFolder` names these paths and reads them back; every module that opens a run folder goes through it.
+`RunFolder` names these paths and reads them back; every module that opens a run folder goes through it, and no other
+module spells a name in it.
+
+The folder's ownership is here too: the marker ft leaves in every folder it makes a run of, the checks before any
+work, and `--overwrite`, which removes only what ft wrote there. ft never deletes a folder it cannot prove it made
+(no marker), the folder the command runs in, or a folder that holds the job file; inside its own run folders it
+removes only the entries it writes itself, leaving anything a person added. What `ft launch` and the scheduler leave
+there (the script, Slurm's log of the job) holds no run yet: `ft train` starts in such a folder, and `--overwrite`
+keeps those files. The lock (runlock.py) is `LOCK`: `ft train` takes it before it reads, removes or writes anything
+there and holds it until its last rank has exited.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +38,40 @@ from finetune.errors import FtError
 if TYPE_CHECKING:
     from finetune.config.schema import Config
     from finetune.plan.plan import Plan
+
+MARKER = ".ft-run"
+LOCK = ".ft-lock"  # held while a job writes the folder; says which process holds it (PID, host)
+# What `ft launch` writes and Slurm adds before (and while) the job runs: no run yet, and kept by --overwrite (the
+# running job's own Slurm log among them)
+LAUNCH_FILES = ("job.sbatch", "job-k8s.yaml", "slurm-*.out")
+# Every entry ft writes into a run folder (the trackers' folders included); anything else is not ft's to remove.
+TRACKERS = ("tensorboard", "wandb", "mlflow.db", "mlruns", "mlartifacts")  # each tracker's files (trackers.py)
+CHECKPOINT = re.compile(r"^step-(\d{8})$")  # checkpoints/step-NNNNNNNN
+WRITTEN = (
+    MARKER,
+    LOCK,
+    *LAUNCH_FILES,
+    "config.yaml",
+    "plan.json",
+    "data.json",
+    "environment.json",
+    "launch.txt",
+    "deepspeed.json",
+    "metrics.jsonl",
+    "loss.png",
+    "README.md",
+    "result.json",
+    "resume-changes.jsonl",
+    "checkpoints",
+    "final",
+    "consolidated",
+    *TRACKERS,
+    "nccl-traces",
+    "rollout-server.log",
+    "ft-error-*.log",  # errors.py's traceback log (also written to the temporary folder, outside any run)
+    ".tmp-final-*",
+    ".old-final-*",
+)
 
 
 @dataclass(frozen=True)
@@ -63,13 +110,81 @@ class RunFolder:
     @property
     def lock_path(self) -> Path:
         """The lock a job holds while it writes the folder (runlock.py); gone once the job has ended."""
-        from finetune.runfolder import LOCK
-
         return self.path / LOCK
+
+    @property
+    def result_path(self) -> Path:
+        """What the finished run reports (steps, final loss, where the weights are)."""
+        return self.path / "result.json"
+
+    @property
+    def card_path(self) -> Path:
+        return self.path / "README.md"
+
+    @property
+    def loss_plot_path(self) -> Path:
+        return self.path / "loss.png"
+
+    @property
+    def environment_path(self) -> Path:
+        return self.path / "environment.json"
+
+    @property
+    def launch_record_path(self) -> Path:
+        """How the ranks were started (launch.txt)."""
+        return self.path / "launch.txt"
+
+    @property
+    def deepspeed_path(self) -> Path:
+        return self.path / "deepspeed.json"
+
+    @property
+    def resume_changes_path(self) -> Path:
+        """Config changes accepted on resuming (--allow-changes), one JSON line per resume."""
+        return self.path / "resume-changes.jsonl"
+
+    @property
+    def consolidated_dir(self) -> Path:
+        return self.path / "consolidated"
+
+    @property
+    def nccl_traces_dir(self) -> Path:
+        return self.path / "nccl-traces"
+
+    @property
+    def rollout_log_path(self) -> Path:
+        """The log of the rollout server ft train started for the run (rollout/pool.py)."""
+        return self.path / "rollout-server.log"
+
+    @property
+    def sbatch_path(self) -> Path:
+        return self.path / "job.sbatch"
+
+    @property
+    def k8s_path(self) -> Path:
+        return self.path / "job-k8s.yaml"
+
+    def tracker_path(self, name: str) -> Path:
+        """A tracker's own files (one of TRACKERS)."""
+        if name not in TRACKERS:
+            raise ValueError(f"{name!r} is not one of a run folder's tracker entries {TRACKERS}")
+        return self.path / name
 
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
         return self.checkpoints_dir / f"step-{step:08d}"
+
+    def checkpoint_staging(self, step: int) -> Path:
+        """The hidden folder checkpoint `step` is written in before it is renamed into place."""
+        return self.checkpoints_dir / f".tmp-step-{step:08d}"
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints (those with their state.json), oldest first."""
+        root = self.checkpoints_dir
+        if not root.is_dir():
+            return []
+        found = [p for p in root.iterdir() if CHECKPOINT.match(p.name) and (p / "state.json").is_file()]
+        return sorted(found, key=checkpoint_step)
 
     def is_run(self) -> bool:
         """Written by ft train: a config and a plan (older or partial folders may lack the marker)."""
@@ -152,3 +267,114 @@ class RunFolder:
                 f"{self.data_path}: cannot read where the prepared data is ({type(e).__name__}: {e}); "
                 "run ft train CONFIG again"
             ) from None
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint folder (checkpoints/step-NNNNNNNN)."""
+    match = CHECKPOINT.match(Path(path).name)
+    if match is None:
+        raise FtError(f"{path} is not a checkpoint folder of a run (checkpoints/step-NNNNNNNN)")
+    return int(match.group(1))
+
+
+# ---------------------------------------------------------------- ownership: marker, checks, --overwrite
+def is_run(run_dir: Path) -> bool:
+    """A folder ft made a run of (it holds the marker)."""
+    return (run_dir / MARKER).is_file()
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatch(name, pattern) for pattern in patterns)
+
+
+def holds_files(run_dir: Path) -> bool:
+    """Anything in the folder besides ft's marker and lock and what a launch leaves there (LAUNCH_FILES)."""
+    if not run_dir.is_dir():
+        return False
+    return any(not _matches(p.name, (MARKER, LOCK, *LAUNCH_FILES)) for p in run_dir.iterdir())
+
+
+def looks_like_run(run_dir: Path) -> bool:
+    """A folder holding what a run holds, with or without the marker (older versions of ft wrote none); a marked
+    folder that holds only what `ft launch` and the scheduler left is no run yet."""
+    folder = RunFolder(run_dir)
+    if folder.config_path.exists() or folder.checkpoints_dir.exists():
+        return True
+    return is_run(run_dir) and holds_files(run_dir)
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """ft writes a run only into a new or empty folder, one that holds an ft run, or one `ft launch` prepared."""
+    if not looks_like_run(run_dir) and holds_files(run_dir):
+        raise FtError(
+            f"output.dir {run_dir} is not empty and is not an ft run folder; choose an empty or new folder "
+            "(nothing was written)"
+        )
+
+
+def refuse_replacing_run(out: Path, flag: str) -> None:
+    """A command that replaces its output folder whole (`ft merge-lora`, `ft consolidate` with --overwrite) never
+    replaces a run folder (a live one would lose its checkpoints under the job; a finished one its history)."""
+    if out.is_dir() and looks_like_run(out):
+        raise FtError(
+            f"{flag} {out} is an ft run folder; ft will not replace it with this command's output.\n    fix: write to "
+            f"a new folder (e.g. {out / 'merged'})"
+        )
+
+
+def check_output_dir(run_dir: Path) -> None:
+    """Before any work: the output folder can be a run folder (not a file, writable, under a folder that exists or can
+    be made)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FtError(
+            f"output.dir {run_dir} is a file, not a folder; choose a folder for the run (nothing was written)"
+        )
+    probe = run_dir if run_dir.exists() else next((p for p in run_dir.parents if p.exists()), Path("."))
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise FtError(
+            f"output.dir {run_dir}: {probe} is not writable by this user; choose a folder you can write to "
+            "(nothing was written)"
+        )
+
+
+def mark(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker = run_dir / MARKER
+    if not marker.exists():
+        marker.write_text(
+            "This folder is an ft run folder: `ft train --overwrite` may remove the files ft wrote here.\n"
+        )
+
+
+def remove_run(run_dir: Path, job_file: Path | None) -> list[str]:
+    """`--overwrite`: remove what ft wrote in `run_dir`; returns the entries left (not ft's). Refuses folders ft did not
+    make."""
+    here, target = Path.cwd().resolve(), run_dir.resolve()
+    if target == here or target in here.parents:
+        raise FtError(
+            f"--overwrite: output.dir {run_dir} is the folder you run ft from (or holds it); ft will not delete "
+            "it. Choose a dedicated output.dir"
+        )
+    if job_file is not None and target in Path(job_file).resolve().parents:
+        raise FtError(
+            f"--overwrite: output.dir {run_dir} holds the job file {job_file}; ft will not delete it. Choose a "
+            "dedicated output.dir"
+        )
+    if not holds_files(run_dir):
+        return []  # no run yet: only what ft launch and the scheduler left, which stays
+    if not is_run(run_dir):
+        present = sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)[:8]
+        raise FtError(
+            f"--overwrite: {run_dir} was not made by this version of ft (no {MARKER} marker) and holds "
+            f"{', '.join(present) or 'nothing'}; ft deletes only run folders it made. Delete it yourself if it is "
+            "yours to lose, or choose another output.dir"
+        )
+    left = []
+    for entry in run_dir.iterdir():
+        if _matches(entry.name, (LOCK, *LAUNCH_FILES)):  # the lock this job holds; the script and the job's log
+            continue
+        if _matches(entry.name, WRITTEN):
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        else:
+            left.append(entry.name)
+    return sorted(left)

@@ -61,7 +61,7 @@ class AdapterSource:
             return bases.given(str(override), own, self.adapter)
         recorded = (self.run_config.get("model") or {}).get("name")
         if recorded and self.run is not None:
-            config = self.run / "config.yaml"
+            config = RunFolder(self.run).config_path
             if "${" in str(self.written_base or ""):  # an older ft's run folder: the value was not recorded
                 return bases.unrecorded(str(self.written_base), str(recorded), own, self.adapter, config)
             return bases.checked(str(recorded), f"model.name in {config}", own, self.adapter)

@@ -20,7 +20,6 @@ import torch
 from finetune.errors import FtError
 
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-FILE = "deepspeed.json"
 FORMAT = "deepspeed"  # the checkpoint format: DeepSpeed's own layout, every rank's partitions
 _FOLDER, _TAG = "deepspeed", "zero"  # inside a checkpoint folder: DeepSpeed's save_dir and tag
 _AUTO_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping")

@@ -31,6 +31,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from finetune.artifacts.run import RunFolder
 from finetune.distributed.k8s_schema import DNS1123_LABEL, DNS1123_SUBDOMAIN, name_problems, schema_available, validate
 from finetune.distributed.launch import DEFAULT_PORT
 from finetune.distributed.runtime import NCCL_ENV
@@ -89,7 +90,7 @@ def write_manifest(
                          "schemas: pip install 'finetune[k8s]'\n")  # fmt: skip
     yaml_text = render(docs, header(job_plan, kind, secret, config))
     refuse_leaks(yaml_text)
-    out = Path(out) if out else Path(config.output.dir).expanduser() / "job-k8s.yaml"
+    out = Path(out) if out else RunFolder(config.output.dir).k8s_path
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, yaml_text)
     return out

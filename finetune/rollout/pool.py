@@ -16,6 +16,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from finetune.artifacts.run import RunFolder
 from finetune.rollout.factory import TOKEN_ENV, URL_ENV, engine_spec, placement
 
 READY_TIMEOUT_S = 900  # loading a large model onto the pool's GPUs
@@ -61,13 +62,14 @@ def rollout_pool(config, plan, run_dir: Path):
     env = {**os.environ, TOKEN_ENV: token}
     if server_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server_devices
-    log = open(Path(run_dir) / "rollout-server.log", "ab")  # noqa: SIM115 (kept open while the server runs)
+    log_path = RunFolder(run_dir).rollout_log_path
+    log = open(log_path, "ab")  # noqa: SIM115 (kept open while the server runs)
     cmd = [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), host, str(port)]
     process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     saved = {k: os.environ.get(k) for k in (URL_ENV, TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
     try:
         address = f"http://{_reachable(host)}:{port}"
-        sys.stderr.write(f"starting the rollout server ({address}, log: {Path(run_dir) / 'rollout-server.log'})\n")
+        sys.stderr.write(f"starting the rollout server ({address}, log: {log_path})\n")
         wait_ready(address, token, READY_TIMEOUT_S, process)
         os.environ[URL_ENV], os.environ[TOKEN_ENV] = address, token
         if trainer_devices is not None:
