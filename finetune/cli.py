@@ -180,7 +180,7 @@ def launch(
     if slurm:
         typer.echo(f"wrote {write_launch_script(target, set_ or (), hardware, out, time_limit, partition)}")
         return
-    from finetune.distributed.k8s import write_manifest
+    from finetune.launch.k8s import write_manifest
 
     kind = "jobset" if jobset else "pytorchjob"
     written = write_manifest(

@@ -520,3 +520,12 @@ def init_buffers(net) -> None:
     owners = {name.rpartition(".")[0] for name, _ in net.named_non_persistent_buffers()}
     for name in sorted(owners):
         net._init_weights(net.get_submodule(name))
+
+
+def causal_lm(model):
+    """The transformers model inside its data-parallel (DDP, DeepSpeed: `.module`) and peft wrappers."""
+    import torch
+
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

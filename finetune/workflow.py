@@ -128,7 +128,7 @@ def run_train(
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.distributed.launch import rank_command
-    from finetune.distributed.lifecycle import stopped_before_launch
+    from finetune.launch.stopping import stopped_before_launch
     from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
     from finetune.runlock import locked
@@ -170,7 +170,7 @@ def run_train(
             if role.node_rank == 0:
                 if overwrite and not resuming:
                     overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan loses nothing
-                _write_run_folder(run_dir, config, job_plan, prepared, cmd)
+                write_run_folder(run_dir, config, job_plan, prepared, cmd)
                 set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
         with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
             if job_plan.process_group:
@@ -229,10 +229,11 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bo
     import shlex
     import sys
 
-    from finetune.distributed.lifecycle import ENV_STOP_SECONDS, LOST_PEERS, Exchange, run_forwarding_signals
-    from finetune.distributed.netif import gloo_environment
+    from finetune.distributed.lifecycle import ENV_STOP_SECONDS, LOST_PEERS
     from finetune.distributed.runtime import nccl_environment
     from finetune.errors import LostPeers
+    from finetune.launch.netif import gloo_environment
+    from finetune.launch.stopping import Exchange, run_forwarding_signals
 
     env = dict(os.environ)
     env.update(gloo_environment(master_addr, job_plan.nodes))  # across nodes: the interface ft's gloo collectives use
@@ -308,7 +309,7 @@ def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
     )
 
 
-def _write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
+def write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
     import json
     import shlex
 
@@ -383,8 +384,8 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     from pathlib import Path
 
     from finetune.artifacts.run import check_output_dir, refuse_foreign
-    from finetune.distributed.slurm import sbatch_script
     from finetune.files import atomic_write_text
+    from finetune.launch.slurm import sbatch_script
 
     config = check_job(config_path, overrides)
     run_dir = Path(config.output.dir).expanduser()
@@ -410,8 +411,8 @@ def write_generate_script(
     --out is `output`) on the nodes of `hardware` (one, or several sharing a filesystem)."""
     from pathlib import Path
 
-    from finetune.distributed.slurm import Allocation, generate_script
     from finetune.files import atomic_write_text
+    from finetune.launch.slurm import Allocation, generate_script
     from finetune.plan.stopping import MIN_STOP_S
 
     if not hardware:

@@ -11,7 +11,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 
-MINIMAL = """\
+
+class JobText(str):
+    """A job file's text whose `replace` fails when the text to replace is not there: an edit that silently did
+    nothing would leave a test checking the unedited job (for edits overrides cannot make: a misspelt key, a bad
+    YAML token, a line removed)."""
+
+    def replace(self, old, new, count=-1):
+        if old not in self:
+            raise AssertionError(f"the job text holds no {old!r} to replace:\n{self}")
+        return JobText(str.replace(self, old, new, count))
+
+
+MINIMAL = JobText("""\
 model: {name: meta-llama/Llama-3.1-8B}
 data:
   datasets: [{path: data/train.jsonl, format: chat}]
@@ -30,7 +42,7 @@ train:
   max_steps: 1000
 distributed: {backend: auto, sharding: auto, offload: auto}
 output: {dir: runs/llama8b-lora}
-"""
+""")
 
 
 # ---------------------------------------------------------------- ft train in a process of its own, and what it wrote
@@ -192,7 +204,7 @@ def job_text(tmp_path, adapter="full", steps=12, batch=8, micro="auto", extra=""
         "qlora": "{type: qlora, r: 8, alpha: 16, dropout: 0.0}",
         "int8": "{type: lora, r: 8, alpha: 16, dropout: 0.0}\nquantization: {type: int8}",
     }[adapter]
-    return f"""
+    return JobText(f"""
 model: {{name: ft-tiny}}
 data:
   datasets: [{{path: {data}, format: chat}}]
@@ -202,7 +214,7 @@ adapter: {adapter_yaml}
 train: {{global_batch_size: {batch}, micro_batch_size: {micro}, max_steps: {steps},
   lr: {lr or (3.0e-3 if adapter == "full" else 2.0e-2)}, warmup_steps: 2}}
 output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
-{extra}"""
+{extra}""")
 
 
 def write_job(tmp_path, text: str, name: str = "job.yaml") -> Path:
@@ -509,3 +521,17 @@ def tiny_moe(folder: Path, kind: str = "qwen3_moe", seed: int = 0) -> Path:
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+def crash_hook(folder, parts, rank: int, batches: int) -> str:
+    """FT_BATCH_HOOK's value for a hook (written into `folder`) that kills process `rank` after its `batches`-th
+    batch, leaving half a line in its part file under `parts`, as a kill in the middle of a write does."""
+    hook = folder / "crash_hook.py"
+    hook.write_text(
+        f"import os\nimport pathlib\n\n\ndef hook(rank, batches_done):\n    if (rank, batches_done) == ({rank}, "
+        f"{batches}):\n        (part,) = pathlib.Path({str(parts)!r}).glob(f'part-*-r{{rank}}.jsonl')\n        with "
+        "open(part, 'a', encoding='utf-8') as f:\n"
+        '            f.write(\'{"id": "cut sh\')\n'
+        "        os._exit(137)\n"
+    )
+    return f"{hook}:hook"

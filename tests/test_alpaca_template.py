@@ -6,7 +6,7 @@ import pytest
 
 from finetune.data.formats import normalize
 from finetune.data.masking import IGNORE, tokenize_conversation, tokenize_prompt
-from finetune.data.templates import BUILTIN, TemplateError, render, resolve
+from finetune.templates import BUILTIN, TemplateError, render, resolve
 from finetune.tiny import build_tokenizer
 from tests.helpers import spec
 

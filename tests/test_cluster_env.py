@@ -1,5 +1,5 @@
 """The environment ft gives the ranks of a cluster job: gloo's network interface on more than one node
-(distributed/netif.py), and NCCL's error handling left at torch's own default, 3, in every launcher."""
+(launch/netif.py), and NCCL's error handling left at torch's own default, 3, in every launcher."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from finetune.distributed import k8s, netif, slurm
 from finetune.distributed.runtime import nccl_environment
+from finetune.launch import k8s, netif, slurm
 from finetune.workflow import compile_plan
 from tests.helpers import REPO
 

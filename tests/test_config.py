@@ -328,3 +328,13 @@ def test_set_values_are_read_under_the_same_limits():
         and "100 characters is not allowed" in text
         and "40 dotted parts" in text
     )
+
+
+def test_an_edit_of_the_job_text_that_finds_nothing_fails():
+    """The tests' job texts (tests/helpers.JobText) refuse an edit whose text is not there, so that a renamed key
+    cannot leave a test checking the unedited job."""
+    from tests.helpers import MINIMAL
+
+    assert "lrr: 2.0e-4" in MINIMAL.replace("  lr: 2.0e-4", "  lrr: 2.0e-4")
+    with pytest.raises(AssertionError, match="holds no"):
+        MINIMAL.replace("  learning_rate: 2.0e-4", "  lr: 1")

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from finetune.data.masking import IGNORE
 from finetune.distributed import cp
 from finetune.errors import FtError
 from finetune.methods.head import LossHead
-from finetune.methods.loss import IGNORE, step_normaliser, trained_tokens
+from finetune.methods.loss import step_normaliser, trained_tokens
 from tests.helpers import REPO, free_port, tiny_llama
 
 FP32 = dict(rtol=1e-5, atol=1e-6)

@@ -199,9 +199,9 @@ def test_prompt_only_accepts_messages():
 # ---------------------------------------------------------------- normalize_dataset
 def dataset(records):
     """Records as load_source builds them (mixed-type columns as exact JSON)."""
-    from finetune.data.sources import _to_dataset
+    from finetune.data.sources import to_dataset
 
-    return _to_dataset([dict(r, _origin=f"data/train.jsonl:{i + 1}") for i, r in enumerate(records)])
+    return to_dataset([dict(r, _origin=f"data/train.jsonl:{i + 1}") for i, r in enumerate(records)])
 
 
 GOOD = {"messages": [user("hi"), bot("yo")]}

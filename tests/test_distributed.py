@@ -135,7 +135,7 @@ def test_two_nodes_on_loopback_train_together(tmp_path, one_process):
     outs = [n.communicate(timeout=300) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "--node-rank=1" in outs[1][1] and "--master-addr=127.0.0.1" in outs[0][1]
-    assert all("gloo (ft's own collectives between nodes) uses lo" in err for _, err in outs)  # distributed/netif.py
+    assert all("gloo (ft's own collectives between nodes) uses lo" in err for _, err in outs)  # launch/netif.py
     plan = json.loads((tmp_path / "nodes" / "plan.json").read_text())
     assert (plan["nodes"], plan["world_size"], plan["backend"]) == (2, 2, "ddp")
     assert losses(tmp_path / "nodes") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)

@@ -16,7 +16,7 @@ from finetune.errors import FtError
 from finetune.modelcard import model_card
 from finetune.redaction import redact_config
 from finetune.resume import resume_checks
-from tests.helpers import REPO, varied_tiny_model
+from tests.helpers import REPO, JobText, varied_tiny_model
 
 TOKEN = "hf_" + "a1B2c3D4e5" * 4  # looks like a Hugging Face token, whatever the variable is called
 
@@ -25,12 +25,12 @@ def _job(tmp_path, extra: str = "") -> str:
     data = tmp_path / "d.jsonl"
     row = {"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}
     data.write_text(json.dumps(row) + "\n")
-    return f"""
+    return JobText(f"""
 model: {{name: "${{FT_BASE:-ft-tiny}}"}}
 data: {{datasets: [{{path: "{data}", format: chat}}], seq_len: 48}}
 adapter: {{type: lora, r: 4, alpha: 8, dropout: 0.0}}
 output: {{dir: "{tmp_path / "run"}", run_name: "${{FT_LABEL:-plain}}"}}
-{extra}"""
+{extra}""")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def models(tmp_path_factory):
 
 def _run_folder(tmp_path, models, environ: dict, written: dict | None = None):
     """A run folder as ft train writes it for `_job` under `environ` (config.yaml through redact_config, as
-    workflow._write_run_folder writes it; or `written`, as written), with the adapter as final/."""
+    workflow.write_run_folder writes it; or `written`, as written), with the adapter as final/."""
     run = tmp_path / "run"
     shutil.copytree(models["adapter"], run / "final")
     if written is None:

@@ -275,7 +275,7 @@ def _ep_run(tmp_path, config_path, *sets: str, resume_from=None) -> Path:
     from finetune.data.preprocess import prepare
     from finetune.hardware import parse
     from finetune.plan import plan as make_plan
-    from finetune.workflow import _write_run_folder, model_facts
+    from finetune.workflow import model_facts, write_run_folder
 
     run = tmp_path / "ep"
     config = load(str(config_path), ["distributed.expert_parallel=2", f"output.dir={run}", *sets])
@@ -283,7 +283,7 @@ def _ep_run(tmp_path, config_path, *sets: str, resume_from=None) -> Path:
     assert (p.backend, p.world_size, p.expert_parallel) == ("fsdp", 2, 2)
     run.mkdir(exist_ok=True)
     if resume_from is None:
-        _write_run_folder(run, config, p, prepare(config), ["(test)"])
+        write_run_folder(run, config, p, prepare(config), ["(test)"])
     r = _torchrun(["-m", "finetune.rank", str(run)] + (["--resume-from", str(resume_from)] if resume_from else []))
     assert r.returncode == 0, r.stderr[-4000:]
     return run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.errors import PlanError
-from tests.helpers import write_job
+from tests.helpers import JobText, write_job
 
 BASE = dict(
     hidden_size=64,
@@ -139,14 +139,14 @@ def job_yaml(tmp_path, folder, adapter: str = "lora", packing: bool = True, step
 
     data = write_jsonl(arithmetic_records(64, seed=3), tmp_path / "rows.jsonl")
     lr = 3.0e-3 if adapter == "full" else 2.0e-2
-    return f"""
+    return JobText(f"""
 model: {{name: {folder}}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 64, packing: {str(packing).lower()},
   cache_dir: {tmp_path / "cache"}}}
 adapter: {{type: {adapter}}}
 train: {{global_batch_size: 8, micro_batch_size: 8, max_steps: {steps}, lr: {lr}, warmup_steps: 1}}
 output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
-"""
+""")
 
 
 def planned(tmp_path, folder, *overrides: str):

@@ -260,8 +260,8 @@ def test_long_records_give_what_the_whole_record_gives():
 
     from finetune.config.schema import ModelSection
     from finetune.data import tokenize as tk
-    from finetune.data.templates import resolve
     from finetune.models import load_tokenizer
+    from finetune.templates import resolve
 
     tokenizer = load_tokenizer(ModelSection(name="ft-tiny"))
     jinja = resolve(tokenizer, "tokenizer")
@@ -292,8 +292,8 @@ def test_long_records_give_what_the_whole_record_gives():
 def test_a_4000_message_conversation_is_tokenized_in_bounded_time():
     from finetune.config.schema import ModelSection
     from finetune.data import tokenize as tk
-    from finetune.data.templates import resolve
     from finetune.models import load_tokenizer
+    from finetune.templates import resolve
 
     tokenizer = load_tokenizer(ModelSection(name="ft-tiny"))
     jinja = resolve(tokenizer, "tokenizer")

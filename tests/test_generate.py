@@ -19,7 +19,7 @@ from finetune.infer.engines import Sampling
 from finetune.infer.generate import generate
 from finetune.infer.job import GenerateJob
 from finetune.infer.prompts import PromptSpec, read_prompts
-from tests.helpers import REPO, crafted_run
+from tests.helpers import REPO, crafted_run, crash_hook
 
 MAX_NEW = 6
 
@@ -221,20 +221,6 @@ def test_sampling_is_seeded_per_batch_not_per_process(model_dir):
 
 
 # ---------------------------------------------------------------- several processes, crashes
-def crash_hook(folder, parts, rank: int, batches: int) -> str:
-    """FT_BATCH_HOOK's value for a hook (written into `folder`) that kills process `rank` after its `batches`-th
-    batch, leaving half a line in its part file under `parts`, as a kill in the middle of a write does."""
-    hook = folder / "crash_hook.py"
-    hook.write_text(
-        f"import os\nimport pathlib\n\n\ndef hook(rank, batches_done):\n    if (rank, batches_done) == ({rank}, "
-        f"{batches}):\n        (part,) = pathlib.Path({str(parts)!r}).glob(f'part-*-r{{rank}}.jsonl')\n        with "
-        "open(part, 'a', encoding='utf-8') as f:\n"
-        '            f.write(\'{"id": "cut sh\')\n'
-        "        os._exit(137)\n"
-    )
-    return f"{hook}:hook"
-
-
 @pytest.mark.slow
 def test_two_processes_write_the_same_bytes_as_one(one_process, model_dir, prompts_file, tmp_path):
     out = tmp_path / "two.jsonl"

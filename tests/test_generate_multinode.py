@@ -19,8 +19,7 @@ from finetune.infer.generate import generate
 from finetune.infer.job import GenerateJob
 from finetune.infer.prompts import PromptSpec
 from finetune.workflow import NodeRole
-from tests.helpers import REPO, free_port
-from tests.test_generate import crash_hook
+from tests.helpers import REPO, crash_hook, free_port
 
 MAX_NEW, BATCH, PROMPTS = 4, 2, 12
 

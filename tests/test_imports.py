@@ -110,6 +110,32 @@ def test_no_import_circles():
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
 
 
+def package_of(module: str, packages: set[str]) -> str:
+    """finetune.plan.memory -> finetune.plan; a module of the top package stands for itself."""
+    head = ".".join(module.split(".")[:2])
+    return head if head in packages else module
+
+
+def test_no_circles_between_subpackages():
+    """Between two subpackages imports go one way only (config <- data, methods -> plan, launch -> plan -> distributed,
+    ...), and the rank's engines reach neither the planner nor the launcher's side."""
+    edges, _ = graph()
+    packages = {f"finetune.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    between = {}
+    for a, targets in edges.items():
+        for b in targets:
+            pa, pb = package_of(a, packages), package_of(b, packages)
+            if pa != pb and pa in packages and pb in packages:
+                between.setdefault((pa, pb), []).append(f"{a} -> {b}")
+    both = [between[(x, y)][0] + " and " + between[(y, x)][0] for x, y in between if x < y and (y, x) in between]
+    assert not both, "; ".join(both)
+    engines = [e for (x, y), es in between.items() if x == "finetune.distributed" for e in es if y in (
+        "finetune.plan", "finetune.launch")]  # fmt: skip
+    assert not engines, engines
+    rank_side = [f"{a} -> {b}" for a in ("finetune.rank", "finetune.train") for b in edges.get(a, ())]
+    assert not [e for e in rank_side if e.split(" -> ")[1].startswith("finetune.launch")], rank_side
+
+
 def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
     """The checker itself: a circle of three and a private name are found."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -15,10 +15,10 @@ import pytest
 import typer
 import yaml
 
-from finetune.distributed import k8s
-from finetune.distributed.k8s_schema import SCHEMAS, validate
 from finetune.errors import FtError
 from finetune.hardware import launch_env
+from finetune.launch import k8s
+from finetune.launch.k8s_schema import SCHEMAS, validate
 from finetune.workflow import NodeRole, compile_plan
 from tests.helpers import MINIMAL, REPO
 
@@ -268,15 +268,15 @@ def test_ft_launch_refuses_what_ft_validate_refuses_and_warns_of_data_off_the_vo
 
 
 def test_shipped_schemas_record_their_origin():
-    readme = (REPO / "finetune/distributed/crds/README.md").read_text()
+    readme = (REPO / "finetune/launch/crds/README.md").read_text()
     for (api_version, kind), file in SCHEMAS.items():
-        data = json.loads(gzip.decompress((REPO / "finetune/distributed/crds" / file).read_bytes()))
+        data = json.loads(gzip.decompress((REPO / "finetune/launch/crds" / file).read_bytes()))
         assert (data["apiVersion"], data["kind"]) == (api_version, kind)
         assert data["origin"]["license"] == "Apache-2.0" and data["origin"]["tag"] in readme and file in readme
         assert data["openAPIV3Schema"]["properties"]["spec"]["type"] == "object"
 
 
 def test_without_jsonschema_the_manifest_is_written_unchecked(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("finetune.distributed.k8s.schema_available", lambda: False)
+    monkeypatch.setattr("finetune.launch.k8s.schema_available", lambda: False)
     _, docs = write(tmp_path, "jobset")
     assert len(docs) == 2 and "pip install 'finetune[k8s]'" in capsys.readouterr().err

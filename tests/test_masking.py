@@ -11,8 +11,8 @@ import pytest
 from tokenizers import processors
 
 from finetune.data.masking import IGNORE, tokenize_continuation, tokenize_conversation, tokenize_prompt
-from finetune.data.templates import BUILTIN, TemplateError, render, resolve
 from finetune.errors import DataError
+from finetune.templates import BUILTIN, TemplateError, render, resolve
 from finetune.tiny import build_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

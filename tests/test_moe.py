@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune.errors import ConfigError
-from tests.helpers import ft_train, metric_rows, setup_job, train_here, write_job
+from tests.helpers import JobText, ft_train, metric_rows, setup_job, train_here, write_job
 
 SHAPE = dict(
     hidden_size=64,
@@ -153,13 +153,13 @@ def job_text(tmp_path, model, data, adapter: str = "{type: lora, r: 8, alpha: 16
     """SFT of `model` with `adapter` (ft's default dropout unless it sets one), 8 rows a step in micro-batches of 4,
     logged every step, into tmp_path/out; `train`: more keys of the train section."""
     train = f"global_batch_size: 8, micro_batch_size: 4, max_steps: 12, lr: 2.0e-2, warmup_steps: 1, {train}"
-    return f"""
+    return JobText(f"""
 model: {{name: {model}}}
 data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
 adapter: {adapter}
 train: {{{train.rstrip(", ")}}}
 output: {{dir: {tmp_path / out}, log_steps: 1, save_steps: 0}}
-"""
+""")
 
 
 def adapted(peft_model) -> list[set[str]]:

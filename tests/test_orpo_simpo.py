@@ -16,7 +16,7 @@ from finetune.errors import FtError
 from finetune.methods.orpo import ORPO
 from finetune.methods.simpo import SimPO
 from finetune.tiny import preference_records, write_jsonl
-from tests.helpers import metric_rows, train_here
+from tests.helpers import JobText, metric_rows, train_here
 
 trl = pytest.importorskip("trl")
 
@@ -155,7 +155,7 @@ def job_text(tmp_path, method: str, adapter="{type: lora, r: 16, alpha: 32, drop
     if data:
         write_jsonl(preference_records(960, seed=3), train)
         write_jsonl(preference_records(100, seed=4), held_out)
-    return f"""
+    return JobText(f"""
 model: {{name: {model}}}
 data: {{datasets: [{{path: {train}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"},
         validation: {{path: {held_out}, format: preference}}}}
@@ -163,7 +163,7 @@ method: {method}
 adapter: {adapter}
 train: {{global_batch_size: 32, micro_batch_size: 16, max_steps: 12, lr: 5.0e-4, warmup_steps: 2}}
 output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
-"""
+""")
 
 
 def test_the_method_keys_load_from_yaml_and_round_trip(tmp_path):

@@ -12,19 +12,19 @@ from finetune.config import loads
 from finetune.data.masking import IGNORE
 from finetune.errors import DataError
 from finetune.tiny import arithmetic_records, write_jsonl
-from tests.helpers import REPO
+from tests.helpers import REPO, JobText
 
 
 def job(tmp_path, datasets: str, **data) -> str:
     extra = "".join(f"\n  {k}: {json.dumps(v)}" for k, v in data.items())
-    return f"""
+    return JobText(f"""
 model: {{name: ft-tiny}}
 data:
   datasets: {datasets}
   seq_len: 64
   cache_dir: {tmp_path / "cache"}{extra}
 output: {{dir: {tmp_path / "run"}}}
-"""
+""")
 
 
 def prepare(text: str, **kw):
@@ -58,7 +58,7 @@ def test_cache_is_reused_and_invalidated_by_what_changes_the_data(tmp_path, arit
     monkeypatch.setattr(pre, "build", lambda *a, **k: pytest.fail("rebuilt a matching cache entry"))
     assert prepare(text).path == first.path
     # output dir is not an input
-    assert prepare(text.replace("run'", "run2'").replace("/run}", "/run2}")).path == first.path
+    assert prepare(text.replace("/run}", "/run2}")).path == first.path
     monkeypatch.undo()
     assert prepare(text.replace("seq_len: 64", "seq_len: 80")).path != first.path
     assert prepare(job(tmp_path, f"[{{path: {arithmetic}, format: chat}}]", train_on="all")).path != first.path

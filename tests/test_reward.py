@@ -15,7 +15,7 @@ from finetune.config.methods import RewardMethod
 from finetune.errors import DataError, FtError
 from finetune.methods.reward import Reward, check_margins
 from finetune.tiny import answer_records, preference_records, prompt_records, write_jsonl
-from tests.helpers import REPO, metric_rows, train_here
+from tests.helpers import REPO, JobText, metric_rows, train_here
 
 trl = pytest.importorskip("trl")
 
@@ -160,7 +160,7 @@ def test_a_margin_that_is_not_a_number_is_an_error_naming_the_file_and_line(tmp_
 def job_text(tmp_path, name: str, method: str, adapter: str, steps: int = 3, extra: str = "") -> str:
     train = write_jsonl(with_margins(preference_records(64, seed=3)), tmp_path / "pairs.jsonl")
     held_out = write_jsonl(preference_records(16, seed=4), tmp_path / "held-out.jsonl")
-    return f"""
+    return JobText(f"""
 model: {{name: ft-tiny}}
 data: {{datasets: [{{path: {train}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"},
         validation: {{path: {held_out}, format: preference}}}}
@@ -168,7 +168,7 @@ method: {method}
 adapter: {adapter}
 train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: {steps}, lr: 1.0e-3, warmup_steps: 0}}
 output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0, eval_steps: {steps}}}
-{extra}"""
+{extra}""")
 
 
 def test_reward_keys_and_plan(tmp_path):

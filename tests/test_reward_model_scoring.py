@@ -13,8 +13,9 @@ from finetune.config import loads
 from finetune.config.methods import GRPOMethod, RewardSpec
 from finetune.errors import FtError
 from finetune.methods.grpo import GRPO
-from finetune.methods.reward_model import classifier_config, model_name
+from finetune.methods.reward_model import model_name
 from finetune.methods.rewards import load_rewards
+from finetune.plan.reward_models import classifier_config
 from tests.helpers import train_here
 
 PROMPTS = [[{"role": "user", "content": "What is 2+3?"}], [{"role": "user", "content": "Name a colour, please."}]]

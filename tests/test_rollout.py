@@ -197,11 +197,11 @@ class FakeVllm:
 
 @pytest.fixture()
 def server():
-    from finetune.rollout.server import RolloutService, _handler
+    from finetune.rollout.server import RolloutService, request_handler
 
     engine = FakeVllm()
     service = RolloutService(engine)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(service, "s3cret", threading.Event()))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), request_handler(service, "s3cret", threading.Event()))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", engine

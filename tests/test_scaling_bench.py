@@ -64,7 +64,9 @@ def test_two_cpu_processes_against_one_give_measured_and_predicted_efficiency(tm
     for run in (one, two):  # the same work per device: one micro-batch of 64 tokens a step, no accumulation
         assert (run["micro_batch_size"], run["gradient_accumulation_steps"], run["timed_steps"]) == (1, 1, 3)
     assert two["tokens_per_step"] == pytest.approx(2 * one["tokens_per_step"], rel=0.05)
-    assert b["measured_efficiency"] > 0  # a measured figure, not a bound: the benchmark reports it, the suite does not time
+    assert (
+        b["measured_efficiency"] > 0
+    )  # a measured figure, not a bound: the benchmark reports it, the suite does not time
     assert b["measured_efficiency"] == pytest.approx(two["tokens_per_s"] / (2 * one["tokens_per_s"]))
     assert 0 < b["predicted_efficiency"] <= 1.5
     plan = json.loads((work / "run-2" / "plan.json").read_text())  # the 2-process run's own prediction

@@ -45,7 +45,7 @@ def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 1
 
 
 def descendants(pid: int) -> list[int]:
-    from finetune.distributed.lifecycle import children
+    from finetune.launch.stopping import children
 
     found = []
     for child in children(pid):
@@ -163,15 +163,15 @@ def test_outside_the_loop_a_rank_stops_at_once_while_setting_up_and_finishes_the
     monkeypatch.setitem(lifecycle._rank, "trained", False)
     lifecycle.reset_signals()
     with pytest.raises(KeyboardInterrupt):  # setting up: no step to finish
-        lifecycle._outside_the_loop(signal.SIGINT, None)
-    lifecycle._outside_the_loop(signal.SIGTERM, None)  # a copy of it: ignored while the rank unwinds
+        lifecycle.outside_the_loop(signal.SIGINT, None)
+    lifecycle.outside_the_loop(signal.SIGTERM, None)  # a copy of it: ignored while the rank unwinds
     lifecycle.reset_signals()
     lifecycle.loop_finished()
-    lifecycle._outside_the_loop(signal.SIGTERM, None)  # after the last step: the final weights are saved first
+    lifecycle.outside_the_loop(signal.SIGTERM, None)  # after the last step: the final weights are saved first
     monkeypatch.setattr(lifecycle, "REPEAT_WINDOW_S", 0.0)
-    lifecycle._outside_the_loop(signal.SIGTERM, None)  # a scheduler's second SIGTERM: the save goes on
+    lifecycle.outside_the_loop(signal.SIGTERM, None)  # a scheduler's second SIGTERM: the save goes on
     with pytest.raises(KeyboardInterrupt):  # a person's second Ctrl-C: at once
-        lifecycle._outside_the_loop(signal.SIGINT, None)
+        lifecycle.outside_the_loop(signal.SIGINT, None)
     lifecycle.reset_signals()
 
 

@@ -176,7 +176,7 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
 
 
 def slurm_port() -> str:
-    from finetune.distributed.slurm import port_expression
+    from finetune.launch.slurm import port_expression
 
     return port_expression()
 
@@ -316,6 +316,7 @@ def test_a_second_signal_while_the_checkpoint_is_written_is_ignored_and_the_chec
 @linux
 def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint(tmp_path, monkeypatch):
     from finetune.distributed import lifecycle
+    from finetune.launch import stopping
 
     monkeypatch.setattr(lifecycle, "REPEAT_WINDOW_S", 0.0)
     # a stand-in for torchrun and its rank: it writes a checkpoint for 3 s once asked to stop, then ends cleanly
@@ -327,7 +328,7 @@ def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint
         "(folder / 'saving-0').touch()\ntime.sleep(3)\n(folder / 'saving-0').unlink()\n"
         f"pathlib.Path({str(tmp_path / 'done')!r}).write_text('complete')\n"
     )
-    exchange = lifecycle.Exchange()
+    exchange = stopping.Exchange()
 
     def signal_twice():  # Ctrl-C twice: the second would stop at once, but for the checkpoint being written
         time.sleep(1.0)
@@ -337,7 +338,7 @@ def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint
 
     threading.Thread(target=signal_twice, daemon=True).start()
     try:
-        code = lifecycle.run_forwarding_signals([sys.executable, str(worker)], dict(os.environ), exchange)
+        code = stopping.run_forwarding_signals([sys.executable, str(worker)], dict(os.environ), exchange)
     finally:
         exchange.close()
     assert code == 0 and (tmp_path / "done").read_text() == "complete"
@@ -388,8 +389,8 @@ def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_p
 
 
 def test_a_signal_before_training_begins_ends_ft_train_with_its_code_and_a_message():
-    from finetune.distributed.lifecycle import stopped_before_launch
     from finetune.errors import Stopped
+    from finetune.launch.stopping import stopped_before_launch
 
     before = signal.getsignal(signal.SIGUSR1)
     with pytest.raises(Stopped) as info, stopped_before_launch():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.data.templates import BUILTIN, TemplateError, describe, missing_special_tokens, render, resolve
 from finetune.errors import FtError
+from finetune.templates import BUILTIN, TemplateError, describe, missing_special_tokens, render, resolve
 from finetune.tiny import CHATML, build_tokenizer
 
 CONVERSATION = [

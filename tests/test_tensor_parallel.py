@@ -155,7 +155,7 @@ def _tp_run(tmp_path, name: str, world: int, tp_degree: int, *overrides: str, re
     from finetune.data.preprocess import prepare
     from finetune.hardware import parse
     from finetune.plan import plan as make_plan
-    from finetune.workflow import _write_run_folder, model_facts
+    from finetune.workflow import model_facts, write_run_folder
 
     sets = ["distributed.backend=fsdp", f"distributed.tensor_parallel={tp_degree}", *overrides[1::2]]  # --set K=V
     config = load(config_path or job(tmp_path, name), sets)
@@ -164,7 +164,7 @@ def _tp_run(tmp_path, name: str, world: int, tp_degree: int, *overrides: str, re
     run = tmp_path / name
     run.mkdir(exist_ok=True)
     if resume_from is None:
-        _write_run_folder(run, config, p, prepare(config), ["(test)"])
+        write_run_folder(run, config, p, prepare(config), ["(test)"])
     cmd = ["-m", "finetune.rank", str(run)] + (["--resume-from", str(resume_from)] if resume_from else [])
     r = _torchrun(world, cmd)
     assert r.returncode == 0, r.stderr[-4000:]

@@ -77,7 +77,7 @@ def _text(value: str) -> str:
 
 
 def _template(value: str) -> str:
-    from finetune.data.templates import BUILTIN
+    from finetune.templates import BUILTIN
 
     jinja = "{{" in value or "{%" in value
     if not jinja:

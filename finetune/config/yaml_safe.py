@@ -106,6 +106,7 @@ def bad_character(text: str, name: str) -> Problem | None:
 
 def parse(text: str, name: str, lines: dict[tuple, int] | None = None) -> tuple[Any, list[Problem]]:
     """Text -> (plain data, problems). Data is None after a problem that stops reading (it is then last)."""
+    text = str(text)  # a str subclass as plain text: libyaml's parser takes nothing else
     if len(text) > MAX_BYTES:
         return None, [
             Problem(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from finetune.data.masking import IGNORE
 from finetune.errors import DataError
 
-IGNORE = -100
 MASK_IMPLS = ("sdpa", "eager")  # packed rows get a 4-D additive mask
 VARLEN_IMPLS = ("flash_attention_2", "sdpa_varlen")  # packed rows become one row with sample boundaries (varlen)
 

@@ -27,10 +27,10 @@ Labels are aligned with input_ids (not shifted); the loss shifts them. IGNORE ma
 
 from __future__ import annotations
 
-from finetune.data.templates import TemplateError, describe, render
 from finetune.errors import DataError
+from finetune.templates import TemplateError, describe, render
 
-IGNORE = -100
+IGNORE = -100  # the label of a position that is not trained (torch cross_entropy's ignore_index); the one definition
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
 

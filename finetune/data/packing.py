@@ -14,9 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from finetune.data.masking import IGNORE
 from finetune.errors import DataError
-
-IGNORE = -100  # label of a position that is not trained
 
 
 class _RoomIndex:

@@ -97,7 +97,7 @@ def training_tokenizer(config: Config):
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
     """The chat template text (None when no source needs one) and built-in tokens missing from the vocabulary."""
-    from finetune.data.templates import missing_special_tokens, resolve
+    from finetune.templates import missing_special_tokens, resolve
 
     specs = list(config.data.datasets) + (
         [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []

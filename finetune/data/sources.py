@@ -80,7 +80,7 @@ def load_source(
             "; ".join(out.examples),
         )
     stats = SourceStats(spec.path, len(out.records), out.skipped, tuple(out.examples), tuple(files))
-    return _to_dataset(out.records), stats
+    return to_dataset(out.records), stats
 
 
 def _read_file(file: str, out: Collector) -> None:
@@ -224,7 +224,7 @@ def _folder_files(path: str, expanded: str) -> list[str]:
     return files
 
 
-def _to_dataset(records: list[dict]) -> datasets.Dataset:
+def to_dataset(records: list[dict]) -> datasets.Dataset:
     """One Arrow table from all records, every value read back exactly as parsed.
 
     A column whose values do not share one Arrow type (a number among strings, anywhere inside) is stored

@@ -117,7 +117,7 @@ def _starting_within(messages: list[dict], tokens: int, tokenizer, jinja: str | 
     Rendering a conversation once and tokenizing it are linear; masking renders every prefix that ends
     in a trained turn, which is quadratic in the number of messages: so they are cut here first. A
     message starts after the previous message's content ends (contents are rendered in order)."""
-    from finetune.data.templates import render
+    from finetune.templates import render
 
     if jinja is None or not getattr(tokenizer, "is_fast", False):
         return len(messages)

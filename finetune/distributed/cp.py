@@ -35,8 +35,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from finetune.data.masking import IGNORE
 from finetune.errors import FtError
-from finetune.methods.loss import IGNORE
 
 KEY = "distributed.context_parallel"
 SEQUENCE = ("input_ids", "labels", "position_ids", "attention_mask")  # what `shard` splits
@@ -184,7 +184,7 @@ def for_plan(plan, model, device: torch.device) -> ContextParallel | None:
     cp = plan.context_parallel
     if cp <= 1:
         return None
-    from finetune.methods.head import causal_lm
+    from finetune.models import causal_lm
 
     config = causal_lm(model).config
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None

@@ -275,9 +275,9 @@ def _launch(cmd: list[str], bar, parts: Path | None = None, attempt: int = 0, ro
     node's place in a job across nodes (None: one node)."""
     import torch
 
-    from finetune.distributed.lifecycle import run_forwarding_signals
-    from finetune.distributed.netif import gloo_environment
     from finetune.infer.store import PartsWatcher
+    from finetune.launch.netif import gloo_environment
+    from finetune.launch.stopping import run_forwarding_signals
 
     env = dict(os.environ)
     if role is not None:  # the final barrier's gloo group spans the nodes (infer/nodes.py)

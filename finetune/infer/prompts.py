@@ -74,7 +74,7 @@ def columns(prompts: list[Prompt]) -> dict[str, list]:
 
 def template_for(tokenizer, spec: str):
     """Jinja source for a template spec (`tokenizer`, a built-in, a file), or None for `none` (raw text)."""
-    from finetune.data.templates import BUILTIN, TemplateError, resolve
+    from finetune.templates import BUILTIN, TemplateError, resolve
 
     if spec == NO_TEMPLATE:
         return None

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from finetune.data.collate import collate
+from finetune.data.masking import IGNORE
 from finetune.data.tokenize import pad_id
 from finetune.methods import Context, register
 from finetune.methods.dpo import reference_model, token_logps
 from finetune.methods.head import LossHead, loss_head
-from finetune.methods.loss import IGNORE, metric
+from finetune.methods.loss import metric
 from finetune.methods.rewards import load_rewards
 
 

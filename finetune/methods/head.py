@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from finetune.data.masking import IGNORE
 from finetune.errors import FtError
-from finetune.methods.loss import IGNORE, MODEL_INPUTS
+from finetune.methods.loss import MODEL_INPUTS
+from finetune.models import causal_lm
 
 PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cut_cross_entropy": ("cut_cross_entropy", "cut-cross-entropy")}
 IMPLEMENTATIONS = ("plain", "chunked", *PACKAGES)
@@ -193,13 +195,6 @@ def loss_head(plan, per_token: bool) -> LossHead:
     if implementation != "chunked":
         return LossHead(implementation, plan.loss_chunk_tokens)
     return LossHead(implementation, plan.loss_chunk_tokens, plan.micro_batch_size * plan.seq_len)
-
-
-def causal_lm(model):
-    """The transformers model inside its data-parallel (DDP, DeepSpeed: `.module`) and peft wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def final_hidden(model, lm, inputs: dict, head=None) -> tuple[torch.Tensor, torch.Tensor, list]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-IGNORE = -100
+from finetune.data.masking import IGNORE
+
 MODEL_INPUTS = (
     "input_ids",
     "attention_mask",

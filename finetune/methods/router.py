@@ -23,8 +23,8 @@ import sys
 import torch
 
 from finetune.errors import FtError
-from finetune.methods.head import causal_lm
 from finetune.methods.loss import router_loss
+from finetune.models import causal_lm
 
 KEY = "train.router_aux_loss_coef"
 

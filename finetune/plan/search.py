@@ -310,7 +310,7 @@ def setup(
 def reward_models(method) -> tuple:
     """GRPO's rewards by trained reward models: (architecture, batch_size) of each, from its config.json (checked: a
     sequence classifier with one output; no weights are read)."""
-    from finetune.methods.reward_model import classifier_facts
+    from finetune.plan.reward_models import classifier_facts
 
     specs = getattr(method, "rewards", ())  # only GRPO's section has rewards
     return tuple((classifier_facts(r, i), r.batch_size) for i, r in enumerate(specs) if r.model is not None)

@@ -171,7 +171,7 @@ def _ids(value, empty: bool = False) -> bool:
     return isinstance(value, list) and (empty or bool(value)) and all(type(t) is int and t >= 0 for t in value)
 
 
-def _handler(service: RolloutService, token: str | None, stop: threading.Event):
+def request_handler(service: RolloutService, token: str | None, stop: threading.Event):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -286,7 +286,7 @@ def serve(spec, host: str, port: int, token: str | None, ready=None) -> None:
     prepare_environment(gpu)
     service = RolloutService(VllmRollout(replace(spec, weight_transfer=gpu)))  # NCCL where there are GPUs
     stop = threading.Event()
-    httpd = ThreadingHTTPServer((host, port), _handler(service, token, stop))
+    httpd = ThreadingHTTPServer((host, port), request_handler(service, token, stop))
     httpd.daemon_threads = True
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -7,7 +7,7 @@ What a shared cluster needs, and where the script does it:
 - The rendezvous port comes from the job id, so two jobs that share a node do not collide (FT_MASTER_PORT sets
   another); a MASTER_PORT/MASTER_ADDR exported where sbatch ran (sbatch passes the environment on) is not used.
 - NCCL/torch variables are exported before srun: every process, hence every process group, starts with them.
-  gloo's network interface is chosen by each node's `ft train` (distributed/netif.py: the route to MASTER_ADDR),
+  gloo's network interface is chosen by each node's `ft train` (launch/netif.py: the route to MASTER_ADDR),
   unless GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME is exported where sbatch runs (sbatch passes it on).
 - Time limits: Slurm signals the batch shell (`--signal=B:USR1@N`) N seconds ahead, N from the plan's estimate of
   the time to finish a step and write a checkpoint. The shell passes USR1 on once, through srun, to the task of

@@ -11,7 +11,7 @@ torchrun for the node's ranks); the nodes meet through torchrun's c10d rendezvou
   JOB_COMPLETION_INDEX, and its headless service names pod 0 `<name>-node-0-0.<name>`. The operator also sets
   RANK and WORLD_SIZE in every pod, which would make `ft train` take itself for a torchrun rank (hardware.launch_env,
   runtime.launched): the command unsets them, and torchrun's PET_* defaults, before ft starts. Each pod's `ft train`
-  chooses gloo's network interface (distributed/netif.py), unless the pod's env sets GLOO_SOCKET_IFNAME.
+  chooses gloo's network interface (launch/netif.py), unless the pod's env sets GLOO_SOCKET_IFNAME.
 - Stops: deleting or preempting a pod sends SIGTERM; ft stops after its step with a checkpoint and exits 143
   within terminationGracePeriodSeconds (the plan's stop time). Exit codes of 128 and above (a signal) restart the
   job, which resumes (output.resume=auto); below 128 (ft's config and usage errors, a crash) fail it at once:
@@ -32,10 +32,10 @@ import sys
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
-from finetune.distributed.k8s_schema import DNS1123_LABEL, DNS1123_SUBDOMAIN, name_problems, schema_available, validate
 from finetune.distributed.launch import DEFAULT_PORT
 from finetune.distributed.runtime import NCCL_ENV
 from finetune.errors import FtError
+from finetune.launch.k8s_schema import DNS1123_LABEL, DNS1123_SUBDOMAIN, name_problems, schema_available, validate
 from finetune.plan.memory import GiB
 
 __all__ = ["KINDS", "job_name", "manifest", "node_command", "render", "validate", "write_manifest"]

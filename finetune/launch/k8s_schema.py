@@ -1,7 +1,7 @@
 """Checks of the Kubernetes manifests `ft launch --k8s` writes, without a cluster.
 
 - The CRD's own schema: the openAPIV3Schema of the served version of each CRD, as published by its project
-  (finetune/distributed/crds/, origins in its README.md), read with jsonschema's Draft 4 validator (OpenAPI 3.0
+  (finetune/launch/crds/, origins in its README.md), read with jsonschema's Draft 4 validator (OpenAPI 3.0
   schemas are Draft 4 with extensions) and the API server's rules for structural schemas: `nullable`,
   `x-kubernetes-int-or-string`, `format: int32/int64`, unique keys of `x-kubernetes-list-type: map/set` lists, and
   no unknown fields (the API server drops them, or refuses them under `kubectl apply`'s strict field validation).
@@ -100,7 +100,7 @@ def crd_validator(file: str):
         import jsonschema
     except ImportError:
         raise FtError(f"checking a manifest against the CRD schemas needs jsonschema: {INSTALL}") from None
-    data = json.loads(gzip.decompress((resources.files("finetune.distributed") / "crds" / file).read_bytes()))
+    data = json.loads(gzip.decompress((resources.files("finetune.launch") / "crds" / file).read_bytes()))
     formats = jsonschema.FormatChecker(formats=())
     for name, bits in (("int32", 32), ("int64", 64)):
         formats.checks(name)(functools.partial(_fits, bits=bits))
