@@ -48,7 +48,7 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     """Train; under a launcher, a stop becomes this rank's report to it (exit 0), a Ctrl-C its own message."""
     from finetune.distributed import lifecycle
     from finetune.distributed.lifecycle import LOST_PEERS
-    from finetune.distributed.runtime import failed_during, launched, leave
+    from finetune.distributed.runtime import failed_during, launched
     from finetune.errors import LostPeers
     from finetune.runlock import joined, locked
     from finetune.train import Stopped
@@ -56,21 +56,18 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
         with locked(run_dir, f"python -m finetune.rank {run_dir}", make=False):  # the whole job, as ft train
             train_run_folder(run_dir, resume_from)
-        leave()
         return 0
     lifecycle.start_rank()
     try:
         with joined(run_dir):  # the lock its launcher shared: held while any rank of the job runs
             train_run_folder(run_dir, resume_from)
-    except Stopped as e:  # every rank agreed on the stop after the same step
-        leave()
+    except Stopped as e:
         return lifecycle.rank_stopped(str(e), e.exit_code - 128)
     except KeyboardInterrupt:
         return lifecycle.rank_interrupted(failed_during())
     except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
         lifecycle.report(LOST_PEERS, 0, message=str(e))
         raise
-    leave()
     return 0
 
 
@@ -260,4 +257,9 @@ def artifact_kind(plan) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    # Ended without the interpreter's teardown, as `ft` is: there, freeing the model frees the last holder of the
+    # process group, whose gloo threads can need the GIL the freeing thread holds (a rank that never exits), or a
+    # C++ thread is destroyed while joinable (SIGABRT after a finished run).
+    from finetune.errors import exit_process
+
+    exit_process(main)

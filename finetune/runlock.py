@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from finetune.artifacts.run import LOCK
+from finetune.distributed.lifecycle import alive
 from finetune.errors import FtError
 
 try:
@@ -193,19 +194,9 @@ def _holder(fd: int, path: Path) -> str:
         return f"a process that has not said which (one starting now, or ranks started by hand) holds {path}"
     pid, host = info.get("pid"), info.get("host") or "an unknown host"
     text = f"{info.get('command') or 'ft'} (PID {pid} on host {host}, since {info.get('since', '?')}) holds {path}"
-    if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not alive(pid):
         text += f"; PID {pid} has exited, and processes it started (its ranks) still hold the lock while they finish"
     return text
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def _now() -> str:

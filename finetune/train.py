@@ -24,7 +24,7 @@ from finetune.artifacts.run import RunFolder
 from finetune.config.schema import Config
 from finetune.data.collate import to_device
 from finetune.data.stream import Stream, steps_for
-from finetune.distributed.runtime import Runtime, activity, needs_launcher, start
+from finetune.distributed.runtime import Runtime, activity, start
 from finetune.errors import FtError, Stopped  # noqa: F401 (Stopped: where callers look for it)
 from finetune.methods import Method
 from finetune.methods.loss import host_values, step_normaliser  # host_values: the step's one read of the device
@@ -130,9 +130,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
 
     with activity("joining the process group"):
         runtime = (
-            start(config.distributed.timeout_minutes, needs_group=True)
-            if needs_launcher(plan.backend, plan.world_size)
-            else Runtime()
+            start(config.distributed.timeout_minutes, needs_group=True) if plan.process_group else Runtime()
         ).with_parallel(plan.tensor_parallel, plan.context_parallel)  # the ranks of a tp × cp block share rows
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
@@ -142,17 +140,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
 
         return_freed_memory()
     with activity(f"creating the model ({plan.loading})"):
-        model = engine.create_model(
-            config.model,
-            config.adapter,
-            plan,
-            prepared.tokenizer,
-            attn,
-            device,
-            config.train.seed,
-            config.train,
-            config.distributed,
-        )
+        model = engine.create_model(engine.ModelSpec(config, plan, prepared.tokenizer, attn, device))
     model.train()
     rows = config.method.rows_per_step(plan.global_batch_size)
     total = steps_for(

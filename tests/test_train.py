@@ -184,7 +184,7 @@ def test_checkpoints_keep_the_newest_and_disk_full_loses_nothing(tmp_path, monke
 
     monkeypatch.setattr(st, "save_file", full_disk)
     with pytest.raises(FtError, match="disk is full.*earlier checkpoints are intact"):
-        train(tmp_path, text.replace("/run}", "/run2}").replace("/run,", "/run2,"))
+        train(tmp_path, text.replace("/run,", "/run2,"))
     names = [p.name for p in checkpoint.checkpoints(tmp_path / "run2")]
     assert names == ["step-00000002", "step-00000004"]
     assert not [p for p in (tmp_path / "run2" / "checkpoints").iterdir() if p.name.startswith(".tmp")]

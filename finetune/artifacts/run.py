@@ -74,6 +74,10 @@ WRITTEN = (
 )
 
 
+def _entry(name: str) -> property:
+    return property(lambda self: self.path / name)
+
+
 @dataclass(frozen=True)
 class RunFolder:
     """The paths of one run folder, and its config and plan read back."""
@@ -83,86 +87,26 @@ class RunFolder:
     def __post_init__(self):
         object.__setattr__(self, "path", Path(self.path).expanduser())
 
-    @property
-    def config_path(self) -> Path:
-        return self.path / "config.yaml"
-
-    @property
-    def plan_path(self) -> Path:
-        return self.path / "plan.json"
-
-    @property
-    def data_path(self) -> Path:
-        return self.path / "data.json"
-
-    @property
-    def final(self) -> Path:
-        return self.path / "final"
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        return self.path / "checkpoints"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.path / "metrics.jsonl"
-
-    @property
-    def lock_path(self) -> Path:
-        """The lock a job holds while it writes the folder (runlock.py); gone once the job has ended."""
-        return self.path / LOCK
-
-    @property
-    def result_path(self) -> Path:
-        """What the finished run reports (steps, final loss, where the weights are)."""
-        return self.path / "result.json"
-
-    @property
-    def card_path(self) -> Path:
-        return self.path / "README.md"
-
-    @property
-    def loss_plot_path(self) -> Path:
-        return self.path / "loss.png"
-
-    @property
-    def environment_path(self) -> Path:
-        return self.path / "environment.json"
-
-    @property
-    def launch_record_path(self) -> Path:
-        """How the ranks were started (launch.txt)."""
-        return self.path / "launch.txt"
-
-    @property
-    def deepspeed_path(self) -> Path:
-        return self.path / "deepspeed.json"
-
-    @property
-    def resume_changes_path(self) -> Path:
-        """Config changes accepted on resuming (--allow-changes), one JSON line per resume."""
-        return self.path / "resume-changes.jsonl"
-
-    @property
-    def consolidated_dir(self) -> Path:
-        return self.path / "consolidated"
-
-    @property
-    def nccl_traces_dir(self) -> Path:
-        return self.path / "nccl-traces"
-
-    @property
-    def rollout_log_path(self) -> Path:
-        """The log of the rollout server ft train started for the run (rollout/pool.py)."""
-        return self.path / "rollout-server.log"
-
-    @property
-    def sbatch_path(self) -> Path:
-        return self.path / "job.sbatch"
-
-    @property
-    def k8s_path(self) -> Path:
-        return self.path / "job-k8s.yaml"
+    # The entries, each a path in the folder (the module docstring says what each holds)
+    config_path = _entry("config.yaml")
+    plan_path = _entry("plan.json")
+    data_path = _entry("data.json")
+    final = _entry("final")
+    checkpoints_dir = _entry("checkpoints")
+    metrics_path = _entry("metrics.jsonl")
+    lock_path = _entry(LOCK)  # held while a job writes the folder (runlock.py); gone once the job has ended
+    result_path = _entry("result.json")  # what the finished run reports: steps, final loss, where the weights are
+    card_path = _entry("README.md")
+    loss_plot_path = _entry("loss.png")
+    environment_path = _entry("environment.json")
+    launch_record_path = _entry("launch.txt")  # how the ranks were started
+    deepspeed_path = _entry("deepspeed.json")
+    resume_changes_path = _entry("resume-changes.jsonl")  # changes accepted by --allow-changes, a line per resume
+    consolidated_dir = _entry("consolidated")
+    nccl_traces_dir = _entry("nccl-traces")
+    rollout_log_path = _entry("rollout-server.log")  # the rollout server ft train started (rollout/pool.py)
+    sbatch_path = _entry("job.sbatch")
+    k8s_path = _entry("job-k8s.yaml")
 
     def tracker_path(self, name: str) -> Path:
         """A tracker's own files (one of TRACKERS)."""

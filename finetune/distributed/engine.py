@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -421,61 +422,54 @@ def read_trained(path: Path, fmt: str, model) -> dict:
     return readers[fmt](path, model)
 
 
-def create_model(
-    model_section,
-    adapter_section,
-    plan,
-    tokenizer,
-    attn: str,
-    device: torch.device,
-    seed: int,
-    train_section,
-    distributed_section,
-):
+@dataclass(frozen=True)
+class ModelSpec:
+    """What creating a rank's model reads: the job's config (its model, adapter, train and distributed sections, the
+    seed), the Plan, the tokenizer (its length sizes the embeddings), the attention kernel and this rank's device."""
+
+    config: Any
+    plan: Any
+    tokenizer: Any
+    attn: str
+    device: torch.device
+
+    def pieces(self) -> tuple:
+        """(model, adapter, plan, tokenizer, attn, device, seed): what every way of creating the model takes."""
+        c = self.config
+        return c.model, c.adapter, self.plan, self.tokenizer, self.attn, self.device, c.train.seed
+
+
+def create_model(spec: ModelSpec):
     """The model this rank trains, ready for `build`, created as plan.loading says: `replica` loads it whole (4/8-bit
     bases quantized while loading), `meta` builds it sharded (FSDP2: fsdp.create_model), `partitioned` constructs it
     partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
-    check_savers(plan, train_section)
+    plan, seed = spec.plan, spec.config.train.seed
+    check_savers(plan, spec.config.train)
     make = _deepspeed("create_model") if plan.loading == "partitioned" else None
     if make is not None:
-        model = make(
-            model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
-        )
+        model = make(*spec.pieces(), spec.config.train, spec.config.distributed)
     elif plan.loading == "meta":
-        model = fsdp.create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed)
+        model = fsdp.create_model(*spec.pieces())
     else:
-        model = _replica(model_section, adapter_section, plan, tokenizer, attn, device, seed)
+        model = _replica(*spec.pieces())
     torch.manual_seed(seed)  # the same random stream after creation, however the model was built
     return model
 
 
-def create_reference(
-    model_section,
-    adapter_section,
-    plan,
-    tokenizer,
-    attn: str,
-    device: torch.device,
-    seed: int,
-    train_section,
-    distributed_section,
-):
+def create_reference(spec: ModelSpec):
     """A frozen copy of the starting model (the DPO/GRPO reference when plan.reference is "copy"), in the plan's compute
     precision, and sharded like the policy where the policy is."""
+    plan = spec.plan
     make = _deepspeed("create_reference") if plan.loading == "partitioned" else None
     if make is not None:
-        return make(
-            model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
-        )
+        return make(*spec.pieces(), spec.config.train, spec.config.distributed)
     if plan.loading == "meta":
-        return fsdp.create_model(
-            model_section, adapter_section, plan, tokenizer, attn, device, seed, frozen=True
-        ).eval()
+        return fsdp.create_model(*spec.pieces(), frozen=True).eval()
     from finetune.models import load_model
 
-    copy = load_model(model_section, plan, tokenizer, attn, dtype=plan.precision)
+    copy = load_model(spec.config.model, plan, spec.tokenizer, spec.attn, dtype=plan.precision)
     if plan.quantization == "none" or plan.loading == "host":  # host: quantized in host RAM, whole to the GPU
-        copy.to(device)
+        copy.to(spec.device)
     return copy.requires_grad_(False).eval()
 
 

@@ -126,12 +126,12 @@ def under_launcher() -> bool:
     return bool(os.environ.get(ENV_FOLDER))
 
 
-def launcher_alive() -> bool:
+def launcheralive() -> bool:
     pid = os.environ.get(ENV_LAUNCHER)
-    return bool(pid) and _alive(int(pid))
+    return bool(pid) and alive(int(pid))
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, killed but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
@@ -148,7 +148,7 @@ def _alive(pid: int) -> bool:
 def orphaned() -> bool:
     """True in a rank whose parent (torchrun) or launcher is gone: no one else will say what happened."""
     return _rank["parent"] is not None and (
-        os.getppid() != _rank["parent"] or (under_launcher() and not launcher_alive())
+        os.getppid() != _rank["parent"] or (under_launcher() and not launcheralive())
     )
 
 
@@ -210,7 +210,7 @@ def _watch(parent: int, launcher: int, folder: Path | None) -> None:
             if _signals.bursts == 0:
                 name = (folder / STOP_FILE).read_text().strip()
                 os.kill(os.getpid(), getattr(signal, name, signal.SIGTERM))
-        if orphaned is None and (os.getppid() != parent or (launcher and not _alive(launcher))):
+        if orphaned is None and (os.getppid() != parent or (launcher and not alive(launcher))):
             orphaned = time.monotonic()
             if _signals.bursts == 0:
                 os.kill(os.getpid(), signal.SIGTERM)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.distributed.launch import needs_launcher  # noqa: F401 (re-exported)
 from finetune.errors import LostPeers
 
 # Read by torch's NCCL process group when it starts, so set before any process exists (ft train's launcher, the
@@ -228,16 +227,6 @@ def backend() -> str:
     reductions, offloaded gradients, tables kept in host RAM) go over gloo in the same group (torch's
     "device:backend" form, which ProcessGroup dispatches on each tensor's device)."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-
-
-def leave() -> None:
-    """End this process's part in the group once its last collective is done, before the interpreter's teardown:
-    left to the teardown, gloo's worker threads may still hold finished work whose tensors are freed without the
-    interpreter, and the process aborts (SIGABRT, "terminate called without an active exception") after a run
-    that succeeded. Only after a rank ended well: one that failed may leave its peers inside a collective, where
-    destroying the group can wait for ever."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 _TIMEOUT = ("timed out", "timeout", "deadline")

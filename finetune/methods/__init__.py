@@ -108,19 +108,9 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, 
     """The configured method, built by its own class from its section and what the job has made so far."""
 
     def frozen_copy():
-        from finetune.distributed.engine import create_reference
+        from finetune.distributed.engine import ModelSpec, create_reference
 
-        return create_reference(
-            config.model,
-            config.adapter,
-            plan,
-            prepared.tokenizer,
-            attn,
-            device,
-            config.train.seed,
-            config.train,
-            config.distributed,
-        )
+        return create_reference(ModelSpec(config, plan, prepared.tokenizer, attn, device))
 
     context = Context(
         plan=plan,

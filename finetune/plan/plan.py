@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from finetune.plan.memory import Estimate, GiB
 
-SAVERS = (
-    "pure_bf16",
-    "compensation",
-    "loss_implementation",
-    "loss_chunk_tokens",
-    "checkpoint_layers",
-    "activation_offload",
-    "optimizer_in_backward",
-)
+# Fields plan.json keeps in a block of their own, (block, key); every other field is at the top level under its name,
+# except STRUCTURED ones, written and read by hand. Top-level names of other kinds (offload as a bool, communication
+# in GiB, memory, params) are rounded figures for people.
+PLACED = {
+    "offload": ("exact", "offload"),
+    "device_capacity_bytes": ("exact", "device_capacity_bytes"),
+    "device_memory_bytes": ("exact", "device_memory_bytes"),
+    "host_capacity_bytes": ("exact", "host_capacity_bytes"),
+    "communication": ("exact", "communication"),
+    "communication_seconds": ("exact", "communication_seconds"),
+    "checkpoint_bytes": ("exact", "checkpoint_bytes"),
+    "step_seconds": (None, "step_seconds_estimate"),
+    "cpus_per_node": ("cluster", "cpus_per_node"),
+    "stop_seconds": ("cluster", "stop_seconds"),
+}
+STRUCTURED = ("estimate", "decisions")
+
+
+def _plain(value):
+    """A field's value as JSON types."""
+    return list(value) if isinstance(value, tuple) else dict(value) if isinstance(value, dict) else value
 
 
 @dataclass(frozen=True)
@@ -126,38 +138,16 @@ class Plan:
         return self.global_batch_size * self.seq_len
 
     def to_json(self) -> dict[str, Any]:
-        """The Plan as plain JSON types (`ft plan --json`, plan.json in the run folder)."""
+        """The Plan as plain JSON types (`ft plan --json`, plan.json in the run folder): each field under its own name
+        (or where `PLACED` says), rounded figures for people beside them, and the exact values in `exact`."""
+        out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in (*PLACED, *STRUCTURED)}
         e = self.estimate
-        return {
-            "model": self.model,
-            "hardware": self.hardware,
-            "device": self.device,
-            "method": self.method,
-            "precision": self.precision,
-            "adapter": self.adapter,
-            "quantization": self.quantization,
-            "backend": self.backend,
-            "sharding": self.sharding,
-            "offload": self.offload != "none",
-            "offload_target": self.offload,
-            "micro_batch_size": self.micro_batch_size,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps,
-            "gradient_checkpointing": self.gradient_checkpointing,
-            "world_size": self.world_size,
-            "nodes": self.nodes,
-            "processes_per_node": self.processes_per_node,
-            "global_batch_size": self.global_batch_size,
-            "tokens_per_step": self.tokens_per_step,
-            "seq_len": self.seq_len,
-            "lr": self.lr,
-            "attn_implementation": self.attn_implementation,
-            "attention_masks": dict(self.attention_masks),
-            "sample_index": self.sample_index,
-            "flash_upgrade": self.flash_upgrade,
-            "moe": self.moe,
-            "lora_dropout": self.lora_dropout,
-            "params": {"total": e.total_params, "trainable": e.trainable_params},
-            "memory": {
+        out.update(
+            offload=self.offload != "none",
+            offload_target=self.offload,
+            tokens_per_step=self.tokens_per_step,
+            params={"total": e.total_params, "trainable": e.trainable_params},
+            memory={
                 "per_device_gib": round(e.device_bytes / GiB, 2),
                 # what torch.cuda.max_memory_allocated / max_memory_reserved should show (no CUDA context, no reserve)
                 "per_device_allocated_gib": round(e.allocated_bytes / GiB, 2),
@@ -169,129 +159,54 @@ class Plan:
                 "per_device_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.device.items()},
                 "host_breakdown_gib": {k: round(v / GiB, 3) for k, v in e.host.items()},
             },
-            "decisions": [
+            decisions=[
                 {"field": d.field, "value": d.value, "reason": d.reason, "source": d.source} for d in self.decisions
             ],
-            "launch": list(self.launch),
-            "communication": {
+            communication={
                 "per_rank_gib_per_step": {k: round(v / GiB, 3) for k, v in self.communication.items()},
                 "seconds_per_step_estimate": round(self.communication_seconds, 3),
             },
-            "quant_storage": self.quant_storage,
-            "train_embeddings": self.train_embeddings,
-            "reference": self.reference,
-            "head": self.head,
-            "process_group": self.process_group,
-            "loading": self.loading,
-            "generation": self.generation,
-            "pure_bf16": self.pure_bf16,
-            "compensation": self.compensation,
-            "loss_implementation": self.loss_implementation,
-            "loss_chunk_tokens": self.loss_chunk_tokens,
-            "checkpoint_layers": self.checkpoint_layers,
-            "activation_offload": self.activation_offload,
-            "optimizer_in_backward": self.optimizer_in_backward,
-            "compile": self.compile,
-            "tensor_parallel": self.tensor_parallel,
-            "context_parallel": self.context_parallel,
-            "expert_parallel": self.expert_parallel,
-            "scaling": dict(self.scaling),
-            "step_seconds_estimate": self.step_seconds,
-            "max_steps": self.max_steps,
-            "alternatives": list(self.alternatives),
-            "rollout": dict(self.rollout),
-            "cluster": {
+            step_seconds_estimate=dict(self.step_seconds),
+            cluster={
                 "cpus_per_node": self.cpus_per_node,
                 "checkpoint_gib_per_node": round(self.checkpoint_bytes / GiB, 3),
                 "stop_seconds": self.stop_seconds,
             },
-            # exact values, for from_json (the rounded figures above are for people)
-            "exact": {
-                "estimate": {
-                    "device": e.device,
-                    "host": e.host,
-                    "total_params": e.total_params,
-                    "trainable_params": e.trainable_params,
-                    "notes": list(e.notes),
-                },
-                "device_capacity_bytes": self.device_capacity_bytes,
-                "device_memory_bytes": self.device_memory_bytes,
-                "host_capacity_bytes": self.host_capacity_bytes,
-                "communication": self.communication,
-                "communication_seconds": self.communication_seconds,
-                "offload": self.offload,
-                "checkpoint_bytes": self.checkpoint_bytes,
-            },
+        )
+        exact = {name: _plain(getattr(self, name)) for name, (block, _) in PLACED.items() if block == "exact"}
+        estimate = {"device": e.device, "host": e.host, "notes": list(e.notes)}
+        out["exact"] = {
+            "estimate": {**estimate, "total_params": e.total_params, "trainable_params": e.trainable_params}
         }
+        out["exact"].update(exact)
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Plan:
-        """The Plan that `to_json` wrote (plan.json in the run folder): what every rank of a job runs."""
-        exact = data["exact"]
-        e = exact["estimate"]
-        simple = {
-            f: data[f]
-            for f in (
-                "model",
-                "hardware",
-                "device",
-                "method",
-                "precision",
-                "adapter",
-                "quantization",
-                "backend",
-                "sharding",
-                "micro_batch_size",
-                "gradient_accumulation_steps",
-                "gradient_checkpointing",
-                "world_size",
-                "nodes",
-                "processes_per_node",
-                "global_batch_size",
-                "seq_len",
-                "lr",
-                "attn_implementation",
-                "quant_storage",
-                "train_embeddings",
-                "reference",
-                "process_group",
-                "loading",
-                "generation",
-            )
-        }
-        savers = {k: data[k] for k in SAVERS if k in data}  # absent from plans written before they existed
-        savers["step_seconds"] = dict(data.get("step_seconds_estimate", {}))
-        savers["alternatives"] = tuple(data.get("alternatives", ()))
-        savers["compile"] = data.get("compile", False)  # absent from plans written before train.compile
-        savers["head"] = data.get("head", "lm")  # absent from plans written before reward models
-        # absent from plans written before tensor and context parallelism
-        savers["tensor_parallel"] = data.get("tensor_parallel", 1)
-        savers["context_parallel"] = data.get("context_parallel", 1)
-        savers["expert_parallel"] = data.get("expert_parallel", 1)  # absent from plans written before it
-        savers["scaling"] = dict(data.get("scaling", {}))
-        savers["rollout"] = dict(data.get("rollout", {}))  # absent from plans written before rollouts were placed
-        cluster = data.get("cluster", {})  # absent from plans written before cluster launches were planned
-        savers["cpus_per_node"] = cluster.get("cpus_per_node", 1)
-        savers["stop_seconds"] = cluster.get("stop_seconds", 0)
-        savers["checkpoint_bytes"] = exact.get("checkpoint_bytes", 0)
-        savers["max_steps"] = data.get("max_steps", 0)  # absent from plans written before it was recorded
-        savers["device_memory_bytes"] = exact.get("device_memory_bytes", 0)  # likewise
-        savers["attention_masks"] = dict(data.get("attention_masks", {}))  # absent before plan/attention.py
-        savers["sample_index"] = data.get("sample_index", False)
-        savers["flash_upgrade"] = data.get("flash_upgrade", data["attn_implementation"] in ("sdpa", "sdpa_varlen"))
-        savers["moe"] = data.get("moe", False)  # absent from plans written before MoE models were planned
-        savers["lora_dropout"] = data.get("lora_dropout")  # absent before it was recorded: the config's dropout
+        """The Plan that `to_json` wrote (plan.json in the run folder): what every rank of a job runs. A field with a
+        default may be absent (a plan written before the field existed); one without is a KeyError."""
+        values = {}
+        for f in fields(cls):
+            if f.name in STRUCTURED:
+                continue
+            block, key = PLACED.get(f.name, (None, f.name))
+            source = data.get(block, {}) if block else data
+            if key in source:
+                value = source[key]
+                values[f.name] = (
+                    tuple(value) if f.type.startswith("tuple") else dict(value) if f.type == "dict" else value
+                )
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise KeyError(f.name)
+        if "flash_upgrade" not in data:  # plans written before it: the kernels that flash-attn could replace
+            values["flash_upgrade"] = data["attn_implementation"] in ("sdpa", "sdpa_varlen")
+        if "lora_dropout" not in data:  # plans written before it was recorded: the config's dropout applies
+            values["lora_dropout"] = None
+        e = data["exact"]["estimate"]
         return cls(
-            **simple,
-            **savers,
-            offload=exact["offload"],
+            **values,
             estimate=Estimate(
                 dict(e["device"]), dict(e["host"]), e["total_params"], e["trainable_params"], tuple(e["notes"])
             ),
-            device_capacity_bytes=exact["device_capacity_bytes"],
-            host_capacity_bytes=exact["host_capacity_bytes"],
             decisions=tuple(Decision(d["field"], d["value"], d["reason"], d["source"]) for d in data["decisions"]),
-            launch=tuple(data["launch"]),
-            communication=dict(exact["communication"]),
-            communication_seconds=exact["communication_seconds"],
         )

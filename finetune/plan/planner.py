@@ -107,6 +107,7 @@ def plan(
     written = checkpoint_bytes_per_node(
         fit.estimate, c.adapter, c.sharding is not None, sharded_params(c), topo.processes_per_node
     )
+    process_group = needs_launcher(c.backend, topo.world)  # decided once: the ranks read plan.process_group
     return Plan(
         model=model.name,
         hardware=hardware.describe(),
@@ -142,7 +143,7 @@ def plan(
                 config.output.dir,
                 topo.nodes,
                 topo.processes_per_node,
-                needs_launcher(c.backend, topo.world),
+                process_group,
                 master_addr=hardware.launch.master_addr,
             )
         ),
@@ -152,7 +153,7 @@ def plan(
         train_embeddings=bool(new_tokens or config.data.add_special_tokens),
         reference=config.method.reference_kind(c.adapter),
         head=config.method.head,
-        process_group=needs_launcher(c.backend, topo.world),
+        process_group=process_group,
         loading=loading(c),
         generation=generation(fit, model, hardware, precision),
         pure_bf16=fit.savers.pure_bf16,
