@@ -240,6 +240,12 @@ def load(path: Path, engine, runtime, method=None) -> dict:
     (backend) is refused."""
     path = Path(path)
     state, written = read_state(path), written_format(path)
+    if written == "single":  # no version of ft reads it now
+        raise FtError(
+            f"checkpoint {path} was written in the 'single' format of a development version of ft, which this version "
+            "no longer reads (every torch backend now writes DCP checkpoints); resume it with the ft version that "
+            "wrote it, or start the run again in a new output.dir (the checkpoint is left as it is)"
+        )
     if written != engine.format:
         raise FtError(
             f"checkpoint {path} was written in the {written!r} format and this job's backend reads {engine.format!r}; "

@@ -275,7 +275,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     This object holds the parameter groups the LR schedule drives; each per-parameter optimizer takes its group's lr
     when it steps, so the update of step k uses the lr of step k, as a normal step would. `step()` does nothing (the
     updates happened in backward); `grad_norm()` is the L2 norm of the step's gradients, summed as the hooks see them.
-    Its state dict holds every per-parameter optimizer's state, by parameter name (`per_parameter`)."""
+    A checkpoint holds the per-parameter optimizers' states (engine.TorchEngine.save)."""
 
     def __init__(self, model, groups: list[dict], make, lr: float):
         super().__init__(groups, {"lr": lr})
@@ -308,24 +308,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """The L2 norm of the gradients applied since the last call (0.0 when there were none)."""
         total, self._square_sum = self._square_sum, None
         return 0.0 if total is None else float(total.sqrt())
-
-    def state_dict(self) -> dict:
-        out = super().state_dict()
-        out["per_parameter"] = {name: opt.state_dict() for name, opt in self.optimizers.items()}
-        return out
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        state_dict = dict(state_dict)
-        saved = state_dict.pop("per_parameter", None)
-        if saved is None or set(saved) != set(self.optimizers):
-            missing = sorted(set(self.optimizers) - set(saved or {}))[:3]
-            raise FtError(
-                f"the checkpoint's optimizer state does not match this job's optimizer step in backward (missing "
-                f"{missing}); resume with the train.optimizer_in_backward setting it was written with"
-            )
-        for name, optimizer in self.optimizers.items():
-            optimizer.load_state_dict(saved[name])
-        super().load_state_dict(state_dict)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -15,6 +15,8 @@ library function is replaced. Cheap to import (warnings, logging and re only).
   a view (the tensor-parallel plan's last layer hands back its gathered output as one; the supported families never
   change a layer's output in place, and the tests compare every gradient with one process's), and DTensor's notes
   that a redistribution over the 2-D mesh takes two collectives (clipping's norm, the final gather).
+- torch 2.13: DCP's note, at each checkpoint of a one-process job, that without a process group it assumes one
+  process (engine.py writes one format for every torch backend; one process is what a single-process job is).
 (bitsandbytes' "kernels-community" notice: finetune.compat.quiet_unused_bitsandbytes_kernel.)
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Callable
 
 GRADIENT_CHECKPOINTING_ALIAS = "`is_gradient_checkpointing` is deprecated"
 DEEPSPEED_LOGGER, DEEPSPEED_CPU = "DeepSpeed", "Setting accelerator to CPU"
+DCP_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to"
 LOAD_REPORT_LOGGER, LOAD_REPORT = "transformers.modeling_utils", "LOAD REPORT"
 _STYLE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -51,6 +54,7 @@ def _add_filter(logger_name: str, what: str, drops: Callable[[str], bool]) -> No
 def quiet_libraries() -> None:
     """The filters every ft process wants (the CLI's and each rank's entry); installing twice changes nothing."""
     warnings.filterwarnings("ignore", message=re.escape(GRADIENT_CHECKPOINTING_ALIAS), category=FutureWarning)
+    warnings.filterwarnings("ignore", message=re.escape(DCP_ONE_PROCESS), category=UserWarning)
     _add_filter(DEEPSPEED_LOGGER, "accelerator-cpu", lambda message: message.startswith(DEEPSPEED_CPU))
 
 

@@ -41,14 +41,16 @@ def model_facts(model) -> object:
         raise FtError(str(e)) from None
 
 
-def compile_plan(config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None) -> Plan:
-    """Config file -> Plan, raising FtError subclasses with user-facing messages."""
+def compile_plan(
+    config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, config=None
+) -> Plan:
+    """Config file -> Plan, raising FtError subclasses with user-facing messages. `config`: the Config already loaded
+    from `config_path` (with `overrides`), not parsed again."""
     from finetune.config import load
     from finetune.plan import plan
 
-    config = load(config_path, overrides)
-    hw = hardware_for(hardware)
-    return plan(config, hw, model_facts(config.model), str(config_path))
+    config = config or load(config_path, overrides)
+    return plan(config, hardware_for(hardware), model_facts(config.model), str(config_path))
 
 
 def run_preprocess(
@@ -137,7 +139,7 @@ def run_train(
     with contextlib.ExitStack() as held:
         with stopped_before_launch():  # a signal while planning or preparing: stop, saying so
             config = load(config_path, overrides)
-            hw, facts, job_plan = _plan_for_nodes(config, hardware, role, config_path)
+            job_plan, tokens = _plan_for_nodes(config, hardware, role, config_path)
             run_dir = Path(config.output.dir).expanduser()
             resuming = resume or config.output.resume == "auto"
             lock = None
@@ -147,8 +149,7 @@ def run_train(
                 check_output_dir(run_dir)
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
-            prepared = prepare(config)  # once per node, before any rank starts
-            job_plan = _replan(config, hw, facts, config_path, prepared, job_plan)
+            prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:
@@ -177,14 +178,17 @@ def run_train(
                 if lock is not None:
                     lock.share()  # the ranks join it: held until the last of them exits
                 owner = role.node_rank == 0
-                return _launch(cmd, job_plan, config_path, overrides, run_dir, owner, role.master_addr)
+                return _launch(cmd, job_plan, run_dir, owner, role.master_addr)
             from finetune.rank import train_run_folder
 
             return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
 
 
 def _plan_for_nodes(config, hardware, role: NodeRole, config_path):
-    """(hardware, model facts, plan) for this job on the nodes `role` says it has."""
+    """The plan of this job on the nodes `role` says it has, and the training tokenizer (data.preprocess.Tokens):
+    the tokens it gains (a template's markers) are known before the data is prepared, so the plan trains the grown
+    embeddings."""
+    from finetune.data.preprocess import training_tokenizer
     from finetune.plan import plan as make_plan
 
     hw = hardware_for(hardware)
@@ -193,13 +197,15 @@ def _plan_for_nodes(config, hardware, role: NodeRole, config_path):
 
         hw = with_hardware(hw, nodes=role.nnodes)
     facts = model_facts(config.model)
-    job_plan = make_plan(config, hw, facts, str(config_path))
+    tokens = training_tokenizer(config)
+    new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
+    job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens)
     if job_plan.nodes > 1 and role.master_addr is None:
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
             "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
         )
-    return hw, facts, job_plan
+    return job_plan, tokens
 
 
 def _resume_from(run_dir, role: NodeRole, resuming: bool, resume: bool, overwrite: bool):
@@ -212,18 +218,7 @@ def _resume_from(run_dir, role: NodeRole, resuming: bool, resume: bool, overwrit
     return checkpoint.latest(run_dir) if resuming else None
 
 
-def _replan(config, hw, facts, config_path, prepared, job_plan):
-    """Plan again when the data pipeline added tokens (the embeddings grow and are trained)."""
-    if not prepared.added_tokens:
-        return job_plan
-    from finetune.plan import plan as make_plan
-
-    return make_plan(
-        config, hw, facts, str(config_path), new_tokens=len(prepared.added_tokens) - len(config.data.add_special_tokens)
-    )
-
-
-def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bool = True, master_addr=None) -> dict:
+def _launch(cmd: list[str], job_plan, run_dir, owner: bool = True, master_addr=None) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
     with one message (see distributed/lifecycle.py). `master_addr`: node 0's, where the job spans nodes."""
     import shlex
@@ -251,7 +246,7 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bo
     exchange = Exchange()
     try:
         code = run_forwarding_signals(cmd, env, exchange)
-        _raise_if_stopped(exchange, code, config_path, overrides)
+        _raise_if_stopped(exchange, code, run_dir)
         lost = [r for r in exchange.reports() if r.get("outcome") == LOST_PEERS] if code else []
         # every rank here lost its peers (one that failed by itself is the news): a node preempted or dead, another
         # attempt may succeed (a retryable exit code)
@@ -274,14 +269,11 @@ def _launch(cmd: list[str], job_plan, config_path, overrides, run_dir, owner: bo
     return {"steps": None, "launched": cmd}
 
 
-def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
+def _raise_if_stopped(exchange, code: int, run_dir) -> None:
     """The ranks stopped on a signal: say so once, from their reports, with the command that resumes. Reports
     count when ft asked for the stop or torchrun succeeded; else (torchrun stopping the peers of a failed rank)
     the failure is the news."""
-    from pathlib import Path
-
     from finetune import checkpoint
-    from finetune.config import load
     from finetune.distributed.lifecycle import signal_name, signal_number
     from finetune.train import Stopped
 
@@ -291,7 +283,7 @@ def _raise_if_stopped(exchange, code: int, config_path, overrides) -> None:
     stopped = [r for r in reports if r.get("outcome") == "stopped"]
     if stopped:  # its checkpoint is complete (a second signal may have come while torchrun exited)
         raise Stopped(stopped[0]["message"], signal_number(stopped[0]["signal"]))
-    last = checkpoint.latest(Path(load(config_path, overrides).output.dir))
+    last = checkpoint.latest(run_dir)
     kept = (
         f"the newest checkpoint is {last}. Resume with: ft train CONFIG --resume"
         if last
@@ -391,7 +383,7 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     run_dir = Path(config.output.dir).expanduser()
     check_output_dir(run_dir)
     refuse_foreign(run_dir)  # what ft train would refuse on the cluster, said now
-    job_plan = compile_plan(config_path, overrides, hardware)
+    job_plan = compile_plan(config_path, overrides, hardware, config)
     out = Path(out) if out else RunFolder(run_dir).sbatch_path
     name = config.output.run_name or run_dir.name
     text = sbatch_script(

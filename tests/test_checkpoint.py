@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from finetune import checkpoint
-from finetune.distributed.engine import REPLICA, Engine, TorchEngine, read_trained
+from finetune.distributed.engine import FORMAT, Engine, TorchEngine, read_trained
 from finetune.distributed.runtime import Runtime
 from finetune.errors import FtError
 
@@ -58,11 +58,11 @@ class Buggy(TorchEngine):
 
 
 class OtherFormat(TorchEngine):
-    format = "dcp"
+    format = "deepspeed"
 
 
 def test_torch_engine_is_an_engine():
-    assert isinstance(engine(), Engine) and engine().format == REPLICA
+    assert isinstance(engine(), Engine) and engine().format == FORMAT
 
 
 def test_a_round_trip_restores_model_optimizer_schedule_and_rng(tmp_path):
@@ -71,7 +71,7 @@ def test_a_round_trip_restores_model_optimizer_schedule_and_rng(tmp_path):
     path = checkpoint.save(tmp_path, 1, e, {"position": 7, "tokens": 10}, keep=3, runtime=Runtime())
     assert path == tmp_path / "checkpoints" / "step-00000001"
     state = json.loads((path / "state.json").read_text())
-    assert (state["step"], state["position"], state["format"]) == (1, 7, REPLICA)
+    assert (state["step"], state["position"], state["format"]) == (1, 7, FORMAT)
     expected_next = torch.rand(3)
     weights = {n: p.detach().clone() for n, p in e.inner.named_parameters()}
     trained_step(e)  # moves the weights, optimizer, schedule and RNG on
@@ -118,9 +118,15 @@ def test_the_newest_k_are_kept_and_a_step_saved_again_is_replaced(tmp_path):
 
 def test_a_checkpoint_of_another_format_is_refused_with_the_fix(tmp_path):
     path = checkpoint.save(tmp_path, 1, engine(), {"position": 0}, keep=3, runtime=Runtime())
-    with pytest.raises(FtError, match=r"'single' format and this job's backend reads 'dcp'.*distributed.backend"):
+    with pytest.raises(FtError, match=r"'dcp' format and this job's backend reads 'deepspeed'.*distributed.backend"):
         checkpoint.load(path, engine(cls=OtherFormat), Runtime())
     state = json.loads((path / "state.json").read_text())
+    (path / "state.json").write_text(json.dumps({**state, "format": "single"}))  # a development version's format
+    with pytest.raises(FtError, match=r"'single' format of a development version.*new output.dir"):
+        checkpoint.load(path, engine(), Runtime())
+    with pytest.raises(FtError, match=r"format 'single'.*development version of ft"):
+        read_trained(path, "single", engine().inner)
+    assert (path / "dcp").is_dir()  # refused, not removed
     del state["format"]
     (path / "state.json").write_text(json.dumps(state))
     with pytest.raises(FtError, match="records no format"):

@@ -311,7 +311,7 @@ def fsdp_worker(out) -> None:
 
     import torch.distributed as dist
 
-    from finetune.distributed import fsdp
+    from finetune.distributed import engine, fsdp
     from tests.helpers import tiny_llama
 
     def train(model, optimizer, first, last):
@@ -346,9 +346,9 @@ def fsdp_worker(out) -> None:
         train(stopped, optimizer, 0, 3)
         folder = Path(out) / compensation
         folder.mkdir(exist_ok=True)
-        fsdp.save_checkpoint(folder, stopped, optimizer)
+        engine.save_dcp(folder, stopped, optimizer)
         resumed, optimizer = built(True, compensation)
-        fsdp.load_checkpoint(folder, resumed, optimizer)
+        engine.load_dcp(folder, resumed, optimizer)
         train(resumed, optimizer, 3, 6)
         whole, again, reference = gathered(straight), gathered(resumed), dict(one.named_parameters())
         if dist.get_rank() == 0:

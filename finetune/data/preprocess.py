@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from finetune.config.schema import Config, DatasetSpec
 from finetune.data.rows import Rows
@@ -36,15 +37,18 @@ class Prepared:
     built: bool  # False when a complete cache entry was reused
 
 
-def prepare(config: Config, *, force: bool = False, progress: Progress | None = None) -> Prepared:
-    """Prepared data for `config`: from the cache when its fingerprint matches, else built (once)."""
+def prepare(
+    config: Config, *, force: bool = False, progress: Progress | None = None, tokens: Tokens | None = None
+) -> Prepared:
+    """Prepared data for `config`: from the cache when its fingerprint matches, else built (once). `tokens`: what
+    `training_tokenizer(config)` returned, where the caller has it already."""
     from finetune.data.cache import DataCache, fingerprint
     from finetune.data.sources import check_paths
 
     problems = check_paths(config)
     if problems:
         raise DataError("\n".join(problems))
-    tokenizer, jinja, added = training_tokenizer(config)
+    tokenizer, jinja, added = tokens or training_tokenizer(config)
     key = fingerprint(fingerprint_parts(config, tokenizer, jinja))
     cache = DataCache(config.data.cache_dir)
     with cache.lock(key):
@@ -84,15 +88,22 @@ def _splits(root: Path) -> tuple[Rows, Rows | None]:
     return Rows.load(root / "train"), validation
 
 
-def training_tokenizer(config: Config):
+class Tokens(NamedTuple):
     """The tokenizer training uses (with the tokens the config and the template add), the template, and the added
     tokens."""
+
+    tokenizer: object
+    jinja: str | None
+    added: tuple[str, ...]
+
+
+def training_tokenizer(config: Config) -> Tokens:
     from finetune.models import add_special_tokens, load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
     jinja, template_tokens = _template(config, tokenizer)
     added = add_special_tokens(tokenizer, [*config.data.add_special_tokens, *template_tokens])
-    return tokenizer, jinja, added
+    return Tokens(tokenizer, jinja, tuple(added))
 
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:

@@ -28,8 +28,8 @@ from finetune.compile import compile_layers, failures_explained
 from finetune.distributed import cp, ddp, fsdp
 from finetune.errors import FtError
 
-REPLICA = "single"  # the checkpoint format of a model whole on every rank: rank 0 writes the one copy
-_WEIGHTS, _OPTIMIZER = "trainable.safetensors", "optimizer.pt"  # inside a single-copy checkpoint folder
+FORMAT = "dcp"  # TorchEngine's checkpoint format: one torch.distributed.checkpoint folder, whatever the backend
+_FOLDER = "dcp"  # inside a checkpoint folder
 
 
 @runtime_checkable
@@ -85,19 +85,33 @@ class Engine(Protocol):
 class TorchEngine:
     """torch's optimizer, clipping and (fp16) loss scaling around a plain, DDP or FSDP2 model."""
 
-    def __init__(self, model, optimizer, scheduler, max_grad_norm: float, fp16: bool, device: torch.device):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        scheduler,
+        max_grad_norm: float,
+        fp16: bool,
+        device: torch.device,
+        plan=None,
+        context=None,
+    ):
+        """`plan`: the job's Plan (its memory savers, expert parallelism, generation mode); None for a plain model
+        stepped as it is (a test's, a benchmark's). `context`: a cp.ContextParallel where plan.context_parallel > 1."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_grad_norm = max_grad_norm
         self.scaler = torch.amp.GradScaler(device.type) if fp16 else None
-        self.sharded = fsdp.is_sharded(model)  # FSDP2: every rank holds shards (and checkpoints them)
+        self.sharded = fsdp.is_sharded(model)  # FSDP2: every rank holds shards
         self.gathers_parameters = self.sharded  # a forward pass needs every rank
-        self.reshard_after_forward = True  # FSDP: false for shard_grad_op (set by `build`)
-        self.generation_mode = "gather" if self.sharded else "local"  # plan.generation (set by `build`)
-        self.sync_every_micro_batch = False  # FSDP full fine-tuning (set by `build`)
-        self.in_backward = False  # plan.optimizer_in_backward: an optim.OptimizerInBackward (set by `build`)
-        self.compiled = False  # plan.compile: the decoder layers compile on their first call (set by `build`)
-        self.context = None  # plan.context_parallel > 1: a cp.ContextParallel (set by `build`)
-        self.expert_parallel = 1  # plan.expert_parallel: every forward exchanges tokens between ranks (set by `build`)
+        self.context = context
+        self.in_backward = hasattr(optimizer, "optimizers")  # an optim.OptimizerInBackward (plan.optimizer_in_backward)
+        self.compiled = bool(plan and plan.compile)  # the decoder layers compile on their first call
+        self.expert_parallel = plan.expert_parallel if plan else 1  # every forward exchanges tokens between ranks
+        self.reshard_after_forward = not plan or plan.sharding != "shard_grad_op"
+        self.generation_mode = plan.generation if plan else ("gather" if self.sharded else "local")
+        # full fine-tuning under FSDP: skipping sync would keep a whole fp32 gradient of the model per rank; an
+        # adapter's is small (memory.py counts it)
+        self.sync_every_micro_batch = bool(plan and plan.backend == "fsdp" and plan.adapter == "full")
 
     @property
     def synced_generation(self) -> bool:
@@ -171,22 +185,25 @@ class TorchEngine:
                 stack.enter_context(torch.compiler.set_stance("force_eager"))
             yield
 
-    @property
-    def format(self) -> str:
-        return fsdp.FORMAT if self.sharded else REPLICA
+    format = FORMAT
 
     def save(self, path: Path, runtime) -> None:
-        """FSDP2: every rank writes its shards; otherwise rank 0 writes the one copy (replicas are identical)."""
-        if self.sharded:
-            fsdp.save_checkpoint(path, self.model, self.optimizer)
-        elif runtime.is_main:
-            save_replica(path, self.inner, self.optimizer)
+        """Every rank writes its part (FSDP2: its shards; DDP: DCP writes each replicated tensor once)."""
+        save_dcp(path, self.model, *self._optimizers())
 
     def load(self, path: Path, runtime) -> None:
-        if self.sharded:
-            fsdp.load_checkpoint(path, self.model, self.optimizer)
-        else:
-            load_replica(path, self.inner, self.optimizer)
+        optimizers, lrs = self._optimizers()
+        load_dcp(path, self.model, optimizers, lrs)
+        for group, lr in zip(self.optimizer.param_groups, lrs.tolist() if lrs is not None else (), strict=False):
+            group["lr"] = lr
+
+    def _optimizers(self):
+        """What torch's get_state_dict reads: the optimizer; for a step in backward, its per-parameter optimizers and
+        (as a tensor) the lr of each group of the wrapper, which the schedule drives and they read."""
+        if not self.in_backward:
+            return self.optimizer, None
+        lrs = torch.tensor([g["lr"] for g in self.optimizer.param_groups], dtype=torch.float64)
+        return list(self.optimizer.optimizers.values()), lrs
 
     def full_state_dict(self, trainable_only: bool, dtype=None) -> dict | None:
         """Gathered weights on rank 0 for a sharded model; None when the model is whole on every rank."""
@@ -204,7 +221,6 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
     plan.backend)."""
     from finetune.optim import build_scheduler
 
-    check_savers(plan, train)
     if plan.backend == "deepspeed":
         from finetune.distributed import deepspeed
 
@@ -218,17 +234,8 @@ def build(model, plan, train, distributed, device: torch.device, total_steps: in
         model = fsdp.wrap_planned(model, plan, device)
     optimizer = make_optimizer(model, plan, train)  # after sharding: FSDP2 parameters are DTensors
     scheduler = build_scheduler(optimizer, train, total_steps)
-    engine = TorchEngine(model, optimizer, scheduler, train.max_grad_norm, plan.precision == "fp16", device)
-    engine.in_backward = plan.optimizer_in_backward
-    engine.compiled = plan.compile
-    engine.context = context
-    engine.expert_parallel = plan.expert_parallel
-    engine.reshard_after_forward = plan.sharding != "shard_grad_op"
-    engine.generation_mode = plan.generation
-    # full fine-tuning: skipping sync would keep a whole fp32 gradient of the model per rank; an adapter's is small
-    # (memory.py counts it)
-    engine.sync_every_micro_batch = plan.backend == "fsdp" and plan.adapter == "full"
-    return engine
+    fp16 = plan.precision == "fp16"
+    return TorchEngine(model, optimizer, scheduler, train.max_grad_norm, fp16, device, plan, context)
 
 
 @contextlib.contextmanager
@@ -361,65 +368,88 @@ def _global_norm(grads: list) -> torch.Tensor:
     return torch.stack([n.to(device, torch.float64) for n in norms]).square().sum().sqrt()
 
 
-# ---------------------------------------------------------------- checkpoint formats
-def save_replica(path: Path, model, optimizer) -> None:
-    """The single-copy format: the trained parameters (safetensors) and the optimizer state."""
-    from safetensors.torch import save_file
-
-    save_file(trainable_state(model), str(path / _WEIGHTS))
-    torch.save(optimizer.state_dict(), path / _OPTIMIZER)
+# ---------------------------------------------------------------- the checkpoint format
+def _trained(model, state: dict) -> dict:
+    """The entries of a model state dict that are trained (a checkpoint never holds the frozen base)."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in names}
 
 
-def load_replica(path: Path, model, optimizer) -> None:
-    """Restore a single-copy checkpoint; refused when it does not hold exactly the model's trained parameters."""
-    from finetune.checkpoint import load_tensors
+def save_dcp(folder: Path, model, optimizers, lrs: torch.Tensor | None = None) -> None:
+    """Every rank writes its part of the trainable parameters and optimizer state into checkpoint `folder` (DCP,
+    through torch's get_state_dict: the names are the unwrapped model's, for a plain, DDP or FSDP2 model). `lrs`: the
+    groups' learning rates where the optimizers do not hold them (a step in backward)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights = read_replica(path)
-    expected = set(trainable_state(model))
-    if set(weights) != expected:
-        missing, extra = sorted(expected - set(weights))[:3], sorted(set(weights) - expected)[:3]
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": _trained(model, model_sd), "optim": optim_sd} | ({"lr": lrs} if lrs is not None else {})
+    dcp.save(state, checkpoint_id=str(folder / _FOLDER))
+
+
+def load_dcp(folder: Path, model, optimizers, lrs: torch.Tensor | None = None) -> None:
+    """Every rank reads its part back from checkpoint `folder` (and `lrs` in place); DCP reshards when the ranks are
+    laid out anew."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": _trained(model, model_sd), "optim": optim_sd} | ({"lr": lrs} if lrs is not None else {})
+    _check_matches(folder, state)
+    dcp.load(state, checkpoint_id=str(folder / _FOLDER))
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=False),
+    )
+
+
+def _check_matches(folder: Path, state: dict) -> None:
+    """Refuse, with the reason, a checkpoint that does not hold what `state` asks for: other trained parameters (the
+    config changed), or an optimizer stepped in backward where this job steps after it (or the other way round)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    written = FileSystemReader(str(folder / _FOLDER)).read_metadata().state_dict_metadata
+    trained = {k.removeprefix("model.") for k in written if k.startswith("model.")}
+    expected = set(state["model"])
+    if trained != expected:
+        missing, extra = sorted(expected - trained)[:3], sorted(trained - expected)[:3]
         raise FtError(
-            f"checkpoint {path} does not match this model (missing {missing}, unexpected {extra}); was the "
+            f"checkpoint {folder} does not match this model (missing {missing}, unexpected {extra}); was the "
             "config changed since it was written? Resume with the same config, or start a new output.dir"
         )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, value in weights.items():
-            params[name].copy_(value)
-    state = load_tensors(path / _OPTIMIZER)
-    if "per_parameter" in state and not hasattr(optimizer, "optimizers"):  # optim.OptimizerInBackward wrote it
+    if ("lr" in written) != ("lr" in state):
+        how = "a step in backward" if "lr" in written else "a step after the backward pass"
         raise FtError(
-            f"checkpoint {path} holds the optimizer state of a step in backward (train.optimizer_in_backward) but "
-            "this job steps after the backward pass: its moments would start from zero; resume with the "
-            "optimizer_in_backward setting the run was written with"
+            f"checkpoint {folder} holds the optimizer state of {how} (train.optimizer_in_backward) and this job "
+            "steps the other way; resume with the optimizer_in_backward setting the run was written with"
         )
-    # the optimizer casts its state to each parameter's device
-    optimizer.load_state_dict(state)
-
-
-def read_replica(path: Path, model=None) -> dict:
-    """The trained parameters of a single-copy checkpoint, on the CPU (`model` is not needed: the file names them)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(path / _WEIGHTS))
-
-
-def trainable_state(model) -> dict:
-    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def read_trained(path: Path, fmt: str, model) -> dict:
     """The trained parameters of checkpoint folder `path`, written in format `fmt` by any number of ranks, as whole CPU
     tensors by the names of `model`'s parameters (`model`: built whole in this one process, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
     from finetune.distributed import deepspeed
 
-    readers = {REPLICA: read_replica, fsdp.FORMAT: fsdp.read_trained, deepspeed.FORMAT: deepspeed.read_trained}
-    if fmt not in readers:
+    if fmt == deepspeed.FORMAT:
+        return deepspeed.read_trained(path, model)
+    if fmt != FORMAT:
+        earlier = _EARLIER if fmt == _SINGLE_COPY else ""
         raise FtError(
-            f"checkpoint {path} records the format {fmt!r}, which this version of ft cannot read (it reads "
-            f"{', '.join(sorted(readers))}); use the ft version that wrote it"
+            f"checkpoint {path} records the format {fmt!r}, which this version of ft cannot read (it reads {FORMAT} "
+            f"and {deepspeed.FORMAT}{earlier}); use the ft version that wrote it"
         )
-    return readers[fmt](path, model)
+    state = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
+    dcp.load(state, checkpoint_id=str(path / _FOLDER), no_dist=True)
+    return state["model"]
+
+
+_SINGLE_COPY = "single"  # the format development versions of ft 0.1 wrote for a model whole on every rank
+_EARLIER = "; 'single' was written by a development version of ft before one format served every torch backend"
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ Each decoder layer is one unit (its parameters are all-gathered just before use 
 embeddings and the output head stay sharded by vocabulary rows, walked a chunk at a time (distributed/vocab.py), or
 where that cannot apply are units of their own (unless tied). `shard_grad_op` keeps the gathered parameters from
 forward to backward; `hybrid_shard` shards inside a node and replicates across nodes (a 2-D device mesh). Mixed
-precision computes in the plan's half precision and reduces gradients in fp32. Checkpoints hold every rank's shards in
-one torch.distributed.checkpoint folder (format `dcp`), written, read back and consolidated here.
+precision computes in the plan's half precision and reduces gradients in fp32. Checkpoints are engine.py's: every
+rank writes its shards into one torch.distributed.checkpoint folder.
 
 `create_model` builds the model on the meta device, applies the adapter, shards it, then allocates each
 rank's shards and fills them from the safetensors files, each rank reading only its own rows of each
@@ -206,52 +206,6 @@ def full_state_dict(model, trainable_only: bool, dtype=None) -> dict:
         if rank0:
             out[name] = done[id(t)]
     return out
-
-
-FORMAT = "dcp"  # the checkpoint format: one torch.distributed.checkpoint folder of every rank's shards
-_FOLDER = "dcp"  # inside a checkpoint folder
-
-
-def _trained(model, state: dict) -> dict:
-    """The entries of a model state dict that are trained (a checkpoint never holds the frozen base)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in state.items() if k in names}
-
-
-def save_checkpoint(folder, model, optimizer) -> None:
-    """Every rank writes its shards of the trainable parameters and optimizer state into checkpoint `folder` (DCP)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": _trained(model, model_sd), "optim": optim_sd}, checkpoint_id=str(folder / _FOLDER))
-
-
-def load_checkpoint(folder, model, optimizer) -> None:
-    """Every rank reads its shards back from checkpoint `folder`; DCP reshards when the ranks are laid out anew."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": _trained(model, model_sd), "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(folder / _FOLDER))
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
-        options=StateDictOptions(strict=False),
-    )
-
-
-def read_trained(folder, model) -> dict:
-    """The trained parameters of checkpoint `folder` as whole CPU tensors, by the names of `model`'s (an unsharded
-    model's) parameters: one process, no process group, reads the shards of every rank that wrote them."""
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {n: torch.empty_like(p) for n, p in model.named_parameters() if p.requires_grad}}
-    dcp.load(state, checkpoint_id=str(folder / _FOLDER))
-    return state["model"]
 
 
 # ---------------------------------------------------------------- building sharded: meta -> fully_shard -> fill
