@@ -1,13 +1,16 @@
 """Kubernetes: the manifests `ft launch --k8s` writes (Kubeflow PyTorchJob, JobSet) validate against the published CRD
-schemas ft ships, for plans of 1 node x 1 GPU, 1 x 8 and 4 x 8; replicas, GPUs and the grace period follow the plan;
-no secret value is written; each pod's command is `ft train` with the node's place taken from the operator's
-variables, without the RANK/WORLD_SIZE that would make ft take itself for a torchrun rank. No cluster runs here."""
+schemas ft ships (the ConfigMap against Kubernetes' core schemas), for plans of 1 node x 1 GPU, 1 x 8 and 4 x 8;
+replicas, GPUs and the grace period follow the plan; no secret value is written; each pod's command is `ft train`
+with the node's place taken from the operator's variables, without the RANK/WORLD_SIZE that would make ft take itself
+for a torchrun rank. Golden manifests in tests/data/k8s/ hold what ft writes for a few jobs; after an intended
+change, regenerate them with `FT_UPDATE_GOLDEN=1 python -m pytest tests/test_k8s.py -k golden` and review the diff.
+No cluster runs here."""
 
 from __future__ import annotations
 
-import copy
 import gzip
 import json
+import os
 import re
 import shlex
 
@@ -23,9 +26,18 @@ from finetune.workflow import NodeRole, compile_plan
 from tests.helpers import MINIMAL, REPO
 
 JOB = str(REPO / "examples/yaml/llama3.1-8b-full-8xh100.yaml")
+QUICKSTART = str(REPO / "examples/yaml/quickstart.yaml")
 PLANS = [("1xH100", 1, 1), ("8xH100", 1, 8), ("4x8xH100", 4, 8)]  # (hardware, nodes, GPUs per node)
 HF = "hf_" + "k8s" * 12  # looks like a Hugging Face token
 WANDB = "0123456789abcdef" * 2 + "01234567"  # a wandb key: 40 hex digits
+GOLDEN = REPO / "tests/data/k8s"
+CLUSTER = {"namespace": "ml-team", "volume": "shared-runs", "secret": "ft-secrets"}
+GOLDEN_JOBS = {  # file -> kind, hardware (a CPU's cores and memory given, not this machine's), job, options
+    "pytorchjob-1xH100.yaml": ("pytorchjob", "1xH100", JOB, {}),
+    "pytorchjob-4x8xH100.yaml": ("pytorchjob", "4x8xH100", JOB, CLUSTER),
+    "jobset-4x8xH100.yaml": ("jobset", "4x8xH100", JOB, CLUSTER),
+    "jobset-cpu-2.yaml": ("jobset", "cpu:2,cpus=4,host=32GiB", QUICKSTART, {}),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -105,53 +117,52 @@ def test_cpu_plans_ask_for_no_gpu(tmp_path):
     assert shlex.split(spec["containers"][0]["command"][2])[-2:] == ["--hardware", "cpu:2"]
 
 
-def test_a_broken_document_fails_with_each_path(tmp_path):
-    _, (_, job) = write(tmp_path, "pytorchjob")
-    broken = copy.deepcopy(job)
-    worker = broken["spec"]["pytorchReplicaSpecs"]["Worker"]
+@pytest.mark.parametrize("file", GOLDEN_JOBS)
+def test_manifests_match_the_golden_files(tmp_path, file):
+    kind, hardware, job, options = GOLDEN_JOBS[file]
+    text, _ = write(tmp_path, kind, hardware, job=job, **options)
+    if os.environ.get("FT_UPDATE_GOLDEN") == "1":
+        (GOLDEN / file).write_text(text)
+    assert text == (GOLDEN / file).read_text(), f"{file} differs; if intended: FT_UPDATE_GOLDEN=1 (module docstring)"
+
+
+@pytest.mark.parametrize("file", GOLDEN_JOBS)
+def test_golden_manifests_validate(file):
+    docs = list(yaml.safe_load_all((GOLDEN / file).read_text()))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "JobSet" if file.startswith("jobset") else "PyTorchJob"]
+    for doc in docs:
+        validate(doc)
+
+
+def test_a_broken_manifest_is_refused_with_each_path():
+    config_map, job = yaml.safe_load_all((GOLDEN / "pytorchjob-4x8xH100.yaml").read_text())
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     worker["replicas"] = "three"
     container = worker["template"]["spec"]["containers"][0]
     container["resources"]["requests"]["cpu"] = "lots"
-    container["imagePullPolicyy"] = "Always"  # a typo: the API server would drop it silently
-    container["env"].append(dict(container["env"][0]))  # the same variable twice
-    broken["metadata"]["name"] = "My_Job"
-    with pytest.raises(FtError) as e:
-        validate(broken)
-    message = str(e.value)
-    for where in (
-        "spec.pytorchReplicaSpecs.Worker.replicas: 'three' is not of type 'integer'",
-        "spec.pytorchReplicaSpecs.Worker.template.spec.containers[0].resources.requests.cpu: 'lots'",
-        "spec.pytorchReplicaSpecs.Worker.template.spec.containers[0]: Additional properties are not allowed",
-        "spec.pytorchReplicaSpecs.Worker.template.spec.containers[0].env: duplicate entry ('HF_HOME',)",
-        "metadata.name: 'My_Job' is not a DNS-1035 label",
-    ):
-        assert where in message, message
-    master = copy.deepcopy(job)
-    master["spec"]["pytorchReplicaSpecs"]["Master"].update(replicas=2)
-    master["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["name"] = "trainer"
-    with pytest.raises(FtError, match=r"(?s)Master.replicas: must be 1.*needs a container named pytorch"):
-        validate(master)
-
-
-def test_jobset_rules_beyond_the_schema(tmp_path):
-    _, (config_map, job) = write(tmp_path, "jobset")
-    indexed = job["spec"]["replicatedJobs"][0]["template"]["spec"]
-    indexed["template"]["spec"]["restartPolicy"] = "OnFailure"  # the Job refuses a pod failure policy then
-    indexed["template"]["spec"]["containers"][0]["volumeMounts"][0]["name"] = "scratch"
-    job["spec"]["failurePolicy"]["rules"][0]["name"] = "fail-fast"
-    job["metadata"]["name"] = "ft-" + "x" * 50  # its pods' names would pass 63 characters
+    container["imagePullPolicyy"] = "Always"  # a typo: the API server would drop it, or refuse it (strict)
+    job["spec"]["nprocPerNode"] = 8  # a string in the CRD
     with pytest.raises(FtError) as e:
         validate(job)
+    message = str(e.value)
+    at = "$.spec.pytorchReplicaSpecs.Worker"
     for where in (
-        "spec.replicatedJobs[0].template.spec.template.spec.restartPolicy: must be Never",
-        "spec.replicatedJobs[0].template.spec.template.spec.containers[0].volumeMounts[0].name: 'scratch'",
-        "spec.failurePolicy.rules[0].name: 'fail-fast'",
-        "spec.replicatedJobs[0] (its last pod's name)",
+        f"{at}.replicas: 'three' is not of type 'integer'",
+        f"{at}.template.spec.containers[0].resources.requests.cpu: 'lots' does not match",
+        f"{at}.template.spec.containers[0]: Additional properties are not allowed ('imagePullPolicyy' was unexpected)",
+        "$.spec.nprocPerNode: 8 is not of type 'string'",
     ):
-        assert where in str(e.value), str(e.value)
-    config_map["data"] = {"job yaml": "x"}
-    with pytest.raises(FtError, match=re.escape('data["job yaml"]: not a valid file name')):
+        assert where in message, message
+    assert message.startswith("PyTorchJob ft-llama3-1-8b-full is not a valid Kubernetes manifest")
+    _, jobset = yaml.safe_load_all((GOLDEN / "jobset-4x8xH100.yaml").read_text())
+    jobset["spec"]["replicatedJobs"][0]["replica"] = 1
+    with pytest.raises(FtError, match=re.escape("$.spec.replicatedJobs[0]: Additional properties are not allowed")):
+        validate(jobset)
+    config_map["data"]["job.yaml"] = 3
+    with pytest.raises(FtError, match=re.escape("$.data['job.yaml']: 3 is not of type 'string'")):
         validate(config_map)
+    with pytest.raises(FtError, match="apps/v1/Deployment is not one ft writes"):
+        validate({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"}})
 
 
 def test_no_secret_value_is_written(tmp_path, write_yaml, monkeypatch):

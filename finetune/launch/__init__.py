@@ -5,7 +5,7 @@ stopping.py   torchrun in a session of its own that dies with ft; stop signals p
 netif.py      the network interface gloo binds on each node (GLOO_SOCKET_IFNAME)
 slurm.py      `ft launch --slurm`: an sbatch script that runs ft train on every node
 k8s.py        `ft launch --k8s`: a PyTorchJob (Kubeflow) or JobSet manifest, checked against the CRDs' own schemas
-              (k8s_schema.py, crds/)
+              and Kubernetes' core schemas (k8s_schema.py: jsonschema, kubernetes-validate; crds/)
 
 The ranks never import this package; it builds on the Plan and on distributed/ (the rank command, NCCL's variables).
 """

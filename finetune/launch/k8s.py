@@ -35,7 +35,7 @@ from finetune.artifacts.run import RunFolder
 from finetune.distributed.launch import DEFAULT_PORT
 from finetune.distributed.runtime import NCCL_ENV
 from finetune.errors import FtError
-from finetune.launch.k8s_schema import DNS1123_LABEL, DNS1123_SUBDOMAIN, name_problems, schema_available, validate
+from finetune.launch.k8s_schema import schema_available, validate
 from finetune.plan.memory import GiB
 
 __all__ = ["KINDS", "job_name", "manifest", "node_command", "render", "validate", "write_manifest"]
@@ -61,6 +61,8 @@ CPU_SHARE = 0.9  # of the node's cores: the rest stays allocatable to the kubele
 MEMORY_MARGIN, MEMORY_BASE = 1.25, 4 * GiB  # host memory request: the plan's peak x margin + base (Python, loaders)
 MAX_NAME = 40  # leaves room for the names operators derive (`<name>-node-0-<index>-xxxxx`, at most 63)
 LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance")
+DNS1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"  # a namespace's name
+DNS1123_SUBDOMAIN = rf"{DNS1123_LABEL}(\.{DNS1123_LABEL})*"  # a PersistentVolumeClaim's or a Secret's
 
 
 def write_manifest(
@@ -82,12 +84,12 @@ def write_manifest(
         job_plan, config, text, name=job_name(config), image=image, kind=kind, namespace=namespace,
         volume=volume, secret=secret, overrides=tuple(overrides), hardware=hardware,
     )  # fmt: skip
-    checked = schema_available()
-    for doc in docs:
-        validate(doc, schema=checked)
-    if not checked:
-        sys.stderr.write("warning: jsonschema is not installed, so the manifest was not checked against the CRD "
-                         "schemas: pip install 'finetune[k8s]'\n")  # fmt: skip
+    if schema_available():
+        for doc in docs:
+            validate(doc)
+    else:
+        sys.stderr.write("warning: jsonschema or kubernetes-validate is not installed, so the manifest was not "
+                         "checked against the Kubernetes schemas: pip install 'finetune[k8s]'\n")  # fmt: skip
     yaml_text = render(docs, header(job_plan, kind, secret, config))
     refuse_leaks(yaml_text)
     out = Path(out) if out else RunFolder(config.output.dir).k8s_path
@@ -103,9 +105,6 @@ def manifest(
     description the plan was made for (see node_command)."""
     kind = str(kind).lower()
     check_options(image, kind, namespace, volume, secret)
-    problems = list(name_problems(name, "the job name", limit=MAX_NAME))
-    if problems:
-        raise FtError(f"{problems[0]}; job_name() derives a valid one from output.run_name or output.dir")
     check_output_dir(config.output.dir)
     refuse_literal_secrets(config)
     meta = {"name": name, **({"namespace": namespace} if namespace else {})}
@@ -281,9 +280,11 @@ def check_options(image, kind, namespace, volume, secret) -> None:
                       "--image registry.example.com/ft:0.1.0-cu128")  # fmt: skip
     flags = (("--namespace", namespace, DNS1123_LABEL, 63), ("--volume", volume, DNS1123_SUBDOMAIN, 253))
     for flag, value, pattern, limit in (*flags, ("--secret", secret, DNS1123_SUBDOMAIN, 253)):
-        problems = list(name_problems(value, flag, pattern, limit)) if value is not None else []
-        if problems:
-            raise FtError(f"{problems[0]}: give the name of the Kubernetes object as kubectl shows it")
+        if value is not None and (len(str(value)) > limit or not re.fullmatch(pattern, str(value))):
+            dots = "" if pattern == DNS1123_LABEL else " and '.'"
+            raise FtError(f"{flag}: {value!r} is not a Kubernetes object name (lower-case letters, digits, '-'{dots}, "
+                          f"starting and ending with a letter or digit; at most {limit} characters): give the name "
+                          "of the object as kubectl shows it")  # fmt: skip
 
 
 def check_output_dir(output_dir: str) -> None:
