@@ -78,7 +78,7 @@ def write_manifest(
     config = check_job(config_path, overrides)
     for warning in data_off_volume(config):
         sys.stderr.write(f"warning: {warning}\n")
-    job_plan = compile_plan(config_path, overrides, hardware)
+    job_plan = compile_plan(config_path, overrides, hardware, config)
     text = Path(config_path).read_text(encoding="utf-8")
     docs = manifest(
         job_plan, config, text, name=job_name(config), image=image, kind=kind, namespace=namespace,
