@@ -6,13 +6,17 @@ Imports of torch, transformers and friends stay inside the functions that need t
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
+import typing
 from pathlib import Path
 
 import typer
 
 from finetune import __version__
 from finetune.errors import FtError, run_main, set_debug
+from finetune.infer.commands import EvalOptions, GenerateOptions  # light: dataclasses of options, no models
 
 app = typer.Typer(
     name="ft",
@@ -286,18 +290,34 @@ def merge_lora(
     typer.echo(str(report))
 
 
-SourceArgument = typer.Argument(
-    ...,
-    help="A run folder (config.yaml + final/), a model folder, an adapter folder (with --base or its recorded base), "
-    "a hub id, or ft-tiny.",
-)
-ProcessesOption = typer.Option(
-    None,
-    "--processes",
-    "-n",
-    help="Processes generating in parallel on this node (default: one per GPU, per --tensor-parallel GPUs with vLLM; "
-    "1 on CPU).",
-)
+def _takes(options):
+    """Decorator: the command's leading parameters are the fields of the dataclass `options` (finetune.infer.commands),
+    each a typer option with the field's default and the flags and help of its metadata (no flags: an argument); the
+    command receives them as one `options` object, its first parameter, and its own parameters follow."""
+    hints = typing.get_type_hints(options)
+    fields = dataclasses.fields(options)
+
+    def declared(f):
+        default = ... if f.default is dataclasses.MISSING else f.default
+        if not f.metadata["flags"]:
+            return typer.Argument(default, help=f.metadata["help"])
+        return typer.Option(default, *f.metadata["flags"], help=f.metadata["help"])
+
+    def decorate(command):
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        params = [inspect.Parameter(f.name, keyword, default=declared(f), annotation=hints[f.name]) for f in fields]
+        own = list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+        params += [p.replace(kind=keyword) for p in own]
+
+        def run(**values):
+            return command(options(**{f.name: values.pop(f.name) for f in fields}), **values)
+
+        run.__name__, run.__doc__, run.__signature__ = command.__name__, command.__doc__, inspect.Signature(params)
+        return run
+
+    return decorate
+
+
 # ft generate / ft eval across nodes: ft train's flags, with SLURM's variables read the same way (NodeRole.from_env)
 NodesOption = typer.Option(
     None,
@@ -322,73 +342,9 @@ def _node_role(nnodes, node_rank, master_addr, master_port, rdzv_id):
 
 
 @app.command()
+@_takes(GenerateOptions)
 def generate(
-    source: str = SourceArgument,
-    prompts: str = typer.Option(
-        ...,
-        "--prompts",
-        "-p",
-        help="Prompt file (.jsonl, .json, .csv, .parquet), or a job YAML whose dataset to read (see --dataset).",
-    ),
-    out: Path = typer.Option(
-        ..., "--out", "-o", help="Output .jsonl: each input row with its id and the completion, in input order."
-    ),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy (deterministic); above 0: sampling."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling threshold."),
-    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens (0: off)."),
-    seed: int = typer.Option(
-        0, "--seed", help="Sampling seed; each batch draws from its own seed, so results do not depend on --processes."
-    ),
-    stop: list[str] | None = typer.Option(
-        None, "--stop", help="Text that ends a completion (repeatable); not included in the output."
-    ),
-    batch_size: int | None = typer.Option(
-        None, "--batch-size", "-b", help="Prompts per batch (default 16; 256 with vLLM)."
-    ),
-    sort: bool = typer.Option(
-        True, "--sort/--no-sort", help="Batch prompts of similar length together (less padding)."
-    ),
-    processes: int | None = ProcessesOption,
-    engine: str = typer.Option("auto", "--engine", help="auto (vLLM on GPUs where installed) | transformers | vllm."),
-    tensor_parallel: int = typer.Option(
-        1, "--tensor-parallel", help="GPUs per model copy, for models larger than one GPU (vLLM)."
-    ),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (fp32 on CPU, bf16 on GPUs) | bf16 | fp16 | fp32."),
-    template: str | None = typer.Option(
-        None,
-        "--template",
-        help="Chat template: tokenizer, a built-in, a .jinja file, or none for raw text (default: the run's "
-        "data.template, else the tokenizer's).",
-    ),
-    system: str | None = typer.Option(None, "--system", help="System message for prompts that have none."),
-    prompt_field: str | None = typer.Option(
-        None,
-        "--prompt-field",
-        help="Column holding the prompt (default: messages, conversations, prompt, instruction, question, input or "
-        "text).",
-    ),
-    id_field: str = typer.Option(
-        "id", "--id-field", help="Column with each record's id (records without one are numbered from 0)."
-    ),
-    output_field: str = typer.Option(
-        "completion", "--output-field", help="Name of the completion's field in the output."
-    ),
-    dataset: str | None = typer.Option(
-        None,
-        "--dataset",
-        help="With a job YAML: validation, or an index into data.datasets (default: validation when it is a dataset, "
-        "else 0).",
-    ),
-    samples: int | None = typer.Option(None, "--samples", help="Only the first N prompts."),
-    base: str | None = typer.Option(
-        None, "--base", help="Base model of an adapter (default: the run's model.name or the adapter's recorded base)."
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Discard the output and any unfinished parts, and start over."
-    ),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    options: GenerateOptions,
     nnodes: int | None = NodesOption,
     node_rank: int | None = NodeRankOption,
     master_addr: str | None = MasterAddrOption,
@@ -399,105 +355,13 @@ def generate(
     it stopped."""
     from finetune.infer.commands import run_generate
 
-    run_generate(
-        source,
-        prompts,
-        str(out),
-        base=base,
-        dataset=dataset,
-        template=template,
-        system=system,
-        prompt_field=prompt_field,
-        id_field=id_field,
-        output_field=output_field,
-        samples=samples,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop=tuple(stop or ()),
-        batch_size=batch_size,
-        sort=sort,
-        processes=processes,
-        engine=engine,
-        tensor_parallel=tensor_parallel,
-        dtype=dtype,
-        overwrite=overwrite,
-        trust_remote_code=trust_remote_code,
-        progress=not quiet,
-        role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id),
-    )
+    run_generate(options, role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id))
 
 
 @app.command("eval")
+@_takes(EvalOptions)
 def eval_(
-    source: str = SourceArgument,
-    data: str | None = typer.Option(
-        None,
-        "--data",
-        "-d",
-        help="Prompt/answer file, or a job YAML (see --dataset). Default: the run's evaluation: section.",
-    ),
-    metric: list[str] | None = typer.Option(
-        None,
-        "--metric",
-        "-m",
-        help="exact_match | contains | regex (with --pattern) | loss (and perplexity) | a function module:function or "
-        "file.py:function (repeatable; default exact_match).",
-    ),
-    pattern: str | None = typer.Option(
-        None,
-        "--pattern",
-        help="For --metric regex: the pattern extracting the answer (its first group if any), e.g. '####\\s*(-?\\d+)'.",
-    ),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write the results as JSON to this file."),
-    json_: bool = typer.Option(False, "--json", help="Print the results as JSON instead of a table."),
-    predictions: Path | None = typer.Option(
-        None, "--predictions", help="Keep the generated answers in this .jsonl (and resume from it)."
-    ),
-    max_new_tokens: int | None = typer.Option(
-        None, "--max-new-tokens", help="Longest answer (default: the run's evaluation.max_new_tokens, else 256)."
-    ),
-    batch_size: int | None = typer.Option(None, "--batch-size", "-b", help="Prompts per batch."),
-    processes: int | None = ProcessesOption,
-    engine: str = typer.Option("auto", "--engine", help="auto | transformers | vllm."),
-    tensor_parallel: int = typer.Option(1, "--tensor-parallel", help="GPUs per model copy (vLLM)."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto | bf16 | fp16 | fp32."),
-    template: str | None = typer.Option(
-        None,
-        "--template",
-        help="Chat template (default: the run's data.template, else the tokenizer's); none for raw text.",
-    ),
-    reference_field: str | None = typer.Option(
-        None,
-        "--reference-field",
-        help="Column with the reference answer (default: a final assistant message, else answer, reference, output, "
-        "completion or target).",
-    ),
-    prompt_field: str | None = typer.Option(None, "--prompt-field", help="Column holding the prompt."),
-    id_field: str = typer.Option("id", "--id-field", help="Column with each record's id."),
-    system: str | None = typer.Option(None, "--system", help="System message for prompts that have none."),
-    dataset: str | None = typer.Option(
-        None, "--dataset", help="With a job YAML: validation, or an index into data.datasets."
-    ),
-    samples: int | None = typer.Option(None, "--samples", help="Only the first N records."),
-    lm_eval: list[str] | None = typer.Option(
-        None, "--lm-eval", help="lm-evaluation-harness tasks, comma-separated or repeated (needs the lm-eval extra)."
-    ),
-    lm_eval_include: str | None = typer.Option(
-        None, "--lm-eval-include", help="Folder with your own lm-eval task YAML files."
-    ),
-    lm_eval_limit: int | None = typer.Option(None, "--lm-eval-limit", help="At most N examples per lm-eval task."),
-    lm_eval_chat: bool = typer.Option(
-        True,
-        "--lm-eval-chat/--lm-eval-plain",
-        help="Apply the chat template to lm-eval prompts (plain for base models).",
-    ),
-    base: str | None = typer.Option(None, "--base", help="Base model of an adapter."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Generate again even when --predictions holds answers."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's own Python code."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    options: EvalOptions,
     nnodes: int | None = NodesOption,
     node_rank: int | None = NodeRankOption,
     master_addr: str | None = MasterAddrOption,
@@ -508,37 +372,7 @@ def eval_(
     JSON."""
     from finetune.infer.commands import run_eval
 
-    run_eval(
-        source,
-        data=data,
-        dataset=dataset,
-        metrics=tuple(metric or ()),
-        pattern=pattern,
-        reference_field=reference_field,
-        prompt_field=prompt_field,
-        id_field=id_field,
-        system=system,
-        samples=samples,
-        template=template,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        processes=processes,
-        engine=engine,
-        tensor_parallel=tensor_parallel,
-        dtype=dtype,
-        predictions=str(predictions) if predictions else None,
-        out=str(out) if out else None,
-        as_json=json_,
-        lm_eval=tuple(lm_eval or ()),
-        lm_eval_include=lm_eval_include,
-        lm_eval_limit=lm_eval_limit,
-        lm_eval_chat=lm_eval_chat,
-        overwrite=overwrite,
-        base=base,
-        trust_remote_code=trust_remote_code,
-        progress=not quiet,
-        role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id),
-    )
+    run_eval(options, role=_node_role(nnodes, node_rank, master_addr, master_port, rdzv_id))
 
 
 @app.command()

@@ -199,3 +199,38 @@ def test_validate_names_missing_local_data_files(tmp_path):
     r = ft("validate", str(job))
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "data.datasets[0].path" in r.stderr and "nope.jsonl" in r.stderr
+
+
+def test_ft_generate_and_eval_options_are_their_dataclass_fields_with_the_jobs_defaults():
+    """Every option of ft generate / ft eval (the node flags aside) is a field of GenerateOptions / EvalOptions with
+    the same default, and none is on one side only; where an option has a default value, the job classes' field of the
+    same name has the same default."""
+    import dataclasses
+
+    import typer
+
+    from finetune.cli import app
+    from finetune.infer.commands import EvalOptions, GenerateOptions
+    from finetune.infer.engines import Sampling
+    from finetune.infer.evaluation import EvalJob
+    from finetune.infer.job import GenerateJob
+    from finetune.infer.prompts import PromptSpec
+
+    required, node_flags = object(), {"nnodes", "node_rank", "master_addr", "master_port", "rdzv_id"}
+    commands = typer.main.get_command(app).commands
+    for name, options, jobs in (
+        ("generate", GenerateOptions, (Sampling, PromptSpec, GenerateJob)),
+        ("eval", EvalOptions, (PromptSpec, EvalJob)),
+    ):
+        cli = {p.name: required if p.required else p.default for p in commands[name].params}
+        assert node_flags <= set(cli), name
+        fields = {
+            f.name: required if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(options)
+        }
+        assert {k: v for k, v in cli.items() if k not in node_flags} == fields, name
+        for job in jobs:
+            for f in dataclasses.fields(job):
+                if fields.get(f.name) not in (None, required):
+                    assert f.default == fields[f.name], (
+                        f"{name} {f.name}: {fields[f.name]!r}, {job.__name__} {f.default!r}"
+                    )

@@ -96,7 +96,7 @@ def test_secret_names_and_secret_looking_values_stay_references(tmp_path):
 
 # ---------------------------------------------------------------- later commands without the variable
 def test_eval_generate_and_merge_without_the_variable_use_the_recorded_base(tmp_path, models, monkeypatch):
-    from finetune.infer.commands import run_eval, run_generate
+    from finetune.infer.commands import EvalOptions, GenerateOptions, run_eval, run_generate
     from finetune.merge import merge_lora
 
     run = _run_folder(tmp_path, models, {"FT_BASE": str(models["base"])})
@@ -107,11 +107,11 @@ def test_eval_generate_and_merge_without_the_variable_use_the_recorded_base(tmp_
     assert merge_lora(run, tmp_path / "merged", check_inputs=1).base == str(models["base"])
     (tmp_path / "q.jsonl").write_text(json.dumps({"id": 0, "prompt": "What is 2 + 3?"}) + "\n")
     for source, out in ((run, "run.jsonl"), (models["adapter"], "own.jsonl")):  # the run, and the adapter on its base
-        run_generate(str(source), "q.jsonl", out, max_new_tokens=6, processes=1, progress=False)
+        run_generate(GenerateOptions(str(source), "q.jsonl", out, max_new_tokens=6, processes=1, quiet=True))
     assert (tmp_path / "run.jsonl").read_text() == (tmp_path / "own.jsonl").read_text()
     data = tmp_path / "d.jsonl"
     on_run, on_own, on_tiny = (
-        run_eval(str(run), data=str(data), metrics=("loss",), progress=False, base=base).metrics["loss"]
+        run_eval(EvalOptions(str(run), data=str(data), metrics=("loss",), quiet=True, base=base)).metrics["loss"]
         for base in (None, str(models["base"]), "ft-tiny")
     )
     assert on_run == on_own != on_tiny  # ft-tiny is what the run folder named before it recorded the variable

@@ -131,7 +131,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_ft_eval_metrics_and_loss_agree_with_a_hand_computation(model_dir, tmp_path, monkeypatch):
-    from finetune.infer.commands import run_eval, run_generate
+    from finetune.infer.commands import EvalOptions, GenerateOptions, run_eval, run_generate
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "metrics.py").write_text(METRIC_FILE)
@@ -139,7 +139,7 @@ def test_ft_eval_metrics_and_loss_agree_with_a_hand_computation(model_dir, tmp_p
     (tmp_path / "q.jsonl").write_text(
         "".join(json.dumps({"id": i, "prompt": q}) + "\n" for i, q in enumerate(questions))
     )
-    run_generate(str(model_dir), "q.jsonl", "seen.jsonl", max_new_tokens=5, progress=False)
+    run_generate(GenerateOptions(str(model_dir), "q.jsonl", "seen.jsonl", max_new_tokens=5, quiet=True))
     seen = [json.loads(line)["completion"] for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     answers = [c if i % 2 == 0 else c + "!" for i, c in enumerate(seen)]  # half match exactly
     topics = ["sums" if i < 3 else "words" for i in range(8)]
@@ -153,14 +153,16 @@ def test_ft_eval_metrics_and_loss_agree_with_a_hand_computation(model_dir, tmp_p
         )
     )
     result = run_eval(
-        str(model_dir),
-        data="set.jsonl",
-        metrics=("exact_match", "contains", "metrics.py:score", "loss"),
-        max_new_tokens=5,
-        out="results.json",
-        predictions="preds.jsonl",
-        progress=False,
-        as_json=True,
+        EvalOptions(
+            str(model_dir),
+            data="set.jsonl",
+            metrics=("exact_match", "contains", "metrics.py:score", "loss"),
+            max_new_tokens=5,
+            out="results.json",
+            predictions="preds.jsonl",
+            quiet=True,
+            as_json=True,
+        )
     )
     m = result.metrics
     assert m["exact_match"] == sum(c.strip() == a.strip() for c, a in zip(seen, answers)) / 8 == 0.5
@@ -203,19 +205,19 @@ def _hand_loss(model_dir, questions, answers) -> float:
 
 
 def test_ft_eval_refuses_metrics_without_references(model_dir, tmp_path):
-    from finetune.infer.commands import run_eval
+    from finetune.infer.commands import EvalOptions, run_eval
 
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
     with pytest.raises(FtError, match=r"q.jsonl:1: exact_match needs a reference answer"):
-        run_eval(str(model_dir), data=str(tmp_path / "q.jsonl"), progress=False)
+        run_eval(EvalOptions(str(model_dir), data=str(tmp_path / "q.jsonl"), quiet=True))
     with pytest.raises(FtError, match="no data to evaluate on"):
-        run_eval(str(model_dir), progress=False)
+        run_eval(EvalOptions(str(model_dir), quiet=True))
 
 
 # ---------------------------------------------------------------- during training, and again with ft eval
 @pytest.mark.slow
 def test_periodic_evaluation_during_training_and_ft_eval_of_the_run_agree(tmp_path, monkeypatch, capfd):
-    from finetune.infer.commands import run_eval
+    from finetune.infer.commands import EvalOptions, run_eval
     from finetune.tiny import arithmetic_records, write_jsonl
     from finetune.workflow import run_train
 
@@ -240,7 +242,7 @@ evaluation: {{path: {test}, metric: function, function: metrics.py:digits, max_n
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_function" in r] == [2]
     assert result["task_before"] is not None and result["task_after"] is not None
-    again = run_eval(str(tmp_path / "run"), progress=False, as_json=True)
+    again = run_eval(EvalOptions(str(tmp_path / "run"), quiet=True, as_json=True))
     assert again.metrics == {"metrics.py:digits": pytest.approx(result["task_after"], abs=1e-9)}
 
 
@@ -251,7 +253,7 @@ evaluation: {{path: {test}, metric: function, function: metrics.py:digits, max_n
     reason="lm-eval is an optional extra (pip install 'finetune[lm-eval]')",
 )
 def test_lm_eval_runs_a_local_task_offline(model_dir, tmp_path):
-    from finetune.infer.commands import run_eval
+    from finetune.infer.commands import EvalOptions, run_eval
 
     (tmp_path / "qa.jsonl").write_text(
         "".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(4))
@@ -269,11 +271,11 @@ generation_kwargs: {{until: ["<|im_end|>"], max_gen_toks: 4, do_sample: false}}
 metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
 """)
     result = run_eval(
-        str(model_dir), lm_eval=("ft_tiny_qa",), lm_eval_include=str(tmp_path), progress=False, as_json=True
+        EvalOptions(str(model_dir), lm_eval=("ft_tiny_qa",), lm_eval_include=str(tmp_path), quiet=True, as_json=True)
     )
     assert set(result.lm_eval) == {"ft_tiny_qa"} and 0.0 <= result.lm_eval["ft_tiny_qa"]["exact_match"] <= 1.0
     with pytest.raises(FtError, match="unknown task no_such_task"):
-        run_eval(str(model_dir), lm_eval=("no_such_task",), lm_eval_include=str(tmp_path), progress=False)
+        run_eval(EvalOptions(str(model_dir), lm_eval=("no_such_task",), lm_eval_include=str(tmp_path), quiet=True))
 
 
 # ---------------------------------------------------------------- code in a run folder runs only when asked
@@ -303,7 +305,7 @@ def test_ft_eval_of_a_crafted_run_folder_runs_none_of_its_code(model_dir, tmp_pa
 
     import transformers.dynamic_module_utils as dynamic
 
-    from finetune.infer.commands import run_eval
+    from finetune.infer.commands import EvalOptions, run_eval
 
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -313,6 +315,6 @@ def test_ft_eval_of_a_crafted_run_folder_runs_none_of_its_code(model_dir, tmp_pa
     data.write_text(
         json.dumps({"messages": [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]}) + "\n"
     )
-    result = run_eval(str(run), data=str(data), metrics=("loss",), progress=False, as_json=True)
+    result = run_eval(EvalOptions(str(run), data=str(data), metrics=("loss",), quiet=True, as_json=True))
     assert math.isfinite(result.metrics["loss"])
     assert not marker.exists(), f"ft eval ran code from the {kind} run folder without --trust-remote-code"

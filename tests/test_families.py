@@ -281,11 +281,13 @@ def trained_family(tmp_path, folder, adapter: str, packing: bool, out: str):
 
 def generated(tmp_path, run) -> list[dict]:
     """`ft generate` of two chat prompts with the run's model, in this process; the output rows."""
-    from finetune.infer.commands import run_generate
+    from finetune.infer.commands import GenerateOptions, run_generate
     from finetune.tiny import write_jsonl
 
     prompts = write_jsonl([{"messages": [{"role": "user", "content": "What is 2 + 3?"}]}] * 2, tmp_path / "p.jsonl")
-    run_generate(str(run), str(prompts), str(tmp_path / "gen.jsonl"), max_new_tokens=4, processes=1, progress=False)
+    run_generate(
+        GenerateOptions(str(run), str(prompts), str(tmp_path / "gen.jsonl"), max_new_tokens=4, processes=1, quiet=True)
+    )
     return [json.loads(line) for line in (tmp_path / "gen.jsonl").read_text().splitlines()]
 
 

@@ -338,26 +338,30 @@ def modules_cache(tmp_path, monkeypatch):
 
 
 def test_a_run_folder_cannot_turn_on_remote_code(model_dir, tmp_path, modules_cache):
-    from finetune.infer.commands import run_generate
+    from finetune.infer.commands import GenerateOptions, run_generate
 
     marker = tmp_path / "MARKER"
     run = crafted_run(model_dir, tmp_path, marker)
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "Hi"}) + "\n")
     assert resolve(str(run)).trust_remote_code is False  # config.yaml says true: not this invocation
     run_generate(
-        str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out.jsonl"), max_new_tokens=2, processes=1, progress=False
+        GenerateOptions(
+            str(run), str(tmp_path / "q.jsonl"), str(tmp_path / "out.jsonl"), max_new_tokens=2, processes=1, quiet=True
+        )
     )
     assert not marker.exists(), "ft generate ran code from the run folder without --trust-remote-code"
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
     # the control: the same folder with the flag does run it (so the check above can fail)
     assert resolve(str(run), trust_remote_code=True).trust_remote_code is True
     run_generate(
-        str(run),
-        str(tmp_path / "q.jsonl"),
-        str(tmp_path / "out2.jsonl"),
-        max_new_tokens=2,
-        processes=1,
-        progress=False,
-        trust_remote_code=True,
+        GenerateOptions(
+            str(run),
+            str(tmp_path / "q.jsonl"),
+            str(tmp_path / "out2.jsonl"),
+            max_new_tokens=2,
+            processes=1,
+            quiet=True,
+            trust_remote_code=True,
+        )
     )
     assert marker.exists()

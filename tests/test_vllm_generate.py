@@ -139,7 +139,7 @@ def test_an_interrupted_run_resumes_to_the_same_file(outputs, model_dir, prompts
 
 
 def test_ft_eval_with_vllm_scores_like_transformers(outputs, model_dir, prompts_file, tmp_path):
-    from finetune.infer.commands import run_eval
+    from finetune.infer.commands import EvalOptions, run_eval
 
     answers = completions(outputs["model", "transformers"])
     data = tmp_path / "data.jsonl"  # half the references are transformers' own answers, half are wrong
@@ -151,14 +151,16 @@ def test_ft_eval_with_vllm_scores_like_transformers(outputs, model_dir, prompts_
     )
     results = {
         engine: run_eval(
-            str(model_dir),
-            data=str(data),
-            metrics=("exact_match", "contains"),
-            max_new_tokens=MAX_NEW,
-            batch_size=4,
-            engine=engine,
-            predictions=str(tmp_path / f"{engine}.jsonl"),
-            progress=False,
+            EvalOptions(
+                str(model_dir),
+                data=str(data),
+                metrics=("exact_match", "contains"),
+                max_new_tokens=MAX_NEW,
+                batch_size=4,
+                engine=engine,
+                predictions=str(tmp_path / f"{engine}.jsonl"),
+                quiet=True,
+            )
         )
         for engine in ("transformers", "vllm")
     }
