@@ -119,7 +119,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     from finetune.progress import progress
 
     _quiet_loading(job_plan, console)
-    job = train.setup(config, job_plan, prepared)
+    job = train.setup(config, job_plan, prepared, deepspeed_config=RunFolder(run_dir).deepspeed_config())
     resume_from = checkpoint.agreed(run_dir, resume_from, job.runtime)
     is_main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)

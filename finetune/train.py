@@ -123,10 +123,17 @@ class SignalStop:
             lifecycle.loop_finished()  # a rank now finishes saving the final weights on a first signal
 
 
-def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None) -> Job:
+def setup(config: Config, plan: Plan, prepared, device: torch.device | None = None, deepspeed_config=None) -> Job:
+    """The job's model, engine and method on this rank. `deepspeed_config`: the run folder's deepspeed.json (a caller
+    without a run folder, a test's, gets what ft train would write there)."""
     from finetune import methods
     from finetune.distributed import engine
     from finetune.models import runtime_attention
+
+    if plan.backend == "deepspeed" and deepspeed_config is None:
+        from finetune.distributed.deepspeed import config_for
+
+        deepspeed_config = config_for(plan, config.train, config.distributed)
 
     with activity("joining the process group"):
         runtime = (
@@ -140,14 +147,14 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
 
         return_freed_memory()
     with activity(f"creating the model ({plan.loading})"):
-        model = engine.create_model(engine.ModelSpec(config, plan, prepared.tokenizer, attn, device))
+        model = engine.create_model(engine.ModelSpec(config, plan, prepared.tokenizer, attn, device, deepspeed_config))
     model.train()
     rows = config.method.rows_per_step(plan.global_batch_size)
     total = steps_for(
         len(prepared.train), rows, config.train.max_steps, config.train.epochs, config.method.steps_per_batch()
     )
     with activity(f"wrapping the model ({plan.backend})"):
-        wrapped = engine.build(model, plan, config.train, config.distributed, device, total)
+        wrapped = engine.build(model, plan, config.train, deepspeed_config, device, total)
     stream = Stream(
         len(prepared.train),
         rows,

@@ -141,7 +141,7 @@ def test_a_compile_failure_is_one_error_naming_the_key():
     cfg = loads(MINIMAL, overrides=["train.compile=true"], environ={})
     p = dataclasses.replace(planned(["train.compile=false"], hardware="cpu"), compile=True)
     model = tiny_llama("sdpa").train()
-    wrapped = engine.build(model, p, cfg.train, cfg.distributed, torch.device("cpu"), total_steps=4)
+    wrapped = engine.build(model, p, cfg.train, None, torch.device("cpu"), total_steps=4)
     assert all(is_compiled(layer) for layer in model.model.layers)  # the engine compiled them (inductor)
     compile_layers(model, backend=broken)
     ids = torch.ones(1, 4, dtype=torch.long)

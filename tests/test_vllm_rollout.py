@@ -189,3 +189,4 @@ def test_a_rollout_server_started_by_ft_train_serves_the_run_and_is_stopped_afte
     url = re.search(r"listening on (http://\S+)", log).group(1)
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "/health", timeout=5)  # stopped with the job
+    assert not (tmp_path / "served" / "rollout-server.json").exists()  # the ranks read its address there while it ran

@@ -68,6 +68,7 @@ WRITTEN = (
     *TRACKERS,
     "nccl-traces",
     "rollout-server.log",
+    "rollout-server.json",
     "ft-error-*.log",  # errors.py's traceback log (also written to the temporary folder, outside any run)
     ".tmp-final-*",
     ".old-final-*",
@@ -105,6 +106,7 @@ class RunFolder:
     consolidated_dir = _entry("consolidated")
     nccl_traces_dir = _entry("nccl-traces")
     rollout_log_path = _entry("rollout-server.log")  # the rollout server ft train started (rollout/pool.py)
+    rollout_server_path = _entry("rollout-server.json")  # its address, while it runs (the ranks read it)
     sbatch_path = _entry("job.sbatch")
     k8s_path = _entry("job-k8s.yaml")
 
@@ -175,6 +177,16 @@ class RunFolder:
                 f"{path}: expected a job config (a mapping with model, adapter, ...), found {type(data).__name__}"
             )
         return data
+
+    def rollout_server(self) -> str | None:
+        """The address of the rollout server ft train started for this run, while it runs (None: it started none)."""
+        path = self.rollout_server_path
+        return json.loads(path.read_text())["url"] if path.is_file() else None
+
+    def deepspeed_config(self) -> dict | None:
+        """What the ranks pass to deepspeed.initialize, as ft train wrote it (None: DeepSpeed does not run)."""
+        path = self.deepspeed_path
+        return json.loads(path.read_text()) if path.is_file() else None
 
     def plan(self) -> Plan:
         """The Plan that `ft train` wrote (what every rank follows)."""

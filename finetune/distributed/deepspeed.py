@@ -106,27 +106,21 @@ def offloads_optimizer(config: dict) -> bool:
     return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
 
 
-def create_model(
-    model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
-):
+def create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, config: dict):
     """ZeRO-3: the model to train, constructed partitioned with its adapter (see deepspeed_load.py); `wrap` takes it as
-    is."""
+    is. `config`: the run's DeepSpeed configuration (deepspeed.json)."""
     from finetune.distributed.deepspeed_load import partitioned_model
 
     _require_deepspeed()
-    config = config_for(plan, train_section, distributed_section)
     return partitioned_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, config)
 
 
-def create_reference(
-    model_section, adapter_section, plan, tokenizer, attn, device, seed, train_section, distributed_section
-):
+def create_reference(model_section, adapter_section, plan, tokenizer, attn, device, seed, config: dict):
     """ZeRO-3: the frozen DPO/GRPO reference, partitioned like the policy, in its own DeepSpeed engine (forward
     only)."""
     from finetune.distributed.deepspeed_load import partitioned_reference
 
     _require_deepspeed()
-    config = config_for(plan, train_section, distributed_section)
     return partitioned_reference(model_section, plan, tokenizer, attn, device, config)
 
 
@@ -140,15 +134,15 @@ def _require_deepspeed():
         ) from None
 
 
-def wrap(model, plan, train, distributed, total_steps: int) -> ZeroEngine:
-    """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule. A model that
-    create_model built partitioned is taken as it is (DeepSpeed partitions only parameters that are not yet)."""
+def wrap(model, plan, train, config: dict, total_steps: int) -> ZeroEngine:
+    """deepspeed.initialize on the model with ft's optimizer (CPU Adam when offloading) and schedule, per `config` (the
+    run's deepspeed.json). A model that create_model built partitioned is taken as it is (DeepSpeed partitions only
+    parameters that are not yet)."""
     _require_deepspeed()
     import deepspeed
 
     from finetune.optim import build_optimizer, build_scheduler, param_groups
 
-    config = config_for(plan, train, distributed)
     if offloads_optimizer(config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -160,7 +154,7 @@ def wrap(model, plan, train, distributed, total_steps: int) -> ZeroEngine:
     # ft steps it; DeepSpeed's wrapper shares its param groups
     scheduler = build_scheduler(optimizer, train, total_steps)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
-    return ZeroEngine(engine, scheduler, stage_of(config), plan.generation)
+    return ZeroEngine(engine, scheduler, config, plan.generation)
 
 
 class ZeroEngine:
@@ -168,8 +162,9 @@ class ZeroEngine:
 
     format = FORMAT
 
-    def __init__(self, engine, scheduler, stage: int, generation: str = "gather"):
-        self.model, self.scheduler, self.stage = engine, scheduler, stage
+    def __init__(self, engine, scheduler, config: dict, generation: str = "gather"):
+        self.model, self.scheduler, self.config = engine, scheduler, config  # config: what initialized it
+        self.stage = stage = stage_of(config)
         self.optimizer = engine.optimizer
         self.gathers_parameters = stage == 3
         # plan.generation

@@ -216,15 +216,15 @@ class TorchEngine:
             del whole
 
 
-def build(model, plan, train, distributed, device: torch.device, total_steps: int):
+def build(model, plan, train, deepspeed_config: dict | None, device: torch.device, total_steps: int):
     """Wrap the model per the plan's backend and give it its optimizer and schedule (the only place that looks at
-    plan.backend)."""
+    plan.backend). `deepspeed_config`: the run folder's deepspeed.json, where DeepSpeed runs."""
     from finetune.optim import build_scheduler
 
     if plan.backend == "deepspeed":
         from finetune.distributed import deepspeed
 
-        return deepspeed.wrap(model, plan, train, distributed, total_steps)
+        return deepspeed.wrap(model, plan, train, deepspeed_config, total_steps)
     context = cp.for_plan(plan, model, device)  # None unless plan.context_parallel > 1; refuses what cannot run
     if plan.compile:  # in place, before DDP wraps the model; FSDP2's units are these layers (see finetune/compile.py)
         compile_layers(model)
@@ -454,14 +454,16 @@ _EARLIER = "; 'single' was written by a development version of ft before one for
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What creating a rank's model reads: the job's config (its model, adapter, train and distributed sections, the
-    seed), the Plan, the tokenizer (its length sizes the embeddings), the attention kernel and this rank's device."""
+    """What creating a rank's model reads: the job's config (its model, adapter and train sections, the seed), the
+    Plan, the tokenizer (its length sizes the embeddings), the attention kernel, this rank's device and, where
+    DeepSpeed runs, the configuration the run folder holds (deepspeed.json)."""
 
     config: Any
     plan: Any
     tokenizer: Any
     attn: str
     device: torch.device
+    deepspeed: dict | None = None
 
     def pieces(self) -> tuple:
         """(model, adapter, plan, tokenizer, attn, device, seed): what every way of creating the model takes."""
@@ -477,7 +479,7 @@ def create_model(spec: ModelSpec):
     check_savers(plan, spec.config.train)
     make = _deepspeed("create_model") if plan.loading == "partitioned" else None
     if make is not None:
-        model = make(*spec.pieces(), spec.config.train, spec.config.distributed)
+        model = make(*spec.pieces(), spec.deepspeed)
     elif plan.loading == "meta":
         model = fsdp.create_model(*spec.pieces())
     else:
@@ -492,7 +494,7 @@ def create_reference(spec: ModelSpec):
     plan = spec.plan
     make = _deepspeed("create_reference") if plan.loading == "partitioned" else None
     if make is not None:
-        return make(*spec.pieces(), spec.config.train, spec.config.distributed)
+        return make(*spec.pieces(), spec.deepspeed)
     if plan.loading == "meta":
         return fsdp.create_model(*spec.pieces(), frozen=True).eval()
     from finetune.models import load_model

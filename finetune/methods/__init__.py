@@ -110,7 +110,8 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, 
     def frozen_copy():
         from finetune.distributed.engine import ModelSpec, create_reference
 
-        return create_reference(ModelSpec(config, plan, prepared.tokenizer, attn, device))
+        deepspeed = getattr(engine, "config", None)  # a ZeroEngine's: the reference is partitioned like the policy
+        return create_reference(ModelSpec(config, plan, prepared.tokenizer, attn, device, deepspeed))
 
     context = Context(
         plan=plan,

@@ -7,7 +7,6 @@ import os
 
 from finetune.errors import FtError
 
-URL_ENV = "FT_ROLLOUT_URL"  # set by `ft train` for its ranks when it started the rollout server itself
 TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (never written anywhere)
 
 
@@ -35,9 +34,10 @@ def create_engine(section, context):
     servable(context)
     stop = stop_ids(context.tokenizer)
     if where == "server":
+        from finetune.artifacts.run import RunFolder
         from finetune.rollout.server import RemoteRollout
 
-        url = section.rollout.url or os.environ.get(URL_ENV)
+        url = section.rollout.url or RunFolder(context.folder).rollout_server()  # the one ft train started
         if not url:
             raise FtError(
                 "method.rollout.placement: server, but no rollout server is known to this rank: set "

@@ -1,7 +1,8 @@
 """The rollout server `ft train` starts itself when the plan puts generation on a separate pool (placement: server,
 no url): one `ft rollout-server` process on this node, on the GPUs the plan gives the pool (on CPU, one more process),
-its log in RUN/rollout-server.log. Its address and a fresh token reach the ranks through their environment; it is
-stopped when the job ends, however it ends."""
+its log in RUN/rollout-server.log. Its address reaches the ranks through the run folder (RUN/rollout-server.json,
+removed when the server stops), a fresh token through their environment (a secret is never written); it is stopped
+when the job ends, however it ends."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
-from finetune.rollout.factory import TOKEN_ENV, URL_ENV, engine_spec, placement
+from finetune.files import atomic_write_text
+from finetune.rollout.factory import TOKEN_ENV, engine_spec, placement
 
 READY_TIMEOUT_S = 900  # loading a large model onto the pool's GPUs
 
@@ -48,8 +50,8 @@ def split_devices(plan) -> tuple[str | None, str | None]:
 
 @contextlib.contextmanager
 def rollout_pool(config, plan, run_dir: Path):
-    """Start the server, wait until it answers, export its address to this process's environment (the ranks inherit
-    it), and stop it on the way out."""
+    """Start the server, wait until it answers, write its address into the run folder and its token into this
+    process's environment (the ranks inherit it), and stop it on the way out."""
     if not needs_pool(config, plan):
         yield None
         return
@@ -62,16 +64,18 @@ def rollout_pool(config, plan, run_dir: Path):
     env = {**os.environ, TOKEN_ENV: token}
     if server_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server_devices
-    log_path = RunFolder(run_dir).rollout_log_path
+    folder = RunFolder(run_dir)
+    log_path = folder.rollout_log_path
     log = open(log_path, "ab")  # noqa: SIM115 (kept open while the server runs)
     cmd = [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), host, str(port)]
     process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    saved = {k: os.environ.get(k) for k in (URL_ENV, TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
+    saved = {k: os.environ.get(k) for k in (TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
     try:
         address = f"http://{_reachable(host)}:{port}"
         sys.stderr.write(f"starting the rollout server ({address}, log: {log_path})\n")
         wait_ready(address, token, READY_TIMEOUT_S, process)
-        os.environ[URL_ENV], os.environ[TOKEN_ENV] = address, token
+        atomic_write_text(folder.rollout_server_path, json.dumps({"url": address}) + "\n")
+        os.environ[TOKEN_ENV] = token
         if trainer_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = trainer_devices
         yield address
@@ -81,6 +85,7 @@ def rollout_pool(config, plan, run_dir: Path):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        folder.rollout_server_path.unlink(missing_ok=True)  # the address of a server that no longer runs
         _stop(process)
         log.close()
 
