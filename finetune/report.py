@@ -200,33 +200,33 @@ def _duration(s: float) -> str:
 def rollout_line(plan: Plan) -> str:
     """Where the rollouts run and the step split (plan/rollout.py; the reasons are among the decisions)."""
     r = plan.rollout
-    gen, train, sync = r["generation_seconds"], r["training_seconds"], r["sync_seconds"]
-    kv = f"KV cache {r['kv_cache_bytes'] / GiB:.2f} GiB"
-    if r["placement"] == "inline":
+    gen, train, sync = r.generation_seconds, r.training_seconds, r.sync_seconds
+    kv = f"KV cache {r.kv_cache_bytes / GiB:.2f} GiB"
+    if r.placement == "inline":
         return (
             f"Rollouts: the training model samples on each rank (transformers generate), {kv} per rank; est. per "
             f"step: generation {gen:.3g} + training {train:.3g} s"
         )
     unit = "process" if plan.device != "GPU" else "GPU"
-    if r["placement"] == "colocated":
+    if r.placement == "colocated":
         where = f"vLLM colocated in each training {unit}"
-    elif r["url"]:
-        where = f"vLLM server at {r['url']}"
+    elif r.url:
+        where = f"vLLM server at {r.url}"
     else:
-        where = f"vLLM on a pool of {r['server_gpus']} GPUs" if r["server_gpus"] else "vLLM in a server process"
-        where += f" (the trainer on {r['train_gpus'] or plan.world_size})"
-    where += f", tensor parallel {r['tensor_parallel']}"
-    if plan.device == "GPU" and not r["url"]:
-        where += f", memory share {r['memory_share']:g}" + (", asleep during the backward pass" if r["sleep"] else "")
-    overlap = r["asynchronous"] and r["placement"] == "server"
+        where = f"vLLM on a pool of {r.server_gpus} GPUs" if r.server_gpus else "vLLM in a server process"
+        where += f" (the trainer on {r.train_gpus or plan.world_size})"
+    where += f", tensor parallel {r.tensor_parallel}"
+    if plan.device == "GPU" and not r.url:
+        where += f", memory share {r.memory_share:g}" + (", asleep during the backward pass" if r.sleep else "")
+    overlap = r.asynchronous and r.placement == "server"
     split = (
         f"max(generation {gen:.3g}, training {train:.3g})"
         if overlap
         else f"generation {gen:.3g} + training {train:.3g}"
     )
-    every = f" (weights sent every {r['sync_every']} steps)" if r["sync_every"] > 1 else ""
+    every = f" (weights sent every {r.sync_every} steps)" if r.sync_every > 1 else ""
     return f"Rollouts: {where}, {kv} per engine; est. per step: {split} + weight sync {sync:.3g} s{every}" + (
-        " (asynchronous: one step off-policy)" if r["asynchronous"] else ""
+        " (asynchronous: one step off-policy)" if r.asynchronous else ""
     )
 
 

@@ -154,7 +154,7 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         len(prepared.train), rows, config.train.max_steps, config.train.epochs, config.method.steps_per_batch()
     )
     with activity(f"wrapping the model ({plan.backend})"):
-        wrapped = engine.build(model, plan, config.train, deepspeed_config, device, total)
+        wrapped = engine.build(model, plan, config.train, deepspeed_config, device, total, config.method.summed_loss)
     stream = Stream(
         len(prepared.train),
         rows,

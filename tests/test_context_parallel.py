@@ -173,7 +173,7 @@ def test_packed_batches_are_refused():
             cp.shard(collate(rows, 0, attn), 0, 2)
 
 
-GOOD = dict(seq_len=4096, cp=2, attn_implementation="sdpa", packing=False, method="sft")
+GOOD = dict(seq_len=4096, cp=2, attn_implementation="sdpa", packing=False, method="sft", summed_loss=True)
 
 
 @pytest.mark.parametrize(
@@ -183,14 +183,17 @@ GOOD = dict(seq_len=4096, cp=2, attn_implementation="sdpa", packing=False, metho
         (dict(seq_len=4098), "divisible by 2 × 2 = 4"),
         (dict(attn_implementation="flash_attention_2"), "model.attn_implementation: sdpa"),
         (dict(attn_implementation="sdpa_varlen", packing=True), "data.packing: false"),
-        (dict(method="dpo"), "method.name: sft"),
+        (dict(method="dpo", summed_loss=False), "method.name: sft"),
         (dict(backend="deepspeed"), "distributed.backend: fsdp"),
         (dict(sliding_window=1024), "sliding-window"),
         (dict(compile=True), "train.compile: false"),
     ],
 )
 def test_check_names_each_constraint(change, says):
-    assert cp.check(**GOOD) == [] and cp.check(**{**GOOD, "cp": 1, "device": "CPU process", "method": "dpo"}) == []
+    assert (
+        cp.check(**GOOD) == []
+        and cp.check(**{**GOOD, "cp": 1, "device": "CPU process", "method": "dpo", "summed_loss": False}) == []
+    )
     problems = cp.check(**{**GOOD, **change})
     assert problems and all(p.startswith("distributed.context_parallel: 2") for p in problems)
     assert any(says in p for p in problems), problems
@@ -201,8 +204,8 @@ def test_a_cpu_rank_refuses_before_training():
         context_parallel=2, seq_len=64, method="sft", device="CPU process", backend="fsdp", compile=False
     )
     with pytest.raises(FtError, match="distributed.context_parallel: 2 needs CUDA GPUs"):
-        cp.for_plan(plan, tiny_llama("sdpa"), torch.device("cpu"))
-    assert cp.for_plan(SimpleNamespace(context_parallel=1), None, torch.device("cpu")) is None
+        cp.for_plan(plan, tiny_llama("sdpa"), torch.device("cpu"), summed_loss=True)
+    assert cp.for_plan(SimpleNamespace(context_parallel=1), None, torch.device("cpu"), False) is None
 
 
 def test_ring_attention_block_replaces_sdpa_with_load_balancing_on():

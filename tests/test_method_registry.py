@@ -3,10 +3,11 @@ is found by `build`, and the checks, the planner and the memory estimate take wh
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from types import SimpleNamespace
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, get_args
 
 import pytest
 
@@ -14,7 +15,7 @@ from finetune import methods
 from finetune.catalog import lookup
 from finetune.config import loads
 from finetune.config.checks import check
-from finetune.config.methods import MethodSection
+from finetune.config.methods import Method, MethodSection
 from finetune.errors import FtError
 from finetune.hardware import parse
 from finetune.plan import plan
@@ -113,3 +114,35 @@ def test_the_shipped_methods_are_found_by_discovery_alone():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["SFT", "DPO", "GRPO"]
+
+
+SHIPPED = {get_args(c.model_fields["name"].annotation)[0] for c in get_args(get_args(Method)[0])}
+EQUALITY = (ast.Eq, ast.NotEq, ast.In, ast.NotIn)
+
+
+def name_comparisons(source: str) -> list[str]:
+    """`x.method.name == "sft"`, `method != "grpo"`, `plan.method in ("dpo", ...)`: each comparison of a method's name
+    with a shipped method's, as "line: code"."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare) or not all(isinstance(op, EQUALITY) for op in node.ops):
+            continue
+        sides = [node.left, *node.comparators]
+        named = [s for s in sides if any(isinstance(c, ast.Constant) and c.value in SHIPPED for c in ast.walk(s))]
+        if named and any("method" in ast.unparse(s) for s in sides if s not in named):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_a_method_names_itself():
+    """Outside the method modules and their sections, what differs between methods is a capability the section
+    declares (docs/architecture.md: neither the planner nor the checks name a method)."""
+    own = REPO / "finetune" / "config" / "methods.py"
+    paths = [p for p in sorted((REPO / "finetune").rglob("*.py")) if p.parent.name != "methods" and p != own]
+    hits = [f"{p.relative_to(REPO)}:{hit}" for p in paths for hit in name_comparisons(p.read_text())]
+    assert {"sft", "grpo"} <= SHIPPED and len(paths) > 100 and hits == []
+
+
+def test_the_name_scan_sees_each_form():
+    code = 'a = config.method.name != "sft"\nb = plan.method in ("dpo", "kto")\nc = name == "reward"\nd = method == x\n'
+    assert name_comparisons(code) == ["1: config.method.name != 'sft'", "2: plan.method in ('dpo', 'kto')"]

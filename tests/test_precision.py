@@ -141,6 +141,10 @@ def test_plans_the_runtime_cannot_run_are_refused(tmp_path):
     in_backward = dataclasses.replace(p, optimizer_in_backward=True, gradient_accumulation_steps=2)
     with pytest.raises(FtError, match="optimizer_in_backward needs no gradient accumulation.*no clipping"):
         check_savers(in_backward, config.train)
+    split = dataclasses.replace(p, tensor_parallel=2, backend="fsdp", world_size=2, processes_per_node=2)
+    with pytest.raises(FtError, match="tensor_parallel: 2 does not run methods that sample during training"):
+        check_savers(split, config.train, samples=True)  # the caller's section samples (GRPO)
+    check_savers(split, config.train)  # the same plan for a method that samples nothing runs
 
 
 # ---------------------------------------------------------------- the tiny job, in this process

@@ -25,6 +25,8 @@ class MethodSection(Section):
     sequences_per_row: ClassVar[int] = 1  # sequences a dataset row puts through the model (DPO: chosen + rejected)
     learning_rates: ClassVar[tuple[float, float]] = (2e-5, 2e-4)  # lr: auto for (full fine-tuning, an adapter)
     head: ClassVar[str] = "lm"  # what the model ends in: lm (next-token logits) or score (one value per sequence)
+    # its loss sums next-token NLL over tokens wherever they are: liger's fused loss and context parallelism serve it
+    summed_loss: ClassVar[bool] = False
     # the metrics.jsonl keys that the progress line, the bar and loss.png show besides the loss (finetune/progress.py;
     # "prefix/*": every key under prefix/)
     progress_metrics: ClassVar[tuple[str, ...]] = ()
@@ -42,6 +44,14 @@ class MethodSection(Section):
     def generation_tokens(self, seq_len: int) -> int:
         """Tokens of each sequence the method samples during training (0: it samples none)."""
         return 0
+
+    def completion_tokens(self) -> int:
+        """Tokens of data.seq_len kept for the completions the method generates (0: it generates none)."""
+        return 0
+
+    def reward_specs(self) -> tuple[RewardSpec, ...]:
+        """The rewards its samples are scored with (none: it samples none, or scores them otherwise)."""
+        return ()
 
     def rows_per_step(self, global_batch: int) -> int:
         """Dataset rows one optimizer step consumes, for a global batch of `global_batch` sequences."""
@@ -77,6 +87,7 @@ class SFTMethod(MethodSection):
 
     formats: ClassVar[frozenset[str]] = frozenset({"chat", "instruction", "completion", "prompt_completion"})
     packing: ClassVar[bool] = True
+    summed_loss: ClassVar[bool] = True
 
     name: Literal["sft"]
     """Method name."""
@@ -269,6 +280,12 @@ class GRPOMethod(MethodSection):
 
     def generation_tokens(self, seq_len: int) -> int:
         return seq_len  # prompt and completion together stay within data.seq_len
+
+    def completion_tokens(self) -> int:
+        return self.max_new_tokens
+
+    def reward_specs(self) -> tuple[RewardSpec, ...]:
+        return tuple(self.rewards)
 
     def rows_per_step(self, global_batch: int) -> int:
         return global_batch // self.num_generations  # the batch counts completions; a row is a prompt

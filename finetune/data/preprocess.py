@@ -139,7 +139,7 @@ def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
         "version": DATA_VERSION,
         "data": data,
         "method": config.method.name,
-        "max_new_tokens": getattr(config.method, "max_new_tokens", 0),
+        "max_new_tokens": config.method.completion_tokens(),
         "files": files,
         "tokenizer": tokenizer.backend_tokenizer.to_str()
         if hasattr(tokenizer, "backend_tokenizer")
@@ -152,10 +152,10 @@ def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
 def rules_for(config: Config, spec: DatasetSpec):
     from finetune.data.tokenize import Rules
 
-    room = config.data.seq_len - getattr(config.method, "max_new_tokens", 0)
+    room = config.data.seq_len - config.method.completion_tokens()
     if spec.format == "prompt_only" and room < 1:
         raise FtError(
-            f"method.max_new_tokens ({config.method.max_new_tokens}) leaves no room for a prompt in data.seq_len "
+            f"method.max_new_tokens ({config.method.completion_tokens()}) leaves no room for a prompt in data.seq_len "
             f"({config.data.seq_len}); raise seq_len or lower max_new_tokens"
         )
     return Rules(spec.format, config.data.train_on, config.data.seq_len, config.data.overlong, room)

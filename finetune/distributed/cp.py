@@ -50,13 +50,15 @@ def check(
     packing: bool,
     method: str,
     *,
+    summed_loss: bool,
     device: str = "GPU",
     backend: str = "fsdp",
     sliding_window: int | None = None,
     compile: bool = False,
 ) -> list[str]:
     """Why a job cannot run with context-parallel degree `cp` (empty: it can). `device` is plan.device ("GPU" or
-    "CPU process"), `attn_implementation` the planned kernel, `sliding_window` the model's (None: full attention)."""
+    "CPU process"), `attn_implementation` the planned kernel, `summed_loss` the method section's (its loss may be
+    split over ranks), `sliding_window` the model's (None: full attention)."""
     if cp <= 1:
         return []
     fix = f"or set {KEY}: 1"
@@ -83,7 +85,7 @@ def check(
             f"{KEY}: {cp} splits one causal sequence per row; packed rows need a mask per example (4-D masks or "
             f"varlen boundaries), which the ring attention cannot take: set data.packing: false, {fix}"
         )
-    if method != "sft":
+    if not summed_loss:
         problems.append(
             f"{KEY}: {cp} is implemented for method.name: sft (its next-token loss sums over tokens wherever they "
             f"are); {method} needs whole sequences on one rank: {fix}"
@@ -177,10 +179,10 @@ class ContextParallel:
             yield
 
 
-def for_plan(plan, model, device: torch.device) -> ContextParallel | None:
+def for_plan(plan, model, device: torch.device, summed_loss: bool) -> ContextParallel | None:
     """The rank's ContextParallel where the plan splits sequences (None where it does not); refuses, before any
-    training, a job this process cannot run so (`check`; the planner refuses these too, a plan.json edited by hand
-    could still ask)."""
+    training, a job this process cannot run so (`check`, with the method section's `summed_loss`; the planner refuses
+    these too, a plan.json edited by hand could still ask)."""
     cp = plan.context_parallel
     if cp <= 1:
         return None
@@ -194,6 +196,7 @@ def for_plan(plan, model, device: torch.device) -> ContextParallel | None:
         getattr(config, "_attn_implementation", None),
         False,
         plan.method,
+        summed_loss=summed_loss,
         device="GPU" if device.type == "cuda" else "CPU process",
         backend=plan.backend,
         sliding_window=window,

@@ -216,16 +216,20 @@ class TorchEngine:
             del whole
 
 
-def build(model, plan, train, deepspeed_config: dict | None, device: torch.device, total_steps: int):
+def build(
+    model, plan, train, deepspeed_config: dict | None, device: torch.device, total_steps: int, summed_loss: bool = False
+):
     """Wrap the model per the plan's backend and give it its optimizer and schedule (the only place that looks at
-    plan.backend). `deepspeed_config`: the run folder's deepspeed.json, where DeepSpeed runs."""
+    plan.backend). `deepspeed_config`: the run folder's deepspeed.json, where DeepSpeed runs; `summed_loss`: the
+    method section's, which context parallelism needs."""
     from finetune.optim import build_scheduler
 
     if plan.backend == "deepspeed":
         from finetune.distributed import deepspeed
 
         return deepspeed.wrap(model, plan, train, deepspeed_config, total_steps)
-    context = cp.for_plan(plan, model, device)  # None unless plan.context_parallel > 1; refuses what cannot run
+    # None unless plan.context_parallel > 1; refuses what cannot run
+    context = cp.for_plan(plan, model, device, summed_loss)
     if plan.compile:  # in place, before DDP wraps the model; FSDP2's units are these layers (see finetune/compile.py)
         compile_layers(model)
     if plan.backend == "ddp":
@@ -255,9 +259,9 @@ def make_optimizer(model, plan, train):
     return OptimizerInBackward(model, groups, make, plan.lr) if plan.optimizer_in_backward else make(groups, 0)
 
 
-def check_savers(plan, train) -> None:
+def check_savers(plan, train, samples: bool = False) -> None:
     """Refuse a plan whose memory savers this backend cannot run as asked (the planner never makes one; a plan.json
-    edited by hand could)."""
+    edited by hand could). `samples`: the method samples during training (its section's generation_tokens)."""
     problems = []
     if plan.pure_bf16 and plan.precision != "bf16":
         problems.append(
@@ -300,7 +304,7 @@ def check_savers(plan, train) -> None:
             processes_per_node=plan.processes_per_node,
             world_size=plan.world_size,
             sharding=plan.sharding,
-            samples=bool(plan.rollout) or plan.method == "grpo",
+            samples=samples,
             stochastic_rounding=plan.pure_bf16 and plan.compensation == "stochastic_rounding",
         )
     if plan.expert_parallel > 1:  # the model itself is checked where its experts are split (ep.parallelize)
@@ -316,7 +320,7 @@ def check_savers(plan, train) -> None:
             context_parallel=plan.context_parallel,
             sharding=plan.sharding,
             offload=plan.offload,
-            samples=bool(plan.rollout) or plan.method == "grpo",
+            samples=samples,
             compile=plan.compile,
         )
     if problems:
@@ -476,7 +480,7 @@ def create_model(spec: ModelSpec):
     bases quantized while loading), `meta` builds it sharded (FSDP2: fsdp.create_model), `partitioned` constructs it
     partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
     plan, seed = spec.plan, spec.config.train.seed
-    check_savers(plan, spec.config.train)
+    check_savers(plan, spec.config.train, bool(spec.config.method.generation_tokens(plan.seq_len)))
     make = _deepspeed("create_model") if plan.loading == "partitioned" else None
     if make is not None:
         model = make(*spec.pieces(), spec.deepspeed)

@@ -244,7 +244,7 @@ def gpus_per_pod(plan) -> int:
     """The node's ranks, and the GPUs of a rollout server pool (rollout/pool.py: on every node, in use on node 0)."""
     if plan.device != "GPU":
         return 0
-    return plan.processes_per_node + int((plan.rollout or {}).get("server_gpus") or 0)
+    return plan.processes_per_node + (plan.rollout.server_gpus if plan.rollout else 0)
 
 
 def resources(plan, gpus: int) -> dict:

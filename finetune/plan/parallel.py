@@ -88,7 +88,7 @@ def cp_config_problems(config: Config, hw: Hardware, m: ModelFacts) -> list[str]
         out.append("CPU: torch's ring attention replaces the CUDA attention kernels only (run it on GPUs)")
     if config.train.compile is True:
         out.append("train.compile: true: ft does not compile layers whose attention is replaced at run time")
-    if config.method.name != "sft":
+    if not config.method.summed_loss:
         out.append(f"method {config.method.name}: context parallelism supports SFT only (set method.name: sft)")
     if data.packing:
         out.append("packing: ring attention needs whole causal sequences (set data.packing: false)")

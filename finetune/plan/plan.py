@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from finetune.plan.memory import Estimate, GiB
@@ -38,6 +38,26 @@ class Decision:
     value: Any
     reason: str
     source: str = "auto"
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """Where a sampling method's rollouts run and the step split (plan/rollout.py); what finetune/rollout/ reads."""
+
+    engine: str  # transformers | vllm
+    placement: str  # inline (the training model samples) | colocated | server
+    server_gpus: int = 0  # GPUs of the pool ft starts, taken from the job's (0: none)
+    train_gpus: int = 0  # GPUs that train (0 on CPUs)
+    tensor_parallel: int = 1  # GPUs each vLLM engine splits the model over
+    memory_share: float = 0.0  # share of each GPU's memory given to vLLM
+    kv_cache_bytes: int = 0  # each engine's (or, inline, each rank's) KV cache
+    sleep: bool = False  # a colocated engine sleeps during the backward pass
+    sync_every: int = 1  # optimizer steps between weight updates of the engine
+    asynchronous: bool = False  # the next rollout is generated while the current one trains
+    url: str | None = None  # a rollout server already running (method.rollout.url)
+    generation_seconds: float = 0.0  # estimated seconds per optimizer step
+    training_seconds: float = 0.0
+    sync_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -104,8 +124,7 @@ class Plan:
     scaling: dict = field(default_factory=dict)  # predicted compute/communication/overlap seconds and efficiency
     step_seconds: dict = field(default_factory=dict)  # estimated seconds per step by cause (plan/cost.py)
     alternatives: tuple = ()  # runners-up: {"setup", "gib", "seconds"} each, fastest first
-    # where a sampling method's rollouts run (plan/rollout.py: engine, placement, GPUs, memory, seconds); {}: none
-    rollout: dict = field(default_factory=dict)
+    rollout: RolloutPlan | None = None  # where a sampling method's rollouts run; None: it samples none ({} in json)
     # On a cluster (plan/stopping.py): CPU cores per node, bytes the busiest node writes per checkpoint, and seconds
     # from a stop signal to a complete checkpoint (the scheduler's warning, torchrun's shutdown timeout)
     cpus_per_node: int = 1
@@ -141,6 +160,7 @@ class Plan:
         """The Plan as plain JSON types (`ft plan --json`, plan.json in the run folder): each field under its own name
         (or where `PLACED` says), rounded figures for people beside them, and the exact values in `exact`."""
         out = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name not in (*PLACED, *STRUCTURED)}
+        out["rollout"] = asdict(self.rollout) if self.rollout else {}
         e = self.estimate
         out.update(
             offload=self.offload != "none",
@@ -202,6 +222,7 @@ class Plan:
             values["flash_upgrade"] = data["attn_implementation"] in ("sdpa", "sdpa_varlen")
         if "lora_dropout" not in data:  # plans written before it was recorded: the config's dropout applies
             values["lora_dropout"] = None
+        values["rollout"] = RolloutPlan(**values["rollout"]) if values.get("rollout") else None
         e = data["exact"]["estimate"]
         return cls(
             **values,

@@ -66,7 +66,7 @@ def plan(
     if placed is None:
         topo = choose_topology(config, hardware, decisions)
     else:
-        topo = choose_topology(config, hardware, decisions, placed.server_gpus, placed.share)
+        topo = choose_topology(config, hardware, decisions, placed.rollout.server_gpus, placed.share)
         decisions.extend(placed.decisions)
     precision = choose_precision(config, hardware, decisions)
     d = config.distributed
@@ -170,7 +170,7 @@ def plan(
         scaling=fit.scaling,
         step_seconds={k: round(v, 6) for k, v in fit.seconds.items()},
         alternatives=alternatives(fit, outcome.others, model),
-        rollout=placed.to_plan(hardware, topo, fit) if placed else {},
+        rollout=placed.to_plan(hardware, topo, fit) if placed else None,
         cpus_per_node=hardware.cpu_cores,
         checkpoint_bytes=written,
         stop_seconds=stop_seconds(fit.step_seconds, written),

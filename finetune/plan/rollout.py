@@ -34,7 +34,7 @@ from finetune.plan.cost import generation_seconds
 from finetune.plan.memory import (
     GiB,
 )
-from finetune.plan.plan import Decision
+from finetune.plan.plan import Decision, RolloutPlan
 from finetune.plan.rollout_options import (
     MAX_SHARE,
     Job,
@@ -55,51 +55,27 @@ from finetune.plan.topology import EngineShare, Topology, choose_global_batch, c
 from finetune.rollout.factory import unservable as rollout_limits
 
 CPU_KV_CACHE_GIB = 1.0  # method.rollout.kv_cache_gib: null
-KEYS = (
-    "engine",
-    "placement",
-    "server_gpus",
-    "train_gpus",
-    "tensor_parallel",
-    "memory_share",
-    "kv_cache_bytes",
-    "sleep",
-    "sync_every",
-    "asynchronous",
-    "url",
-    "generation_seconds",
-    "training_seconds",
-    "sync_seconds",
-)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The rollout part of a Plan: the trainer's topology takes `server_gpus` and `share` from it."""
+    """The rollout part of a Plan before the trainer is placed: the trainer's topology takes the rollout's
+    `server_gpus` and `share` from it."""
 
-    engine: str
-    placement: str
+    rollout: RolloutPlan
     decisions: tuple[Decision, ...]
-    server_gpus: int = 0
-    tensor_parallel: int = 1
-    memory_share: float = 0.0
-    kv_cache_bytes: int = 0
-    sleep: bool = False
     share: EngineShare = EngineShare()
-    generation_seconds: float = 0.0
-    sync_seconds: float = 0.0
-    sync_every: int = 1
-    asynchronous: bool = False
-    url: str | None = None
 
-    def to_plan(self, hw: Hardware, topo: Topology, fit: Fit) -> dict:
-        """Plan.rollout: what the runtime reads (finetune/rollout/)."""
-        values = {k: getattr(self, k) for k in KEYS if hasattr(self, k)}
-        values["train_gpus"] = 0 if hw.is_cpu else topo.world
-        values["generation_seconds"] = round(self.generation_seconds, 6)
-        values["training_seconds"] = round(fit.step_seconds, 6)
-        values["sync_seconds"] = round(self.sync_seconds, 6)
-        return {k: values[k] for k in KEYS}
+    def to_plan(self, hw: Hardware, topo: Topology, fit: Fit) -> RolloutPlan:
+        """Plan.rollout: what the runtime reads (finetune/rollout/), with the trainer's GPUs and seconds."""
+        r = self.rollout
+        return replace(
+            r,
+            train_gpus=0 if hw.is_cpu else topo.world,
+            generation_seconds=round(r.generation_seconds, 6),
+            training_seconds=round(fit.step_seconds, 6),
+            sync_seconds=round(r.sync_seconds, 6),
+        )
 
 
 # ---------------------------------------------------------------- the choice
@@ -111,7 +87,7 @@ def choose_rollout(config: Config, hw: Hardware, m: ModelFacts) -> Placement | N
     choose_global_batch(config, choose_topology(config, hw, []), [])  # the planner's own errors come first
     out: list[Decision] = []
     engine = choose_engine(config, hw, out)
-    completion = min(config.method.max_new_tokens, seq)
+    completion = min(config.method.completion_tokens(), seq)
     job = Job(config, hw, m, choose_precision(config, hw, []), seq - completion, completion)
     if engine == "transformers":
         return _inline(job, out)
@@ -262,17 +238,10 @@ def _on_gpus(job: Job, out: list[Decision]) -> Placement:
     )
 
 
-def _placement(job: Job, engine: str, where: str, out: list[Decision], **values) -> Placement:
+def _placement(job: Job, engine: str, where: str, out: list[Decision], share=EngineShare(), **values) -> Placement:
     r = job.section
-    return Placement(
-        engine,
-        where,
-        tuple(out),
-        sync_every=r.sync_every,
-        asynchronous=r.asynchronous,
-        url=r.url,
-        **values,
-    )
+    rollout = RolloutPlan(engine, where, sync_every=r.sync_every, asynchronous=r.asynchronous, url=r.url, **values)
+    return Placement(rollout, tuple(out), share)
 
 
 def _external(job: Job, out: list[Decision]) -> Placement:

@@ -65,15 +65,15 @@ def fused_kernels(hw: Hardware) -> list[str]:
 
 def loss_options(config: Config, hw: Hardware, sharding: str | None) -> list[str]:
     """Loss implementations this candidate can run. The fused kernels take the head's whole weight (not under ZeRO-3,
-    which partitions it, nor with the head trained next to an adapter) and Liger's gives per-token gradients for SFT
-    only (methods/head.py refuses the rest)."""
+    which partitions it, nor with the head trained next to an adapter) and Liger's serves a summed loss only
+    (the section's `summed_loss`: SFT; methods/head.py refuses the rest)."""
     asked = config.train.loss_implementation
     head_trained = "lm_head" in config.adapter.modules_to_save
 
     def usable(kernel: str) -> bool:
         if sharding == "zero3" or head_trained:
             return False
-        return kernel != "liger" or config.method.name == "sft"
+        return kernel != "liger" or config.method.summed_loss
 
     if asked in FUSED_PACKAGES:
         return [asked] if usable(asked) else []

@@ -312,8 +312,8 @@ def reward_models(method) -> tuple:
     sequence classifier with one output; no weights are read)."""
     from finetune.plan.reward_models import classifier_facts
 
-    specs = getattr(method, "rewards", ())  # only GRPO's section has rewards
-    return tuple((classifier_facts(r, i), r.batch_size) for i, r in enumerate(specs) if r.model is not None)
+    specs = enumerate(method.reward_specs())
+    return tuple((classifier_facts(r, i), r.batch_size) for i, r in specs if r.model is not None)
 
 
 def compensation(config: Config) -> str:

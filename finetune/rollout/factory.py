@@ -12,14 +12,11 @@ TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (ne
 
 def placement(plan, section) -> tuple[str, str]:
     """(engine, placement) from the plan; plans written before rollouts were placed derive them from the section."""
-    r = plan.rollout or {}
-    engine = r.get("engine") or ("vllm" if section.engine == "vllm" else "transformers")
-    where = r.get("placement") or (
-        "inline"
-        if engine == "transformers"
-        else ("server" if section.rollout.url or section.rollout.placement == "server" else "colocated")
-    )
-    return engine, where
+    if plan.rollout is not None:
+        return plan.rollout.engine, plan.rollout.placement
+    engine = "vllm" if section.engine == "vllm" else "transformers"
+    where = "server" if section.rollout.url or section.rollout.placement == "server" else "colocated"
+    return engine, "inline" if engine == "transformers" else where
 
 
 def create_engine(section, context):
@@ -61,7 +58,7 @@ def engine_spec(plan, model, adapter, seed: int, section, external_launcher: boo
     from finetune.models import BUILT_IN, model_path
     from finetune.rollout.vllm import EngineSpec
 
-    r = plan.rollout or {}
+    r = plan.rollout  # None in plans written before rollouts were placed
     return EngineSpec(
         model=model_path(model),
         tokenizer=model_path(model) if not model.tokenizer or model.tokenizer.lower() in BUILT_IN else model.tokenizer,
@@ -69,10 +66,10 @@ def engine_spec(plan, model, adapter, seed: int, section, external_launcher: boo
         max_model_len=plan.seq_len,
         seed=seed,
         lora_rank=adapter.r if plan.adapter != "full" else 0,
-        tensor_parallel=int(r.get("tensor_parallel") or 1),
-        memory_share=float(r.get("memory_share") or 0.0),
-        kv_cache_bytes=int(r.get("kv_cache_bytes") or (section.rollout.kv_cache_gib or 1) * 2**30),
-        sleep=bool(r.get("sleep")) and not section.rollout.asynchronous,
+        tensor_parallel=r.tensor_parallel if r else 1,
+        memory_share=r.memory_share if r else 0.0,
+        kv_cache_bytes=(r.kv_cache_bytes if r else 0) or int((section.rollout.kv_cache_gib or 1) * 2**30),
+        sleep=bool(r and r.sleep) and not section.rollout.asynchronous,
         trust_remote_code=model.trust_remote_code,
         external_launcher=external_launcher,
     )

@@ -19,16 +19,14 @@ from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
 from finetune.files import atomic_write_text
-from finetune.rollout.factory import TOKEN_ENV, engine_spec, placement
+from finetune.rollout.factory import TOKEN_ENV, engine_spec
 
 READY_TIMEOUT_S = 900  # loading a large model onto the pool's GPUs
 
 
-def needs_pool(config, plan) -> bool:
+def needs_pool(plan) -> bool:
     """Whether this job's plan asks ft to start a rollout server (node 0 does)."""
-    if not config.method.generation_tokens(plan.seq_len) or not hasattr(config.method, "rollout"):
-        return False
-    return placement(plan, config.method)[1] == "server" and not config.method.rollout.url
+    return plan.rollout is not None and plan.rollout.placement == "server" and not plan.rollout.url
 
 
 def free_port() -> int:
@@ -39,8 +37,7 @@ def free_port() -> int:
 
 def split_devices(plan) -> tuple[str | None, str | None]:
     """(the trainer's CUDA_VISIBLE_DEVICES, the server's): the pool takes the last `server_gpus` of this node's GPUs."""
-    r = plan.rollout or {}
-    pool = int(r.get("server_gpus") or 0)
+    pool = plan.rollout.server_gpus if plan.rollout else 0
     if not pool:
         return None, None
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -52,7 +49,7 @@ def split_devices(plan) -> tuple[str | None, str | None]:
 def rollout_pool(config, plan, run_dir: Path):
     """Start the server, wait until it answers, write its address into the run folder and its token into this
     process's environment (the ranks inherit it), and stop it on the way out."""
-    if not needs_pool(config, plan):
+    if not needs_pool(plan):
         yield None
         return
     from finetune.rollout.server import wait_ready
