@@ -36,3 +36,18 @@ def validation_metrics(model, method, dataset, device, autocast, batch_rows: int
         for k in metrics:
             sums[k] = sums.get(k, 0.0) + next(values) * n
     return {"eval_loss": total / max(tokens, 1), **{f"eval_{k}": v / max(tokens, 1) for k, v in sums.items()}}
+
+
+def answer_loss(model, rows: list[dict], pad_id: int, batch_rows: int) -> float:
+    """Mean loss over the labelled tokens of `rows` (input_ids and labels), counted as SFT training counts them, on
+    the model's device (ft eval's loss on reference answers)."""
+    import contextlib
+
+    import datasets
+
+    from finetune.methods.sft import SFT
+
+    dataset = datasets.Dataset.from_list(rows)
+    return validation_loss(
+        model, SFT(pad_id, "sdpa", batch_rows), dataset, model.device, contextlib.nullcontext, batch_rows
+    )

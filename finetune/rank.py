@@ -1,6 +1,6 @@
 """One rank of a job that `ft train` planned: from the run folder to the trained model, its records and report.
 
-`python -m finetune.rank RUN_DIR [--resume-from CHECKPOINT]` starts a rank (distributed/launch.py builds every
+`python -m finetune.rank RUN_DIR [--resume-from CHECKPOINT]` starts a rank (plan/launch.py builds every
 such command); a one-process job runs `train_run_folder` inside `ft train` itself. A rank reads config.yaml,
 plan.json and data.json, never the job file, the CLI, the hardware probe or the planner. Around the loop of
 `finetune.train` it adds what one process reports: the progress bar, trackers, the task metric before, during

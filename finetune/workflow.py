@@ -129,8 +129,8 @@ def run_train(
 
     from finetune.config import load
     from finetune.data.preprocess import prepare
-    from finetune.distributed.launch import rank_command
     from finetune.launch.stopping import stopped_before_launch
+    from finetune.plan.launch import rank_command
     from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
     from finetune.runlock import locked

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from finetune.config.parallel_checks import expert_parallel_problems
 from finetune.distributed import ep
 from finetune.errors import FtError, PlanError
 from tests.helpers import REPO, free_port, losses, metric_rows, tiny_moe, train_here
@@ -84,7 +85,7 @@ def test_refusals_name_the_key_the_reason_and_the_fix(facts, degree, kwargs, con
     from types import SimpleNamespace
 
     args = {"backend": "fsdp", "world_size": 8, **kwargs}
-    problems = ep.check(SimpleNamespace(**facts) if facts else None, degree, **args)
+    problems = expert_parallel_problems(SimpleNamespace(**facts) if facts else None, degree, **args)
     assert problems and all(p.startswith(f"{ep.KEY}: {degree}") for p in problems), problems
     assert any(constraint in p for p in problems), problems
     assert all("set " in p or "choose" in p or "use " in p for p in problems), problems  # each names its fix
@@ -94,8 +95,8 @@ def test_a_supported_job_has_no_problems_and_degree_1_never_has():
     from types import SimpleNamespace
 
     qwen = SimpleNamespace(model_type="qwen3_moe", num_experts=128)
-    assert ep.check(qwen, 8, backend="fsdp", world_size=16) == []
-    assert ep.check(None, 1, backend="ddp", world_size=3, quantization="nf4", samples=True) == []
+    assert expert_parallel_problems(qwen, 8, backend="fsdp", world_size=16) == []
+    assert expert_parallel_problems(None, 1, backend="ddp", world_size=3, quantization="nf4", samples=True) == []
 
 
 @pytest.mark.parametrize(

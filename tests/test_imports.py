@@ -117,8 +117,9 @@ def package_of(module: str, packages: set[str]) -> str:
 
 
 def test_no_circles_between_subpackages():
-    """Between two subpackages imports go one way only (config <- data, methods -> plan, launch -> plan -> distributed,
-    ...), and the rank's engines reach neither the planner nor the launcher's side."""
+    """Between subpackages imports go one way only, round any number of them (config <- data <- plan <- artifacts <-
+    distributed <- launch <- infer <- rollout <- methods), and the rank's engines reach neither the planner nor the
+    launcher's side."""
     edges, _ = graph()
     packages = {f"finetune.{p.name}" for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
     between = {}
@@ -129,6 +130,11 @@ def test_no_circles_between_subpackages():
                 between.setdefault((pa, pb), []).append(f"{a} -> {b}")
     both = [between[(x, y)][0] + " and " + between[(y, x)][0] for x, y in between if x < y and (y, x) in between]
     assert not both, "; ".join(both)
+    packaged = {}
+    for x, y in between:
+        packaged.setdefault(x, set()).add(y)
+    longer = circles(packaged)  # round three or more subpackages
+    assert not longer, "subpackages in a circle: " + "; ".join(" <-> ".join(c) for c in longer)
     engines = [e for (x, y), es in between.items() if x == "finetune.distributed" for e in es if y in (
         "finetune.plan", "finetune.launch")]  # fmt: skip
     assert not engines, engines

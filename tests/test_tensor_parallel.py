@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from finetune.config.parallel_checks import tensor_parallel_problems
 from finetune.distributed import mesh, tp
 from finetune.distributed.runtime import Runtime
 from finetune.errors import FtError
@@ -88,14 +89,14 @@ def _facts(**changes):
 )
 def test_refusals_name_the_key_and_the_constraint(tp_degree, changes, kwargs, constraint):
     args = {"backend": "fsdp", "processes_per_node": 8, **kwargs}
-    problems = tp.check(_facts(**changes), tp_degree, **args)
+    problems = tensor_parallel_problems(_facts(**changes), tp_degree, **args)
     assert problems and all(p.startswith(f"{tp.KEY}: {tp_degree}") for p in problems)
     assert any(constraint in p for p in problems), problems
 
 
 def test_a_supported_job_has_no_problems_and_tp_1_never_has():
-    assert tp.check(_facts(), 2, backend="fsdp", processes_per_node=8, world_size=16) == []
-    assert tp.check(_facts(), 1, backend="ddp", quantization="nf4", processes_per_node=3) == []
+    assert tensor_parallel_problems(_facts(), 2, backend="fsdp", processes_per_node=8, world_size=16) == []
+    assert tensor_parallel_problems(_facts(), 1, backend="ddp", quantization="nf4", processes_per_node=3) == []
 
 
 def test_ranks_of_one_block_share_their_rows_and_are_consecutive():

@@ -294,9 +294,9 @@ def check_savers(plan, train, samples: bool = False) -> None:
                 "false"
             )
     if plan.tensor_parallel > 1:  # the model's own layout is checked where its layers are split (tp.parallelize)
-        from finetune.distributed import tp
+        from finetune.config.parallel_checks import tensor_parallel_problems
 
-        problems += tp.check(
+        problems += tensor_parallel_problems(
             None,
             plan.tensor_parallel,
             backend=plan.backend,
@@ -308,9 +308,9 @@ def check_savers(plan, train, samples: bool = False) -> None:
             stochastic_rounding=plan.pure_bf16 and plan.compensation == "stochastic_rounding",
         )
     if plan.expert_parallel > 1:  # the model itself is checked where its experts are split (ep.parallelize)
-        from finetune.distributed import ep
+        from finetune.config.parallel_checks import expert_parallel_problems
 
-        problems += ep.check(
+        problems += expert_parallel_problems(
             None,
             plan.expert_parallel,
             backend=plan.backend,

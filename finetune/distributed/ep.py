@@ -18,7 +18,8 @@ process's gradient. The sum is forced where efsdp > 1 (FSDP2 applies another div
 gloo rejects); a one-rank efsdp mesh divides locally (torch _fsdp_collectives.foreach_reduce), a forced sum would
 divide twice. Clipping adds each mesh's norm (engine._global_norm); DCP checkpoints hold each rank's experts.
 
-`check` lists what expert parallelism cannot run (the planner calls it; `parallelize` checks the model itself).
+What expert parallelism cannot run is config/parallel_checks.py's (the planner applies it; `parallelize` checks
+the model itself).
 """
 
 from __future__ import annotations
@@ -26,97 +27,15 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+from finetune.config.parallel_checks import EP as KEY
+from finetune.config.parallel_checks import expert_model_problems, expert_parallel_problems
 from finetune.errors import FtError
 
-KEY = "distributed.expert_parallel"
 DISPATCH = "ep_dispatch_experts"  # transformers' style of a module whose forward exchanges tokens with all-to-all
 
 
-_WHY = {  # what each rule of `check` says, after "distributed.expert_parallel: N"; ", or set ...: 1" follows
-    "backend": "composes with FSDP2 only, not with distributed.backend {backend}; set distributed.backend: fsdp",
-    "world": "must divide the number of processes ({world_size})",
-    "quantization": "does not split a {quantization} quantized base (bitsandbytes weights are not fused expert "
-    "tensors); train a bf16/fp32 base (quantization: {{type: none}})",
-    "tensor_parallel": "does not combine with distributed.tensor_parallel; set tensor_parallel: 1",
-    "context_parallel": "does not combine with distributed.context_parallel; set context_parallel: 1",
-    "sharding": "with distributed.sharding: hybrid_shard is not supported; use full_shard",
-    "offload": "keeps each rank's experts on its device (offload: all is not supported); set offload: none",
-    "lora": "cannot split LoRA adapters of the routed experts: peft wraps fused expert weights in a ParamWrapper that "
-    "adds B·A to the whole expert stack through a parametrization, which the expert-split forward bypasses; adapt the "
-    "attention only (adapter.target_modules: [q_proj, k_proj, v_proj, o_proj]; the experts stay frozen)",
-    "samples": "does not run methods that sample during training (a rank that stops generating early would leave the "
-    "others waiting in the all-to-all)",
-    "compile": "does not compile layers (the dispatch reads each layer's split sizes on the host); set train.compile: "
-    "false",
-}
-
-
-def check(
-    facts,
-    ep: int,
-    *,
-    backend: str,
-    world_size: int,
-    quantization: str = "none",
-    tensor_parallel: int = 1,
-    context_parallel: int = 1,
-    sharding: str | None = None,
-    offload: str = "none",
-    lora_on_experts: bool = False,
-    samples: bool = False,
-    compile: bool = False,
-) -> list[str]:
-    """What keeps expert parallelism of degree `ep` from running this job, one sentence each naming
-    distributed.expert_parallel and the fix (empty: it can run). `facts`: catalog.ModelFacts, or anything with its
-    fields model_type and num_experts; None: the model is not checked (the rank checks it from the model itself)."""
-    if ep <= 1:
-        return []
-    broken = {
-        "backend": backend != "fsdp",
-        "world": world_size % ep,
-        "quantization": quantization not in ("none", None),
-        "tensor_parallel": tensor_parallel > 1,
-        "context_parallel": context_parallel > 1,
-        "sharding": sharding == "hybrid_shard",
-        "offload": offload == "all",
-        "lora": lora_on_experts,
-        "samples": samples,
-        "compile": compile,
-    }
-    values = dict(backend=backend, world_size=world_size, quantization=quantization)
-    fix = f"set {KEY}: 1"
-    problems = [f"{KEY}: {ep} {_WHY[rule].format(**values)}, or {fix}" for rule, wrong in broken.items() if wrong]
-    return problems + (_model_problems(facts, ep, fix) if facts is not None else [])
-
-
-def _model_problems(facts, ep: int, fix: str) -> list[str]:
-    kind, experts = getattr(facts, "model_type", "this model"), getattr(facts, "num_experts", 0)
-    if not experts:
-        return [
-            f"{KEY}: {ep}: {kind} has no mixture-of-experts layers (expert parallelism splits routed experts); {fix}"
-        ]
-    if experts % ep:
-        return [f"{KEY}: {ep} must divide the model's {experts} experts per layer; choose a divisor of {experts}"]
-    if not has_ep_plan(kind):
-        return [
-            f"{KEY}: {ep}: transformers gives {kind} no expert-parallel plan (base_model_ep_plan), so its experts "
-            f"cannot be split; {fix}"
-        ]
-    return []
-
-
-def has_ep_plan(model_type: str) -> bool:
-    """Whether transformers declares `base_model_ep_plan` for this model type (read from its config class; an unknown
-    type is left to the rank, which reads the model's own plan)."""
-    from transformers import CONFIG_MAPPING
-
-    if model_type not in CONFIG_MAPPING:
-        return True
-    return bool(getattr(CONFIG_MAPPING[model_type], "base_model_ep_plan", None))
-
-
 def facts_of(hf_config) -> SimpleNamespace:
-    """The fields `check` reads, from a transformers config (on the rank)."""
+    """The fields config.parallel_checks reads, from a transformers config (on the rank)."""
     c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     experts = next(
         (getattr(c, k) for k in ("num_experts", "num_local_experts", "n_routed_experts") if getattr(c, k, 0)), 0
@@ -152,13 +71,15 @@ def parallelize(model, grid) -> list:
     from finetune.distributed.mesh import EP, ETP
 
     facts = facts_of(model.config)
-    problems = _model_problems(facts, grid[EP].size(), f"set {KEY}: 1")
+    problems = expert_model_problems(facts, grid[EP].size(), f"set {KEY}: 1")
     plan = expert_plan(model)
     if not problems and DISPATCH not in plan.values():
         problems.append(f"{KEY}: {facts.model_type} has no expert-dispatch module in its plan; set {KEY}: 1")
     adapted = [n for n, p in model.named_parameters() if ".lora_" in n and _in_experts(n, plan)]
     if adapted:
-        problems += check(None, grid[EP].size(), backend="fsdp", world_size=grid.size(), lora_on_experts=True)
+        problems += expert_parallel_problems(
+            None, grid[EP].size(), backend="fsdp", world_size=grid.size(), lora_on_experts=True
+        )
     if problems:
         raise FtError(". ".join(problems))
     # GPUs: the parameters are split on meta without communication (distribute_tensor with src_data_rank=None), and the

@@ -20,111 +20,27 @@ The data: the ranks of a tp group train on the same rows (runtime.data_rank). Th
 summed over all ranks the trained tokens count tp times, divided by the world size (tp × dp) that is the step's tokens
 over dp, what FSDP2's average over dp expects (methods/loss.py); token counts are summed once per tp group
 (Runtime.distinct_sum); gradient clipping adds each mesh's norm (engine._global_norm).
-`check` lists what tensor parallelism cannot run (the planner calls it; `parallelize` calls it again on the rank).
+What tensor parallelism cannot run is config/parallel_checks.py's (the planner applies it; `parallelize` again on the
+rank).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+from finetune.config.parallel_checks import TP as KEY
+from finetune.config.parallel_checks import tensor_parallel_problems
 from finetune.errors import FtError
 from finetune.quiet import quiet_tensor_parallel
 
-KEY = "distributed.tensor_parallel"
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 _ATTENTION, _MLP = "self_attn", "mlp"
 
 
-def check(
-    facts,
-    tp: int,
-    *,
-    backend: str,
-    quantization: str = "none",
-    processes_per_node: int,
-    world_size: int | None = None,
-    sharding: str | None = None,
-    dora: bool = False,
-    samples: bool = False,
-    stochastic_rounding: bool = False,
-) -> list[str]:
-    """What keeps tensor parallelism of degree `tp` from running this job, one sentence each naming
-    distributed.tensor_parallel and the fix (empty: it can run). `facts`: catalog.ModelFacts, or anything with its
-    fields model_type, num_attention_heads, num_kv_heads, intermediate_size (and optionally fused_qkv,
-    fused_gate_up, qk_norm, num_experts, mlp); None: the model's layout is not checked (the rank checks it from the
-    model itself)."""
-    if tp <= 1:
-        return []
-    fix = f"set {KEY}: 1"
-    problems = []
-    if backend != "fsdp":
-        problems.append(
-            f"{KEY}: {tp} composes with FSDP2 only, not with distributed.backend {backend}; set distributed.backend: "
-            f"fsdp, or {fix}"
-        )
-    if quantization not in ("none", None):
-        problems.append(
-            f"{KEY}: {tp} cannot split {quantization} quantized weights (bitsandbytes weights are not plain tensors); "
-            f"train a bf16/fp32 base (quantization: {{type: none}}), or {fix}"
-        )
-    if dora:
-        problems.append(f"{KEY}: {tp} does not split DoRA magnitudes; set adapter.dora: false, or {fix}")
-    if samples:
-        problems.append(
-            f"{KEY}: {tp} does not run methods that sample during training (GRPO's rollouts draw different samples on "
-            f"each rank, where a tensor-parallel group must compute on the same tokens); {fix}"
-        )
-    if stochastic_rounding:
-        problems.append(
-            f"{KEY}: {tp} does not run bf16-pure training with stochastic rounding (its noise is laid out by each "
-            f"rank's rows of a weight, which a row-wise split cuts across); use train.compensation: kahan or none, "
-            f"or {fix}"
-        )
-    if sharding == "hybrid_shard":
-        problems.append(
-            f"{KEY}: {tp} with distributed.sharding: hybrid_shard is not supported; use full_shard, or {fix}"
-        )
-    if processes_per_node % tp:
-        problems.append(
-            f"{KEY}: {tp} must divide the processes per node ({processes_per_node}): a tensor-parallel group stays "
-            f"inside one node; choose a divisor of {processes_per_node}"
-        )
-    if world_size is not None and world_size % tp:
-        problems.append(f"{KEY}: {tp} must divide the number of processes ({world_size})")
-    return problems + (_layout_problems(facts, tp) if facts is not None else [])
-
-
-def _layout_problems(facts, tp: int) -> list[str]:
-    kind = getattr(facts, "model_type", "this model")
-    unsupported = [
-        what
-        for what, present in (
-            (
-                "a fused qkv_proj / gate_up_proj",
-                getattr(facts, "fused_qkv", False) or getattr(facts, "fused_gate_up", False),
-            ),
-            ("per-head q/k norms", getattr(facts, "qk_norm", False)),
-            ("mixture-of-experts layers", getattr(facts, "num_experts", 0)),
-            ("a non-gated MLP", getattr(facts, "mlp", "gated") != "gated"),
-        )
-        if present
-    ]
-    problems = [
-        f"{KEY}: {tp}: ft's tensor-parallel plan does not cover {kind}'s {what}; set {KEY}: 1" for what in unsupported
-    ]
-    for name, value in (
-        ("attention heads", facts.num_attention_heads),
-        ("KV heads", facts.num_kv_heads),
-        ("MLP intermediate size", facts.intermediate_size),
-    ):
-        if value % tp:
-            problems.append(f"{KEY}: {tp} must divide the model's {name} ({value}); choose a divisor of {value}")
-    return problems
-
-
 def facts_of(hf_config) -> SimpleNamespace:
-    """The fields `check` reads, from a transformers config (on the rank, where no catalog facts are at hand)."""
+    """The fields config.parallel_checks reads, from a transformers config (on the rank, where no catalog facts are at
+    hand)."""
     c = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     heads = c.num_attention_heads
     return SimpleNamespace(
@@ -142,7 +58,7 @@ def parallelize(model, tp_mesh, layers: list) -> None:
 
     tp = tp_mesh.size()
     dora = any(".lora_magnitude_vector." in n for layer in layers for n, _ in layer.named_parameters())
-    problems = check(facts_of(model.config), tp, backend="fsdp", processes_per_node=tp, dora=dora)
+    problems = tensor_parallel_problems(facts_of(model.config), tp, backend="fsdp", processes_per_node=tp, dora=dora)
     if problems:
         raise FtError(". ".join(problems))
     quiet_tensor_parallel()

@@ -292,14 +292,10 @@ def _load(source: ModelSource, dtype: str):
 
 def _loss(model, tokenizer, template: str, prompts, batch_rows: int) -> dict[str, float]:
     """Mean loss over the reference answers' tokens (as training counts them) and its exponential."""
-    import contextlib
-
-    import datasets
 
     from finetune.data.tokenize import Rules, fit_length, tokenize_record
-    from finetune.evaluate import validation_loss
+    from finetune.evaluate import answer_loss
     from finetune.infer.prompts import template_for
-    from finetune.methods.sft import SFT
 
     jinja = template_for(tokenizer, template)
     seq_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -323,15 +319,7 @@ def _loss(model, tokenizer, template: str, prompts, batch_rows: int) -> dict[str
         row, _ = fit_length(tokenize_record(record, rules, tokenizer, jinja), rules)
         if row is not None:
             rows.append({"input_ids": row["input_ids"], "labels": row["labels"]})
-    pad = pad_id(tokenizer)
-    loss = validation_loss(
-        model,
-        SFT(pad, "sdpa", batch_rows),
-        datasets.Dataset.from_list(rows),
-        model.device,
-        contextlib.nullcontext,
-        batch_rows,
-    )
+    loss = answer_loss(model, rows, pad_id(tokenizer), batch_rows)
     return {LOSS: loss, "perplexity": math.exp(min(loss, 700.0))}
 
 

@@ -230,8 +230,8 @@ def _processes(asked: int | None, gpus: int, tensor_parallel: int, batches_todo:
 def _run(parts: Path, attempt: int, world: int, total: int, progress: bool, role, gpus: int) -> None:
     """Run this node's workers: here when one on one node, else through torchrun; the bar follows the part files
     (of every node: they share OUT.parts/)."""
-    from finetune.distributed.launch import torchrun
     from finetune.infer import nodes, worker
+    from finetune.plan.launch import torchrun
 
     with _Bar(total, progress) as bar:
         if world == 1 and role is None:

@@ -56,7 +56,7 @@ def check_role(role) -> None:
 def worker_command(parts, attempt: int | None, role, per_node: int, gpus: int) -> list[str]:
     """torchrun starting this node's `per_node` ranks of a job over `role.nnodes` nodes. Node 0 passes the attempt it
     planned; the other nodes pass "-" and their ranks read it from the store. `gpus`: this node's GPUs."""
-    from finetune.distributed.launch import RDZV_JOIN_TIMEOUT_S, torchrun
+    from finetune.plan.launch import RDZV_JOIN_TIMEOUT_S, torchrun
 
     entry = ["-m", "finetune.infer.worker", str(parts), "-" if attempt is None else str(attempt)]
     entry += ["--nodes", str(role.nnodes), "--gpus", str(gpus)]

@@ -32,10 +32,10 @@ import sys
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
-from finetune.distributed.launch import DEFAULT_PORT
 from finetune.distributed.runtime import NCCL_ENV
 from finetune.errors import FtError
 from finetune.launch.k8s_schema import schema_available, validate
+from finetune.plan.launch import DEFAULT_PORT
 from finetune.plan.memory import GiB
 
 __all__ = ["KINDS", "job_name", "manifest", "node_command", "render", "validate", "write_manifest"]

@@ -11,7 +11,7 @@ layer (plan/comm.py `expert_parallel_traffic`; memory: plan/memory.py `expert_pa
 `auto` chooses it after the search (the setup is FSDP2 on GPUs, a 16-bit base, experts trained or frozen but not
 adapted): the degree, among the powers of two dividing a node's processes (the all-to-all stays in a node) and the
 experts, whose step moves the fewest seconds of communication, if that is fewer than FSDP2 alone by PAYS; memory
-always falls with it. An explicit degree is checked by distributed/ep.py's `check` (the rules live there, without
+always falls with it. An explicit degree is checked by config/parallel_checks.py (the rules live there, without
 torch) and, where the config leaves backend, quantization and sharding to `auto`, the search is confined to what it
 runs under (`confined`).
 """
@@ -22,8 +22,8 @@ from dataclasses import replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.moe_checks import reaches_experts
+from finetune.config.parallel_checks import expert_parallel_problems
 from finetune.config.schema import Config
-from finetune.distributed import ep as rules
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import parallel
@@ -62,7 +62,7 @@ def confined(config: Config, topo: Topology, m: ModelFacts) -> Config:
 
 
 def problems(config: Config, topo: Topology, m: ModelFacts, ep: int, fit=None) -> list[str]:
-    """Why degree `ep` cannot run this job (distributed/ep.py's rules): with the chosen setup `fit`, or (None) what
+    """Why degree `ep` cannot run this job (config/parallel_checks.py): with the chosen setup `fit`, or (None) what
     the config alone decides."""
     d, a = config.distributed, config.adapter
     if fit is not None:
@@ -76,7 +76,7 @@ def problems(config: Config, topo: Topology, m: ModelFacts, ep: int, fit=None) -
         setup.update(context_parallel=parallel.asked(d.context_parallel) or 1, sharding=d.sharding, offload=d.offload)
         setup.update(lora_on_experts=a.type in ("lora", "qlora") and reaches_experts(a))
     samples = bool(config.method.generation_tokens(config.data.seq_len))
-    return rules.check(m, ep, world_size=topo.world, samples=samples, **setup)
+    return expert_parallel_problems(m, ep, world_size=topo.world, samples=samples, **setup)
 
 
 def choose(config: Config, hw: Hardware, topo: Topology, m: ModelFacts, fit, s: Setup, speeds: Links, out) -> int:

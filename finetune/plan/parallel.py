@@ -11,7 +11,7 @@ it never spans nodes. Context parallelism (distributed.context_parallel) splits 
 where one sequence's activations dominate memory (long sequences). `auto` tries both on GPUs only; the search
 (plan/search.py) keeps one where it is the fastest setup that fits by more than PAYS, or the only one.
 
-The rules: tensor parallelism's layout and divisibility come from finetune/distributed/tp.py's `check`; the config's
+The rules: tensor parallelism's layout and divisibility come from finetune/config/parallel_checks.py; the config's
 (backend, sharding, offload, quantization, DoRA) and context parallelism's (GPUs, method, packing, attention: the
 config's and the kernel the planner chooses for the model class, sequence divisible by 2 x cp) mirror
 finetune/distributed/cp.py's `check` without importing torch. The planner runs both under FSDP2 only (cp.py
@@ -40,9 +40,9 @@ def asked(value) -> int | None:
 def _model_problems(m: ModelFacts, tp: int, ppn: int) -> list[str]:
     """What a tp-way split of this model's layers on nodes of `ppn` processes needs: finetune/distributed/tp.py's own
     rules (heads, KV heads and MLP width divisible by tp, a layer layout its plan covers, tp dividing a node)."""
-    from finetune.distributed.tp import check as tp_check  # no torch import: plain rules
+    from finetune.config.parallel_checks import tensor_parallel_problems
 
-    return tp_check(m, tp, backend="fsdp", processes_per_node=ppn)
+    return tensor_parallel_problems(m, tp, backend="fsdp", processes_per_node=ppn)
 
 
 def tp_config_problems(config: Config) -> list[str]:

@@ -18,7 +18,6 @@ from dataclasses import replace
 from finetune.catalog import ModelFacts
 from finetune.config.moe_checks import lora_dropout, moe_notes, moe_problems
 from finetune.config.schema import Config
-from finetune.distributed.launch import needs_launcher, rank_command
 from finetune.errors import ConfigError
 from finetune.hardware import Hardware
 from finetune.model_class import for_facts
@@ -29,6 +28,7 @@ from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
 from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers
+from finetune.plan.launch import needs_launcher, rank_command
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
 from finetune.plan.parallel import check as check_parallel

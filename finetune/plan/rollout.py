@@ -21,6 +21,7 @@ Seconds are per optimizer step: a rollout serves method.num_iterations steps, we
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, replace
 
@@ -28,7 +29,6 @@ from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
-from finetune.infer.engines import vllm_installed
 from finetune.plan.comm import INTER_NODE_BPS, INTRA_NODE_BPS
 from finetune.plan.cost import generation_seconds
 from finetune.plan.memory import (
@@ -52,9 +52,24 @@ from finetune.plan.rollout_options import (
 )
 from finetune.plan.search import Fit, device_capacity
 from finetune.plan.topology import EngineShare, Topology, choose_global_batch, choose_precision, choose_topology
-from finetune.rollout.factory import unservable as rollout_limits
 
 CPU_KV_CACHE_GIB = 1.0  # method.rollout.kv_cache_gib: null
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def unservable(adapter, adapter_type: str, train_embeddings: bool = False) -> str:
+    """What of the trained model a vLLM engine cannot take from the trainer, in words ('' when nothing): the planner
+    then samples with the training model, and an explicit `method.engine: vllm` is refused (`servable`)."""
+    if train_embeddings:
+        return "embeddings grown for tokens added to the vocabulary (vLLM loads the checkpoint's own)"
+    if adapter_type != "full" and adapter.dora:
+        return "a DoRA adapter (adapter.dora)"
+    if adapter_type != "full" and adapter.modules_to_save:
+        return f"modules trained in full (adapter.modules_to_save: {adapter.modules_to_save})"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -117,14 +132,14 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
         why = "as set in the config" + (" (vLLM is not installed where this plan was made)" if missing else "")
         out.append(Decision("engine", method.engine, why, "config"))
         return method.engine
-    unservable = rollout_limits(config.adapter, config.adapter.type)
+    limits = unservable(config.adapter, config.adapter.type)
     if hw.is_cpu:
         engine, why = "transformers", "no GPU: the training model samples with generate (method.engine: vllm runs "
         why += "vLLM's CPU build)"
     elif not vllm_installed():
         engine, why = "transformers", "vLLM is not installed: the training model samples with generate"
-    elif unservable:
-        engine, why = "transformers", f"vLLM cannot serve {unservable}: the training model samples with generate"
+    elif limits:
+        engine, why = "transformers", f"vLLM cannot serve {limits}: the training model samples with generate"
     else:
         engine = "vllm"
         why = "GPUs and vLLM installed: vLLM samples with a paged KV cache and receives the trainer's weights"

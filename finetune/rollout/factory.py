@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from finetune.errors import FtError
+from finetune.plan.rollout import unservable
 
 TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (never written anywhere)
 
@@ -73,18 +74,6 @@ def engine_spec(plan, model, adapter, seed: int, section, external_launcher: boo
         trust_remote_code=model.trust_remote_code,
         external_launcher=external_launcher,
     )
-
-
-def unservable(adapter, adapter_type: str, train_embeddings: bool = False) -> str:
-    """What of the trained model a vLLM engine cannot take from the trainer, in words ('' when nothing): the planner
-    then samples with the training model, and an explicit `method.engine: vllm` is refused (`servable`)."""
-    if train_embeddings:
-        return "embeddings grown for tokens added to the vocabulary (vLLM loads the checkpoint's own)"
-    if adapter_type != "full" and adapter.dora:
-        return "a DoRA adapter (adapter.dora)"
-    if adapter_type != "full" and adapter.modules_to_save:
-        return f"modules trained in full (adapter.modules_to_save: {adapter.modules_to_save})"
-    return ""
 
 
 def servable(context) -> None:
