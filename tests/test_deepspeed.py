@@ -364,6 +364,8 @@ def test_the_chunked_loss_under_zero3_equals_the_plain_loss_and_keeps_deepspeeds
     assert (plain["loss_implementation"], chunked["loss_implementation"]) == ("plain", "chunked")
     assert plain["invalidated"] == []  # the plain loss's trace holds: what the chunked loss must keep
     assert chunked["invalidated"] == []
+    if ZERO3_CPU_DIVERGES:  # the trace is checked everywhere; the losses only where ZeRO-3 matches itself on CPU
+        pytest.xfail(ZERO3_XFAIL["reason"])
     # the same first losses; later ones drift apart by float32 rounding (the head's gradient summed chunk by chunk)
     assert chunked["losses"][:4] == pytest.approx(plain["losses"][:4], rel=1e-5)
     assert chunked["losses"] == pytest.approx(plain["losses"], rel=3e-4)
