@@ -13,6 +13,8 @@ fi
 bash scripts/setup.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# Python's bytecode cache: the many ft processes the tests start compile ft's modules once, not each time
+unset PYTHONDONTWRITEBYTECODE
 ruff format --check . || { echo "ruff: files above need formatting; run: ruff format <files>" >&2; exit 1; }
 ruff check .
 # Two workers, each taking whole test files (module fixtures train once); files are sent longest first (the order

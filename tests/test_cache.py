@@ -173,6 +173,7 @@ def build_under_lock(root: str, counter: str, start) -> None:
                 (tmp / "data.bin").write_bytes(b"data")
 
 
+@pytest.mark.slow
 def test_racing_processes_build_once(tmp_path):
     ctx = mp.get_context("spawn")
     start = ctx.Barrier(2)

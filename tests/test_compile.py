@@ -48,6 +48,7 @@ def same_step(backend: str) -> None:
     assert dict(compiled.named_parameters()).keys() == dict(eager.named_parameters()).keys()  # names unchanged
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_loss_and_gradients():
     """aot_eager traces each layer and its backward (checkpointed or not) as inductor would, without generating code."""
     same_step("aot_eager")
@@ -73,6 +74,7 @@ def test_compiling_raises_dynamos_recompile_limit_and_never_lowers_it():
         config.recompile_limit = before
 
 
+@pytest.mark.slow
 def test_generation_runs_compiled_layers_eagerly_so_training_stays_compiled():
     """A generate() call (task evaluation, rollouts) inside engine.generation() compiles nothing: its KV cache would
     otherwise recompile each layer until torch's limit, after which training would run uncompiled too."""
@@ -106,6 +108,7 @@ def test_inductor_layers_give_the_eager_loss_and_gradients():
     same_step("inductor")
 
 
+@pytest.mark.slow
 def test_compiled_layers_under_fsdp2_give_the_eager_loss_and_gradients(monkeypatch):
     """Layers sharded first, then compiled (as a model FSDP2 built on the meta device reaches engine.build): FSDP2's
     per-layer units keep their hooks, the layers are found after fully_shard swapped their classes, one gloo rank."""

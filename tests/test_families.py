@@ -328,6 +328,7 @@ def test_full_and_qlora_train(family, adapter, folders, tmp_path):
         assert len(generated(tmp_path, run)) == 2
 
 
+@pytest.mark.slow
 def test_a_run_of_a_class_without_sdpa_consolidates_merges_and_generates(folders, tmp_path):
     """gpt-oss has no SDPA (attention sinks) and trains with eager here: `ft consolidate` builds the model with the
     attention of the run's plan and writes the trained adapter of its step-2 checkpoint; `ft merge-lora` and

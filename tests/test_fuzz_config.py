@@ -52,6 +52,7 @@ def cases():
     return generate(seed=0)
 
 
+@pytest.mark.slow
 def test_the_generator_is_seeded_and_covers_every_kind_of_mistake(cases):
     def digest(cs):
         return hashlib.sha256(b"".join(c.name.encode() + c.body + repr(c.args).encode() for c in cs)).hexdigest()

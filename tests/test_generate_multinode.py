@@ -143,6 +143,7 @@ def test_eval_across_nodes_needs_a_shared_predictions_file(model_dir, prompts_fi
         evaluate(EvalJob(job.source, job.data, (), loss=True), role=NodeRole(2, 0, "127.0.0.1"))
 
 
+@pytest.mark.slow
 def test_the_ranks_share_node_0s_attempt_and_wait_for_each_other(monkeypatch):
     """Two ranks in threads, through a store like torchrun's: the rank that planned publishes the attempt, the other
     reads it; a rank that never finishes makes the other's wait end in an error saying so, and one that goes away

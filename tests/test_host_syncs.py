@@ -90,6 +90,7 @@ def method_job(tmp_path, method: str) -> str:
 METHODS = ["sft", "dpo", "orpo", "simpo", "kto", "reward", "grpo"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_a_training_step_reads_the_device_once_whatever_the_method(tmp_path, monkeypatch, method):
     from finetune.train import train_step

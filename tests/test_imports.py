@@ -5,6 +5,7 @@ deferred is still a circle in the design."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -58,6 +59,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> tuple[set[str], li
     return targets, private
 
 
+@functools.cache  # the package's files do not change during a run; several tests read the graph
 def graph() -> tuple[dict[str, set[str]], list[str]]:
     known = modules()
     edges, private = {}, []

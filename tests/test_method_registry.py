@@ -105,6 +105,7 @@ def test_an_unknown_method_name_lists_the_registered_ones():
         methods.method_class("ppo")
 
 
+@pytest.mark.slow
 def test_the_shipped_methods_are_found_by_discovery_alone():
     """In a fresh process nothing has imported the method modules: the lookup finds them by itself."""
     code = (

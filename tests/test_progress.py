@@ -73,6 +73,7 @@ def test_lines_every_log_steps_at_the_last_step_and_when_steps_are_slow():
     assert [line.split()[1] for line in lines] == ["11/20", "12/20", "13/20"] and "eta 0:04:40" in lines[-1]
 
 
+@pytest.mark.slow
 def test_loss_png_shows_the_reward_of_grpo_and_the_margin_of_preference_methods(tmp_path):
     with MetricsWriter(tmp_path / "grpo.jsonl") as m:
         for step in (1, 2, 3):

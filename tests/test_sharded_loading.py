@@ -269,6 +269,7 @@ def test_gradient_clipping_returns_the_norm_as_a_tensor_and_scales_to_the_limit(
     assert host_values(torch.tensor(2.5), 3, torch.tensor([7.0]).sum()) == [2.5, 3.0, 7.0]
 
 
+@pytest.mark.slow
 def test_trim_gives_back_the_heap_a_backward_pass_freed():
     """Tensors under the mmap threshold come from the heap; freed between ones still alive, their pages stay in the
     process until hostmem.trim (run before each CPU all-gather) gives them back."""

@@ -175,6 +175,7 @@ def test_outside_the_loop_a_rank_stops_at_once_while_setting_up_and_finishes_the
     lifecycle.reset_signals()
 
 
+@pytest.mark.slow
 def test_copies_of_one_signal_count_once_and_a_later_one_stops_at_once(monkeypatch):
     from finetune.distributed import lifecycle
     from finetune.train import SignalStop

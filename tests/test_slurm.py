@@ -99,6 +99,7 @@ def fake_slurm(tmp_path) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port_from_the_job_id(tmp_path):
     script = tmp_path / "job.sbatch"
     (tmp_path / "data" / "sft").mkdir(parents=True)
@@ -181,6 +182,7 @@ def slurm_port() -> str:
     return port_expression()
 
 
+@pytest.mark.slow
 def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate_refuses(tmp_path, monkeypatch):
     import re
 
@@ -274,6 +276,7 @@ def test_usr1_checkpoints_every_rank_requeues_and_the_requeued_job_resumes_to_th
         assert resumed[name].float().allclose(whole[name].float(), atol=1e-5), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])  # a scheduler's, a person's
 def test_a_second_signal_while_the_checkpoint_is_written_is_ignored_and_the_checkpoint_is_complete(
     tmp_path, monkeypatch, capfd, second
@@ -313,6 +316,7 @@ def test_a_second_signal_while_the_checkpoint_is_written_is_ignored_and_the_chec
         assert run(resumed, tmp_path / "run", resume_from=last)["steps"] == 6
 
 
+@pytest.mark.slow
 @linux
 def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint(tmp_path, monkeypatch):
     from finetune.distributed import lifecycle
@@ -345,6 +349,7 @@ def test_the_launcher_ignores_a_second_signal_while_a_rank_writes_its_checkpoint
     assert exchange.requested == signal.SIGINT and not exchange.aborted
 
 
+@pytest.mark.slow
 def test_a_rank_that_makes_no_progress_explains_where_before_the_timeout():
     import io
 
@@ -366,6 +371,7 @@ def test_a_rank_that_makes_no_progress_explains_where_before_the_timeout():
     assert out.getvalue() == said
 
 
+@pytest.mark.slow
 @linux
 def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_path, one_process):
     from finetune.tiny import arithmetic_records, write_jsonl

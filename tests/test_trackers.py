@@ -147,6 +147,7 @@ def test_tensorboard_writes_the_scalars(tmp_path):
     assert [e.value for e in loss] == pytest.approx([1.0, 0.5, 1 / 3])
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_a_run_folder(monkeypatch, tmp_path):
     pytest.importorskip("wandb")
     for var in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME"):

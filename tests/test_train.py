@@ -411,6 +411,7 @@ def test_secrets_from_the_environment_appear_nowhere_under_the_run_folder(tmp_pa
     assert "${FT_TEST_RUN_SECRET}" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_a_job_whose_data_adds_tokens_is_planned_once_with_the_grown_embeddings(tmp_path, monkeypatch):
     """The tokens the data pipeline adds are known before planning: ft train plans once, and that plan (the one in
     plan.json, which the ranks run) trains the grown embeddings."""

@@ -12,12 +12,13 @@ TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (ne
 
 
 def placement(plan, section) -> tuple[str, str]:
-    """(engine, placement) from the plan; plans written before rollouts were placed derive them from the section."""
-    if plan.rollout is not None:
-        return plan.rollout.engine, plan.rollout.placement
-    engine = "vllm" if section.engine == "vllm" else "transformers"
-    where = "server" if section.rollout.url or section.rollout.placement == "server" else "colocated"
-    return engine, "inline" if engine == "transformers" else where
+    """(engine, placement): the plan's (the planner places the rollouts of every method that samples)."""
+    if plan.rollout is None:
+        raise FtError(
+            "plan.json places no rollout engine for a method that samples (an edited plan.json?); run ft train "
+            "again, which plans the job"
+        )
+    return plan.rollout.engine, plan.rollout.placement
 
 
 def create_engine(section, context):
