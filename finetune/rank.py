@@ -49,9 +49,8 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     from finetune.distributed import lifecycle
     from finetune.distributed.lifecycle import LOST_PEERS
     from finetune.distributed.runtime import failed_during, launched
-    from finetune.errors import LostPeers
+    from finetune.errors import LostPeers, Stopped
     from finetune.runlock import joined, locked
-    from finetune.train import Stopped
 
     if not launched():  # one process started by hand: Stopped and Ctrl-C end it as they end ft train
         with locked(run_dir, f"python -m finetune.rank {run_dir}", make=False):  # the whole job, as ft train

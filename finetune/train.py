@@ -25,7 +25,7 @@ from finetune.config.schema import Config
 from finetune.data.collate import to_device
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime, activity, start
-from finetune.errors import FtError, Stopped  # noqa: F401 (Stopped: where callers look for it)
+from finetune.errors import FtError, Stopped
 from finetune.methods import Method
 from finetune.methods.loss import host_values, step_normaliser  # host_values: the step's one read of the device
 from finetune.methods.router import Routing

@@ -275,7 +275,7 @@ def _raise_if_stopped(exchange, code: int, run_dir) -> None:
     the failure is the news."""
     from finetune import checkpoint
     from finetune.distributed.lifecycle import signal_name, signal_number
-    from finetune.train import Stopped
+    from finetune.errors import Stopped
 
     reports = exchange.reports()
     if not exchange.aborted and not (reports and (code == 0 or exchange.requested)):

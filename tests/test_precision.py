@@ -250,7 +250,8 @@ def test_the_optimizer_step_in_backward_with_pure_bf16_resumes_exactly(tmp_path)
     """Stopped after step 3 and resumed: the same weights as an uninterrupted run, with every per-parameter optimizer's
     state (bf16 moments) and the stochastic rounding's draws carried over; metrics.jsonl has a grad_norm each step."""
     from finetune import checkpoint
-    from finetune.train import SignalStop, Stopped, run, setup
+    from finetune.errors import Stopped
+    from finetune.train import SignalStop, run, setup
 
     train = "max_grad_norm: 0, optimizer_in_backward: true, precision: bf16-pure, compensation: stochastic_rounding"
     config, p, prepared, job = tiny_job(tmp_path, train, steps=6, batch=4)

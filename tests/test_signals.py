@@ -207,7 +207,8 @@ def test_copies_of_one_signal_count_once_and_a_later_one_stops_at_once(monkeypat
 @pytest.mark.slow
 def test_the_loop_calls_every_step_hook_and_a_true_stops_after_that_step_as_on_sigterm(tmp_path):
     from finetune import checkpoint
-    from finetune.train import Stopped, run
+    from finetune.errors import Stopped
+    from finetune.train import run
 
     _, _, _, job = setup_job(tmp_path, job_text(tmp_path, "lora", steps=6))
     seen = []

@@ -283,7 +283,8 @@ def test_a_second_signal_while_the_checkpoint_is_written_is_ignored_and_the_chec
 ):
     from finetune import checkpoint
     from finetune.distributed import lifecycle
-    from finetune.train import Stopped, run
+    from finetune.errors import Stopped
+    from finetune.train import run
 
     _, _, _, tiny = setup_job(tmp_path, job_text(tmp_path, "lora", steps=6))
     monkeypatch.setattr(lifecycle, "REPEAT_WINDOW_S", 0.0)  # every signal counts: the second is not a copy

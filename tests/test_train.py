@@ -121,7 +121,8 @@ def test_micro_batch_1_times_4_equals_micro_batch_4(tmp_path):
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     """Stopped twice (the Slurm requeue case) and resumed twice: the same weights and one log line per step."""
     from finetune import checkpoint
-    from finetune.train import SignalStop, Stopped, run, setup
+    from finetune.errors import Stopped
+    from finetune.train import SignalStop, run, setup
 
     text = job_text(tmp_path, "lora", steps=8).replace("save_steps: 0", "save_steps: 100")
     config, p, prepared, job = setup_job(tmp_path, text)

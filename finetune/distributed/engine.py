@@ -374,8 +374,11 @@ def _global_norm(grads: list) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the checkpoint format
 def _trained(model, state: dict) -> dict:
-    """The entries of a model state dict that are trained (a checkpoint never holds the frozen base)."""
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    """The entries of a model state dict (get_state_dict's: by the unwrapped model's names) that are trained: a
+    checkpoint never holds the frozen base. Every trained parameter is one of them."""
+    names = {n for n, p in ddp.unwrap(model).named_parameters() if p.requires_grad}
+    if not names <= set(state):
+        raise FtError(f"a bug in ft: trained parameters {sorted(names - set(state))[:3]} are not in the state dict")
     return {k: v for k, v in state.items() if k in names}
 
 
