@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from finetune.tiny import preference_records, unpaired_records, write_jsonl
+from finetune.tiny import preference_records, write_jsonl
 from tests.helpers import ZERO3_XFAIL, ft_train, losses, metric_rows, train_here
 
 pytestmark = pytest.mark.slow  # every test here trains, on one and two processes
@@ -22,11 +22,20 @@ LORA = "{type: lora, r: 8, alpha: 16, dropout: 0.0}"
 
 
 def feedback_rows() -> list[dict]:
-    """64 unpaired rows, 3 desirable to 1 undesirable: KTO's KL baseline then rises above 0 within 3 steps (with
-    as many of each it stays clamped at 0), so the runs compare it averaged over ranks."""
-    rows = unpaired_records(128, seed=3)
-    good, bad = [r for r in rows if r["label"]][:48], [r for r in rows if not r["label"]][:16]
-    return [row for four in zip(good[0::3], good[1::3], good[2::3], bad, strict=True) for row in four]
+    """64 unpaired rows, 3 desirable to 1 undesirable, each desirable completion the same sentence and each undesirable
+    one another: raising the desirable sentence raises it after every prompt, so KTO's KL baseline (each prompt with
+    another row's completion) rises far above 0 by step 2 and the runs compare it averaged over ranks. (With arithmetic
+    answers the baseline's sign after a step varied with the CPU's rounding, and clamped at 0 it compared nothing.)"""
+    prompts = [pair["prompt"] for pair in preference_records(64, seed=3)]
+    good, bad = "I can answer that.", "No."
+    return [
+        {
+            "prompt": prompt,
+            "completion": [{"role": "assistant", "content": bad if i % 4 == 3 else good}],
+            "label": i % 4 != 3,
+        }
+        for i, prompt in enumerate(prompts)
+    ]
 
 
 def preference_job(
@@ -76,10 +85,10 @@ def test_simpo_full_fine_tuning_under_zero3_on_two_processes_equals_one_process(
 def test_kto_full_fine_tuning_with_a_reference_copy_under_fsdp_on_two_processes_equals_one_process(tmp_path, sft_model):
     fsdp = ["--set", "distributed.backend=fsdp"]
     method = "{name: kto, beta: 0.5}"
-    plans = one_and_two(tmp_path, sft_model, method, "{type: full}", fsdp, fmt="unpaired", lr="2.0e-3")
+    plans = one_and_two(tmp_path, sft_model, method, "{type: full}", fsdp, fmt="unpaired")
     assert (plans["two"]["backend"], plans["two"]["world_size"], plans["two"]["reference"]) == ("fsdp", 2, "copy")
     kl = {n: [row["kl"] for row in metric_rows(tmp_path / n) if "kl" in row] for n in ("one", "two")}
-    assert kl["two"] == pytest.approx(kl["one"], rel=1e-4, abs=1e-5) and max(kl["one"]) > 0.1  # measured 0.28, 0.60
+    assert kl["two"] == pytest.approx(kl["one"], rel=1e-4, abs=1e-5) and max(kl["one"]) > 1  # measured 0, 15.3, 14.6
     assert (tmp_path / "two" / "final" / "model.safetensors").exists()
 
 

@@ -252,17 +252,20 @@ def test_a_reward_model_learns_loads_as_a_sequence_classifier_and_grpo_raises_it
     grpo.write_text(f"""
 model: {{name: {sft_model}}}
 data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
-method: {{name: grpo, num_generations: 8, max_new_tokens: 8, rewards: [{{model: {final}, batch_size: 32}}]}}
+method: {{name: grpo, num_generations: 8, max_new_tokens: 8, temperature: 1.5,
+          rewards: [{{model: {final}, batch_size: 32}}]}}
 adapter: {{type: full}}
 train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: 12, lr: 1.0e-4, scheduler: constant}}
 output: {{dir: {tmp_path / "grpo"}, log_steps: 1, save_steps: 0}}
 """)
     train_here(grpo)
     got = [row["rewards/rm"] for row in metric_rows(tmp_path / "grpo")]
-    # each step samples 8 answers to each of the same 8 prompts. The reward model scores answers that fit their
-    # question near 2.4 and those that do not (too long, e.g. 3753 for "Reverse 573") near 0.2-0.5; GRPO removes the
-    # latter. Measured: 2.363 at the start, 2.437 over the last 6 steps (steps vary by about 0.01 there)
-    assert len(got) == 12 and sum(got[-6:]) / 6 > got[0] + 0.04, got
+    # each step samples 8 answers to each of the same 8 prompts. The reward model scores an answer by how well it fits
+    # its question; at temperature 1 the SFT'd model's answers to one prompt can all score alike (on some CPUs' rounding
+    # of the SFT run every group scored within 0.05, which leaves GRPO nothing to learn), so it samples at 1.5, where
+    # each group holds answers that fit and answers that do not. Measured on three prompt sets (seeds 5, 6, 7): the
+    # first 3 steps average 1.33, 1.46, 0.87, the last 6 steps 1.62, 1.67, 1.12 (steps vary by about 0.15)
+    assert len(got) == 12 and sum(got[-6:]) / 6 > sum(got[:3]) / 3 + 0.1, got
 
 
 @pytest.mark.slow
