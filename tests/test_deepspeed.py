@@ -369,3 +369,53 @@ def test_the_chunked_loss_under_zero3_equals_the_plain_loss_and_keeps_deepspeeds
     # the same first losses; later ones drift apart by float32 rounding (the head's gradient summed chunk by chunk)
     assert chunked["losses"][:4] == pytest.approx(plain["losses"][:4], rel=1e-5)
     assert chunked["losses"] == pytest.approx(plain["losses"], rel=3e-4)
+
+
+CONSTRUCT_IN_A_FRESH_PROCESS = """
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", rank=0, world_size=1)
+import deepspeed
+from transformers import AutoModelForCausalLM, LlamaConfig
+from finetune.distributed.deepspeed_load import construct
+assert "transformers.models.llama.modeling_llama" not in sys.modules
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1)
+for model in ("policy", "reference"):
+    net = construct(AutoModelForCausalLM, cfg, {"dtype": torch.float32, "attn_implementation": "sdpa"},
+                    {"train_batch_size": 1, "zero_optimization": {"stage": 3}})
+    assert all(hasattr(p, "ds_id") for p in net.parameters())
+    with deepspeed.zero.GatheredParameters(list(net.parameters())):
+        print(model, tuple(net(torch.tensor([[1, 2, 3]])).logits.shape))
+"""
+
+
+@pytest.mark.slow
+def test_a_model_class_first_imported_by_zero3_construction_runs_its_forward():
+    """ZeRO-3 construction is where a job first imports the model's class (from_config resolves it). A class defined
+    inside zero.Init gets back, when it exits, the __init__ of its class statement, without what decorators set after
+    it: the next model of that class (a DPO reference) had no kernel table for transformers' kernel-hub attention and
+    its first forward failed. A fresh process: a policy and a reference built and run."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import free_port
+
+    ranks = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    env = {**os.environ, **ranks, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run(
+        [sys.executable, "-c", CONSTRUCT_IN_A_FRESH_PROCESS],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-2:] == ["policy (1, 3, 64)", "reference (1, 3, 64)"]

@@ -132,7 +132,15 @@ def construct(auto_class, hf_config, kwargs: dict, config: dict):
     )
 
     unset_hf_deepspeed_config()
-    try:  # prevent_arange_dtype_change before zero.Init: rotary frequencies keep their fp32 arange (its docstring)
+    try:
+        # Built once on the meta device first, so that every class it takes is defined before zero.Init: a module class
+        # defined inside it gets back, when it exits, the __init__ it had when its class statement ran (deepspeed 0.19
+        # partition_parameters `_init_subclass`, `_disable_class`), without what a class decorator set after that: the
+        # next model of the class (a DPO reference) then lacks the kernel table of transformers 5.25's kernel-hub
+        # attention (kernels 0.19 `use_kernelized_func`) and fails at its first forward
+        with torch.device("meta"), no_init_weights():
+            auto_class.from_config(hf_config, **kwargs)
+        # prevent_arange_dtype_change before zero.Init: rotary frequencies keep their fp32 arange (its docstring)
         # GPU: zero.Init puts partitions on cuda:LOCAL_RANK, or in host RAM with offload_param
         # (partition_parameters.Init)
         with (
