@@ -27,25 +27,36 @@ def keep_4bit_layers_trainable_on_cpu(model) -> int:
 
 BNB_KERNEL_LOGGER = "bitsandbytes.backends.cpu.ops"
 BNB_KERNEL_WARNING = "Failed to load CPU gemm_4bit_forward from kernels-community"
+BNB_KERNEL_REPO = "kernels-community/quantization-bitsandbytes"
+# kernels 0.19 (_internals/hf_hub.py _check_trust_remote_code), which transformers 5.25 installs: offline, the fetch
+# above first logs that it skips the publisher check of that repository
+KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
+KERNELS_OFFLINE_NOTICE = "Skipping publisher trust check for"
 
 
 class _DropUnusedKernelWarning:
-    """A logging filter: drops bitsandbytes' notice that its CPU inference kernel could not be fetched."""
+    """A logging filter: drops bitsandbytes' notice that its CPU inference kernel could not be fetched, and the
+    `kernels` package's offline notice about that same kernel's repository (its notices of other kernels pass)."""
 
     def filter(self, record) -> bool:
-        return not str(record.msg).startswith(BNB_KERNEL_WARNING)
+        msg = str(record.msg)
+        if record.name == KERNELS_HUB_LOGGER:
+            return not (msg.startswith(KERNELS_OFFLINE_NOTICE) and f"'{BNB_KERNEL_REPO}'" in msg)
+        return not msg.startswith(BNB_KERNEL_WARNING)
 
 
 def quiet_unused_bitsandbytes_kernel() -> None:
     """bitsandbytes 0.50 (backends/cpu/ops.py), on CPUs with AVX512-BF16, tries at import to fetch an inference-only
-    4-bit kernel from the hub and logs a warning when it cannot (always, offline or without the `kernels` package).
-    ft never runs that kernel (keep_4bit_layers_trainable_on_cpu turns its path off), so the warning, printed by every
-    run, is noise: a filter on that one logger drops exactly that message; every other bitsandbytes message passes."""
+    4-bit kernel from the hub and logs a warning when it cannot (always, offline or without the `kernels` package;
+    offline with it, `kernels` also logs that it skips the repository's publisher check).
+    ft never runs that kernel (keep_4bit_layers_trainable_on_cpu turns its path off), so these notices, printed by
+    every run, are noise: a filter on those two loggers drops exactly them; every other message passes."""
     import logging
 
-    logger = logging.getLogger(BNB_KERNEL_LOGGER)
-    if not any(isinstance(f, _DropUnusedKernelWarning) for f in logger.filters):
-        logger.addFilter(_DropUnusedKernelWarning())
+    for name in (BNB_KERNEL_LOGGER, KERNELS_HUB_LOGGER):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropUnusedKernelWarning) for f in logger.filters):
+            logger.addFilter(_DropUnusedKernelWarning())
 
 
 def ddp_buckets_rebuilt(model) -> bool:

@@ -47,6 +47,29 @@ def test_the_unused_bitsandbytes_kernel_warning_is_dropped_and_nothing_else(capl
     assert messages == ["some other bitsandbytes warning"]
 
 
+def test_the_offline_notice_about_bitsandbytes_unused_kernel_is_dropped_and_no_other_kernels_notice(caplog):
+    """Offline, the `kernels` package that transformers installs first notes that it skips the publisher check of the
+    repository bitsandbytes fetches its CPU kernel from: dropped; the same notice for another repository passes."""
+    import inspect
+    import logging
+
+    hf_hub = pytest.importorskip("kernels._internals.hf_hub")
+    ops = pytest.importorskip("bitsandbytes.backends.cpu.ops")
+
+    from finetune.compat import BNB_KERNEL_REPO, KERNELS_HUB_LOGGER, KERNELS_OFFLINE_NOTICE
+
+    assert hf_hub.logger.name == KERNELS_HUB_LOGGER  # renamed: revisit compat
+    assert KERNELS_OFFLINE_NOTICE in inspect.getsource(hf_hub)
+    assert f'"{BNB_KERNEL_REPO}"' in inspect.getsource(ops)  # the repository bitsandbytes fetches from
+    with caplog.at_level(logging.WARNING, logger=KERNELS_HUB_LOGGER):
+        for repo in (BNB_KERNEL_REPO, "kernels-community/flash-attn2"):
+            hf_hub.logger.warning(f"{KERNELS_OFFLINE_NOTICE} '{repo}' because Hugging Face Hub is in offline mode.")
+    messages = [r.getMessage() for r in caplog.records if r.name == KERNELS_HUB_LOGGER]
+    assert messages == [
+        f"{KERNELS_OFFLINE_NOTICE} 'kernels-community/flash-attn2' because Hugging Face Hub is in offline mode."
+    ]
+
+
 def test_ddp_says_when_its_buckets_are_rebuilt(tmp_path):
     """The attribute compat.ddp_buckets_rebuilt reads: False before DDP's second forward, True after it."""
     import torch.distributed as dist
