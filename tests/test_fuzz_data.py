@@ -279,7 +279,7 @@ def test_long_records_give_what_the_whole_record_gives():
                 for fmt, record in records:
                     rules = tk.Rules(fmt, train_on, seq_len, overlong, seq_len)
                     fast = tk.fit_length(tk.tokenize_record(record, rules, tokenizer, jinja), rules)
-                    assert fast == tk.fit_length(tk._tokenize(record, rules, tokenizer, jinja), rules), (
+                    assert fast == tk.fit_length(tk.tokenize_whole(record, rules, tokenizer, jinja), rules), (
                         fmt,
                         seq_len,
                         train_on,

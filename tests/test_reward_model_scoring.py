@@ -83,10 +83,10 @@ def test_long_sequences_keep_their_last_tokens(reward_model):
     """Cut to max_tokens from the left: the end, where the score is read, stays."""
     (reward,) = load_rewards([RewardSpec(model=str(reward_model))], max_tokens=16)
     long = "word " * 50
-    seq = reward._encode(PROMPTS[0], long, "row 0")
+    seq = reward.encode(PROMPTS[0], long, "row 0")
     assert len(seq) == 16
     (whole,) = load_rewards([RewardSpec(model=str(reward_model))], max_tokens=4096)
-    assert seq == whole._encode(PROMPTS[0], long, "row 0")[-16:]
+    assert seq == whole.encode(PROMPTS[0], long, "row 0")[-16:]
 
 
 def test_a_reward_model_is_summed_with_a_function_reward_by_weight(reward_model):

@@ -284,8 +284,9 @@ def test_a_server_that_cannot_be_reached_is_named_with_where_its_log_is():
         wait_ready("http://127.0.0.1:9", None, timeout_s=0.6)
     client = object.__new__(RemoteRollout)
     client.url, client.token, client.timeout = "http://127.0.0.1:9", None, 2
+    client.s, client.stop = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=2), [0]
     with pytest.raises(FtError, match="cannot be reached.*rollout-server.log"):
-        client._post("/generate", b"{}")
+        client.generate([[1, 2]], seed=0)
 
 
 def test_asynchronous_rollouts_need_an_engine_other_than_the_training_model():

@@ -160,7 +160,6 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, no_leftovers):
 def test_outside_the_loop_a_rank_stops_at_once_while_setting_up_and_finishes_the_final_save(monkeypatch):
     from finetune.distributed import lifecycle
 
-    monkeypatch.setitem(lifecycle._rank, "trained", False)
     lifecycle.reset_signals()
     with pytest.raises(KeyboardInterrupt):  # setting up: no step to finish
         lifecycle.outside_the_loop(signal.SIGINT, None)

@@ -58,11 +58,11 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> di
         short = _shortened(rec, rules, budget, tokenizer, jinja)
         if short is None:
             break
-        row = _tokenize(short, rules, tokenizer, jinja)
+        row = tokenize_whole(short, rules, tokenizer, jinja)
         if _length(row) > rules.seq_len + MARGIN:
             return row
         budget *= 4
-    return _tokenize(rec, rules, tokenizer, jinja)
+    return tokenize_whole(rec, rules, tokenizer, jinja)
 
 
 def _length(row: dict) -> int:
@@ -136,7 +136,9 @@ def _starting_within(messages: list[dict], tokens: int, tokenizer, jinja: str | 
     return len(messages)
 
 
-def _tokenize(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
+def tokenize_whole(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
+    """The record tokenized as it is, never cut short: what tokenize_record's result must equal after length
+    handling (the reference its shortcut is tested against)."""
     fmt = rules.format
     if fmt in ("chat", "instruction") and rec.get(_UNTRAINED):  # shortened past the last assistant turn
         ids, _ = tokenize_conversation(rec["messages"], tokenizer, jinja, "all")

@@ -90,8 +90,10 @@ def note(signum: int) -> str:
 
 
 def reset_signals() -> None:
-    """Forget the signals noted so far (a new training loop in this process starts with none)."""
+    """Forget the signals noted so far and that a loop finished (a new training loop in this process starts with
+    neither)."""
     _signals.reset()
+    _rank["trained"] = False
 
 
 def signal_number(name: str) -> int:

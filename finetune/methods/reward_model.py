@@ -49,7 +49,7 @@ class ModelReward:
     def __call__(
         self, completions: list[str], prompts: list, columns: dict[str, list], origins: list[str]
     ) -> list[float]:
-        seqs = [self._encode(prompt, text, origin) for prompt, text, origin in zip(prompts, completions, origins)]
+        seqs = [self.encode(prompt, text, origin) for prompt, text, origin in zip(prompts, completions, origins)]
         scores = []
         for start in range(0, len(seqs), self.batch_size):
             scores += self._forward(seqs[start : start + self.batch_size])
@@ -62,7 +62,9 @@ class ModelReward:
                 )
         return scores
 
-    def _encode(self, prompt, text: str, origin: str) -> list[int]:
+    def encode(self, prompt, text: str, origin: str) -> list[int]:
+        """The ids the model scores for one completion: prompt and completion in its chat template, cut from the
+        left to max_tokens."""
         from finetune.data.masking import tokenize_continuation
 
         try:
