@@ -365,10 +365,13 @@ def fsdp_worker(out) -> None:
             }
     if dist.get_rank() == 0:
         (Path(out) / "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
     import sys
 
-    fsdp_worker(sys.argv[1])
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, without the interpreter's teardown, where gloo's threads could abort a finished rank
+    exit_process(lambda: fsdp_worker(sys.argv[1]))
