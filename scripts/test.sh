@@ -22,7 +22,7 @@ ruff check .
 pytest=(python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder)
 if [ "$fast" = 0 ]; then
   status=0
-  "${pytest[@]}" "$@" || status=$?
+  "${pytest[@]}" --durations=15 "$@" || status=$?
   # The tests marked vllm run in a second environment with vLLM's CPU build (scripts/setup-vllm.sh: vLLM pins an older
   # transformers). Only for the whole suite: arguments select tests of the main environment.
   if [ $# -eq 0 ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then

@@ -48,7 +48,9 @@ def test_fingerprint_changes_with_any_part(change):
 
 def test_fingerprint_is_stable_across_processes():
     code = f"from finetune.data.cache import fingerprint; print(fingerprint({PARTS!r}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True, timeout=300
+    )
     assert out.stdout.strip() == fingerprint(PARTS)
 
 
@@ -110,7 +112,7 @@ with DataCache(sys.argv[1]).build("k1") as tmp:
 
 
 def test_killed_build_leaves_no_entry_and_is_cleaned_later(tmp_path):
-    done = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)], cwd=REPO)
+    done = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)], cwd=REPO, timeout=300)
     assert done.returncode == 3
     cache = DataCache(tmp_path)
     assert not cache.is_complete("k1") and not cache.path("k1").exists()
@@ -210,6 +212,6 @@ def test_lock_timeout_names_the_entry(tmp_path):
                 pass
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=300)
     with DataCache(tmp_path).lock("k1", timeout=5):  # a dead holder's lock is free again
         pass

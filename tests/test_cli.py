@@ -40,7 +40,7 @@ def test_validate_and_plan_do_not_import_heavy_libraries():
         "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; "
         "print(heavy); assert not heavy"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -59,7 +59,9 @@ def test_the_ft_command_keeps_its_exit_codes_and_messages(tmp_path):
     )
     assert done.returncode == 2
     assert "lrr" in done.stderr
-    ok = subprocess.run([sys.executable, "-m", "finetune", "--help"], cwd=REPO, capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "finetune", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert ok.returncode == 0 and "train" in ok.stdout
 
 

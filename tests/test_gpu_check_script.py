@@ -18,7 +18,7 @@ VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 
 
 def test_the_script_parses():
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True, timeout=300)
 
 
 def header_sections() -> list[str]:
@@ -82,7 +82,7 @@ def test_every_selection_collects_a_test(file, k, python):
     assert (REPO / file).exists(), file
     py = sys.executable
     if python == "vllm":
-        if not VLLM_PY.exists() or subprocess.run([str(VLLM_PY), "-c", "import pytest, vllm"]).returncode:
+        if not VLLM_PY.exists() or subprocess.run([str(VLLM_PY), "-c", "import pytest, vllm"], timeout=300).returncode:
             pytest.skip("no .venv-vllm with pytest and vLLM")
         py = str(VLLM_PY)
     marks = ["-m", "gpu"] if "test_weight_transfer_versions" not in file else []

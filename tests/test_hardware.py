@@ -373,7 +373,7 @@ def test_probe_finds_the_gpu(by_hand: None) -> None:
 
 def test_import_does_not_import_torch() -> None:
     code = "import sys, finetune.hardware; sys.exit('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr or "importing finetune.hardware imported torch"
 
 

@@ -60,5 +60,7 @@ def test_reading_a_split_imports_neither_datasets_nor_pandas(saved):
         "r.select([3, 1, 2])[:]; r[0]; r['labels']; r[1:9:2]; list(r)\n"
         "print(sorted(m for m in ('datasets', 'pandas') if m in sys.modules))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True, timeout=300
+    )
     assert out.stdout.strip() == "[]"

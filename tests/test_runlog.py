@@ -184,11 +184,13 @@ def test_git_commit_inside_a_repository_and_none_outside(monkeypatch, tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()
     git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false"]
-    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["init", "-q"], check=True, timeout=300)
     (repo / "f.txt").write_text("1")
-    subprocess.run(git + ["add", "f.txt"], check=True)
-    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
-    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run(git + ["add", "f.txt"], check=True, timeout=300)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True, timeout=300)
+    head = subprocess.run(
+        git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=300
+    ).stdout.strip()
     (repo / "sub").mkdir()
     snap = environment_snapshot(repo / "sub")
     assert re.fullmatch(r"[0-9a-f]{40}", snap["git_commit"]) and snap["git_commit"] == head

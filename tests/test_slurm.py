@@ -123,6 +123,7 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
         text=True,
         cwd=tmp_path,  # where the job's data/sft/*.jsonl are, and its run folder goes
         env={**os.environ, "HF_TOKEN": "hf_secretvalue123"},
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     text = script.read_text()
@@ -141,6 +142,7 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
             capture_output=True,
             text=True,
             cwd=REPO,
+            timeout=300,
         ).stdout
     )
     stop = plan["cluster"]["stop_seconds"]
@@ -164,12 +166,15 @@ def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port
         assert needle in text, needle
     # the NCCL variables are exported before srun starts any process
     assert text.index("TORCH_NCCL_ASYNC_ERROR_HANDLING") < text.index("srun ")
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(script)], timeout=300).returncode == 0
     assert "hf_secretvalue123" not in text and "HF_TOKEN=" not in text
     # the port: the same for every node of a job, another for the next job
     ports = [
         subprocess.run(
-            ["bash", "-c", f"SLURM_JOB_ID={j}; echo {slurm_port()}"], capture_output=True, text=True
+            ["bash", "-c", f"SLURM_JOB_ID={j}; echo {slurm_port()}"],
+            capture_output=True,
+            text=True,
+            timeout=300,
         ).stdout.strip()
         for j in (1001, 1002)
     ]
@@ -209,7 +214,9 @@ def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(config).read_text().replace(str(tmp_path / "d.jsonl"), str(tmp_path / "missing.jsonl")))
     said = [
-        subprocess.run([sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=tmp_path)
+        subprocess.run(
+            [sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
+        )
         for args in (["validate", str(bad)], ["launch", str(bad), "--slurm", "--hardware", "cpu", "-o", "bad.sbatch"])
     ]
     assert [r.returncode for r in said] == [2, 2], said[1].stderr
@@ -246,7 +253,7 @@ def test_usr1_checkpoints_every_rank_requeues_and_the_requeued_job_resumes_to_th
     )
     deadline = time.time() + 240
     while not ((run / "metrics.jsonl").exists() and len(losses(run)) >= 2):
-        assert first.poll() is None, first.communicate()[0][-3000:]
+        assert first.poll() is None, first.communicate(timeout=300)[0][-3000:]
         assert time.time() < deadline
         time.sleep(0.2)
     first.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@N does: the batch shell alone
@@ -265,7 +272,11 @@ def test_usr1_checkpoints_every_rank_requeues_and_the_requeued_job_resumes_to_th
     assert f"--shutdown-timeout={plan['cluster']['stop_seconds']}" in (run / "launch.txt").read_text()
 
     again = subprocess.run(
-        ["bash", str(script)], env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True, text=True
+        ["bash", str(script)],
+        env={**env, "SLURM_RESTART_COUNT": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (tmp_path / "slurm.log").read_text().count("requeue") == 1  # a finished job is not requeued
@@ -381,12 +392,14 @@ def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_p
     out, script = tmp_path / "gen" / "out.jsonl", tmp_path / "gen.sbatch"
     args = [str(one_process), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--quiet"]
     launch = [sys.executable, "-m", "finetune", "launch", "generate", "--slurm", "--hardware", "cpu", "-o", str(script)]
-    r = subprocess.run([*launch, "--", *args], capture_output=True, text=True, cwd=REPO)
+    r = subprocess.run([*launch, "--", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 0, r.stderr
     text = script.read_text()
     assert "#SBATCH --nodes=1" in text and "#SBATCH --exclusive" in text and "--gpus-per-node" not in text
     assert f"#SBATCH --output={out.parent}/slurm-%j.out" in text
-    bad = subprocess.run([*launch, "--", str(one_process), "--prompts", str(prompts)], capture_output=True, text=True)
+    bad = subprocess.run(
+        [*launch, "--", str(one_process), "--prompts", str(prompts)], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode != 0 and "--out" in bad.stderr and "Traceback" not in bad.stderr
     env = {**os.environ, **fake_slurm(tmp_path), "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1"}
     ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
