@@ -140,6 +140,32 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+# ---------------------------------------------------------------- tests that run in a process of their own
+OWN_PROCESS_ENV = "FT_TEST_OWN_PROCESS"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """A test marked own_process runs again, alone, in a fresh interpreter (pytest on its node id, with a timeout):
+    a process group it starts in-process (gloo's threads and store, DDP's reducer) then never shares a pytest worker
+    with the tests that run after it. Its fixtures are also set up here, unused."""
+    if pyfuncitem.get_closest_marker("own_process") is None or os.environ.get(OWN_PROCESS_ENV):
+        return None
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, OWN_PROCESS_ENV: "1"}
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", pyfuncitem.nodeid]
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"in its own process:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    if " passed" not in done.stdout:  # skipped there (pytest.skip, importorskip): say so here
+        pytest.skip(f"in its own process: {done.stdout.strip().splitlines()[-1]}")
+    return True
+
+
 # ---------------------------------------------------------------- how many tests -m left out (also under pytest-xdist)
 DESELECTED = pytest.StashKey[int]()
 

@@ -266,6 +266,26 @@ def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout:
     return [json.loads(p.read_text()) for p in sorted(out.glob("probe-*-rank*.json"))]
 
 
+def in_a_one_rank_group(body, init_method: str | None = None):
+    """body() inside a gloo process group of one rank in this process (tests marked own_process), returning what it
+    returns. What body built is freed before the group is destroyed: an object that holds the group (DDP's reducer,
+    FSDP2's mesh) and is freed after destroy_process_group drops the last reference, frees the group itself, whose
+    destructor joins gloo's threads while holding the GIL; a thread that still needs the GIL to free its last work
+    then never ends (a test hung this way in a full run)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if init_method is None:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=init_method, rank=0, world_size=1)
+    try:
+        return body()
+    finally:
+        gc.collect()  # what body built, cycles included, goes while the group is still registered
+        dist.destroy_process_group()
+
+
 def random_llama(
     folder: Path,
     *,

@@ -163,21 +163,19 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_found(tmp_path):
     assert checkpoint.agreed(tmp_path, found[4], main) == found[4] and checkpoint.agreed(tmp_path, None, main) is None
 
 
+@pytest.mark.own_process  # a process group in-process: not in a pytest worker shared with later tests
 def test_a_ddp_model_round_trips_its_trained_weights_and_optimizer(tmp_path):
     """DDP's parameters are named module.* while torch's get_state_dict names them as the unwrapped model does: the
     checkpoint holds (and restores) every trained tensor all the same."""
-    import torch.distributed as dist
-
     from finetune.distributed import ddp
+    from tests.helpers import in_a_one_rank_group
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
-    try:
+    def wrapped(seed):
+        e = engine(seed)
+        e.model = ddp.wrap(e.model, torch.device("cpu"))
+        return e
 
-        def wrapped(seed):
-            e = engine(seed)
-            e.model = ddp.wrap(e.model, torch.device("cpu"))
-            return e
-
+    def check():
         e = wrapped(0)
         trained_step(e)
         path = checkpoint.save(tmp_path, 1, e, {"position": 0}, keep=3, runtime=Runtime())
@@ -186,5 +184,5 @@ def test_a_ddp_model_round_trips_its_trained_weights_and_optimizer(tmp_path):
         checkpoint.load(path, other, Runtime())
         assert all(torch.equal(p, weights[n]) for n, p in other.inner.named_parameters() if p.requires_grad)
         assert other.optimizer.state_dict()["state"][0]["step"] == 1
-    finally:
-        dist.destroy_process_group()
+
+    in_a_one_rank_group(check, f"file://{tmp_path / 'group'}")

@@ -70,20 +70,20 @@ def test_the_offline_notice_about_bitsandbytes_unused_kernel_is_dropped_and_no_o
     ]
 
 
-def test_ddp_says_when_its_buckets_are_rebuilt(tmp_path):
+@pytest.mark.own_process  # a process group in-process: not in a pytest worker shared with later tests
+def test_ddp_says_when_its_buckets_are_rebuilt():
     """The attribute compat.ddp_buckets_rebuilt reads: False before DDP's second forward, True after it."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from finetune.compat import ddp_buckets_rebuilt
+    from tests.helpers import in_a_one_rank_group
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+    def check():
         model = DistributedDataParallel(torch.nn.Linear(4, 4), gradient_as_bucket_view=True)
         assert hasattr(model, "_has_rebuilt_buckets") and not ddp_buckets_rebuilt(model)
         for _ in range(2):
             model(torch.randn(2, 4)).sum().backward()
         model(torch.randn(2, 4))
         assert ddp_buckets_rebuilt(model)
-    finally:
-        dist.destroy_process_group()
+
+    in_a_one_rank_group(check)

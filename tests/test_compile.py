@@ -108,19 +108,15 @@ def test_inductor_layers_give_the_eager_loss_and_gradients():
     same_step("inductor")
 
 
+@pytest.mark.own_process  # a process group in-process: not in a pytest worker shared with later tests
 @pytest.mark.slow
-def test_compiled_layers_under_fsdp2_give_the_eager_loss_and_gradients(monkeypatch):
+def test_compiled_layers_under_fsdp2_give_the_eager_loss_and_gradients():
     """Layers sharded first, then compiled (as a model FSDP2 built on the meta device reaches engine.build): FSDP2's
     per-layer units keep their hooks, the layers are found after fully_shard swapped their classes, one gloo rank."""
-    import torch.distributed as dist
-
     from finetune.distributed import fsdp
-    from tests.helpers import free_port
+    from tests.helpers import in_a_one_rank_group
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    def check():
         eager = tiny_llama("sdpa").train()
         sharded = copy.deepcopy(eager)
         fsdp.wrap(sharded, "fp32", "full_shard", 1, 1, torch.device("cpu"))
@@ -131,8 +127,8 @@ def test_compiled_layers_under_fsdp2_give_the_eager_loss_and_gradients(monkeypat
         torch.testing.assert_close(loss_s, loss_e, rtol=1e-5, atol=1e-6)
         for name, grad in grads_e.items():
             torch.testing.assert_close(grads_s[name].full_tensor(), grad, rtol=1e-4, atol=1e-6, msg=name)
-    finally:
-        dist.destroy_process_group()
+
+    in_a_one_rank_group(check)
 
 
 def test_a_compile_failure_is_one_error_naming_the_key():

@@ -25,7 +25,7 @@ from finetune.distributed import cp
 from finetune.errors import FtError
 from finetune.methods.head import LossHead
 from finetune.methods.loss import step_normaliser, trained_tokens
-from tests.helpers import REPO, free_port, tiny_llama
+from tests.helpers import REPO, free_port, in_a_one_rank_group, tiny_llama
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -208,25 +208,24 @@ def test_a_cpu_rank_refuses_before_training():
     assert cp.for_plan(SimpleNamespace(context_parallel=1), None, torch.device("cpu"), False) is None
 
 
+@pytest.mark.own_process  # a process group in-process: not in a pytest worker shared with later tests
 def test_ring_attention_block_replaces_sdpa_with_load_balancing_on():
     """ContextParallel.attention() (entered around each micro-batch's forward and backward): SDPA is torch's ring
     attention inside, with the head-tail load balancing `shard` splits for, and gradients stay on; all restored after.
     A one-rank group in this process (the ring attention itself needs CUDA: see the canary below)."""
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
+    def check():
         sdpa, balanced = F.scaled_dot_product_attention, _cp_options.enable_load_balance
         block = cp.ContextParallel(init_device_mesh("cpu", (1,)))
         with block.attention():
             assert F.scaled_dot_product_attention is not sdpa
             assert _cp_options.enable_load_balance and torch.is_grad_enabled()
         assert F.scaled_dot_product_attention is sdpa and _cp_options.enable_load_balance == balanced
-    finally:
-        dist.destroy_process_group()
+
+    in_a_one_rank_group(check)
 
 
 CANARY = """
