@@ -78,8 +78,12 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {kind: compare(kind, rank, world) for kind in kinds}
     (out / f"probe-rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, after a barrier and without the interpreter's teardown, where gloo's threads can abort a
+    # finished rank
+    exit_process(main)

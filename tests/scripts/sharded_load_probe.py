@@ -95,8 +95,12 @@ def main() -> None:
         (out / f"probe-{i}-rank{report['rank']}.json").write_text(json.dumps(report))
         print("PROBE " + json.dumps(report), flush=True)
     if launched() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, after a barrier and without the interpreter's teardown, where gloo's threads can abort a
+    # finished rank
+    exit_process(main)

@@ -79,8 +79,12 @@ def main() -> None:
         for lora in (False, True)
     }
     (out / f"probe-rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, after a barrier and without the interpreter's teardown, where gloo's threads can abort a
+    # finished rank
+    exit_process(main)

@@ -96,8 +96,12 @@ def main() -> None:
     result["gemma3"] = case(True, False, "gemma3")
     if dist.get_rank() == 0:
         (Path(sys.argv[1]) / "result.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    dist.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, after a barrier and without the interpreter's teardown, where gloo's threads can abort a
+    # finished rank
+    exit_process(main)

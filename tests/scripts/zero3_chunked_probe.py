@@ -69,8 +69,12 @@ def main() -> None:
         path, _, chunk = spec.partition("@chunk=")
         run_job(path, hardware, out, i, steps, int(chunk) if chunk else None)
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        torch.distributed.barrier()
 
 
 if __name__ == "__main__":
-    main()
+    from finetune.errors import exit_process
+
+    # ends as ft's ranks do, after a barrier and without the interpreter's teardown, where gloo's threads can abort a
+    # finished rank
+    exit_process(main)
