@@ -491,11 +491,15 @@ def _zero3_diverges() -> bool:
 # per-step losses 5-6e-4 apart from one process from step 3 on, and a bf16 ZeRO-3 job leaves a later fp32 job of the
 # same process with bf16 weights. An earlier landing's code does exactly the same there, so it is the CPU's (or
 # DeepSpeed's on it), not ft's: the ZeRO-3 comparisons are expected to fail on such CPUs and must pass everywhere else.
+# There they are not run (run=False): a test expected to fail shows nothing whatever happens in it (an error included),
+# and these four took ~4 minutes of test time there. The chunked-loss and partitioned-load probes still run and check
+# what does not depend on the losses matching (their own pytest.xfail, after those checks).
 ZERO3_CPU_DIVERGES = _zero3_diverges()
 ZERO3_XFAIL = dict(
     condition=ZERO3_CPU_DIVERGES,
-    reason="DeepSpeed ZeRO-3 on an AMD CPU with AVX-512 BF16 differs from one process (also before this change)",
+    reason="DeepSpeed ZeRO-3 on an AMD CPU differs from one process (also before this change)",
     strict=False,
+    run=False,
 )
 
 
