@@ -268,11 +268,15 @@ def run_probe(script: Path, out: Path, configs: list[str], *flags: str, timeout:
 
 def in_a_one_rank_group(body, init_method: str | None = None):
     """body() inside a gloo process group of one rank in this process (tests marked own_process), returning what it
-    returns. What body built is freed before the group is destroyed: an object that holds the group (DDP's reducer,
-    FSDP2's mesh) and is freed after destroy_process_group drops the last reference, frees the group itself, whose
-    destructor joins gloo's threads while holding the GIL; a thread that still needs the GIL to free its last work
-    then never ends (a test hung this way in a full run)."""
+    returns, with the group torn down so that gloo's threads cannot hang it. An allreduce that DDP starts in backward
+    holds a Python object (the context torch's autograd keeps in the thread's state), so the gloo thread that drops
+    the last reference to it needs the GIL. The group's destructor joins those threads while holding the GIL (it runs
+    when the last Python reference goes: DDP's reducer, destroy_process_group). A thread that had not yet freed its
+    last work when that began waits for the GIL forever (a full run hung here: the reducer freed after
+    destroy_process_group, on a loaded machine). So: what body built is freed while the group is registered, a
+    barrier and a pause with the GIL released let the threads finish, and only then is the group destroyed."""
     import gc
+    import time
 
     import torch.distributed as dist
 
@@ -283,6 +287,8 @@ def in_a_one_rank_group(body, init_method: str | None = None):
         return body()
     finally:
         gc.collect()  # what body built, cycles included, goes while the group is still registered
+        dist.barrier()
+        time.sleep(0.2)
         dist.destroy_process_group()
 
 
