@@ -24,5 +24,17 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install --quiet "torch==${FT_TORCH_VERSION:-2.13.0}"
 fi
 DS_BUILD_OPS=${DS_BUILD_OPS:-0} python -m pip install --quiet -e ".[test]"  # DeepSpeed compiles the ops it uses on first use
+# Without a GPU, DeepSpeed's CPU accelerator compiles its shared-memory collective op when a job first starts its
+# backend (~35 s on 2 cores, cached under ~/.cache/torch_extensions for this environment): compiled once here rather
+# than inside whichever DeepSpeed job or test comes first. A failure here only leaves it to that first job.
+DS_ACCELERATOR=cpu python - <<'PY' || echo "note: DeepSpeed's CPU op was not compiled now; the first DeepSpeed job compiles it"
+import importlib.util, torch
+if importlib.util.find_spec("deepspeed") and not torch.cuda.is_available():
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        builder.load(verbose=False)
+PY
 python -c "import finetune, torch, transformers, peft; print(f'ft environment ready: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
 echo "$wanted" > "$STAMP"
