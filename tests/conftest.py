@@ -153,16 +153,27 @@ def pytest_pyfunc_call(pyfuncitem):
         return None
     import subprocess
     import sys
+    import tempfile
+    import xml.etree.ElementTree as ET
 
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, OWN_PROCESS_ENV: "1"}
     for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
         env.pop(name, None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", pyfuncitem.nodeid]
-    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"in its own process:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
-    if " passed" not in done.stdout:  # skipped there (pytest.skip, importorskip): say so here
-        pytest.skip(f"in its own process: {done.stdout.strip().splitlines()[-1]}")
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "report.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"]
+        cmd += [f"--junitxml={report}", pyfuncitem.nodeid]
+        done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"in its own process:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+        cases = list(ET.parse(report).getroot().iter("testcase"))
+    assert len(cases) == 1, f"in its own process, {len(cases)} tests ran:\n{done.stdout[-3000:]}"
+    skipped = cases[0].find("skipped")  # the outcome there, when it was not a pass, is reported here
+    if skipped is not None:
+        reason = f"in its own process: {skipped.get('message', '')}"
+        if skipped.get("type") == "pytest.xfail":
+            pytest.xfail(reason)
+        pytest.skip(reason)
     return True
 
 
