@@ -130,7 +130,7 @@ def run_train(
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.launch.stopping import stopped_before_launch
-    from finetune.plan.launch import rank_command
+    from finetune.plan.launch import launch_command
     from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
     from finetune.runlock import locked
@@ -154,18 +154,15 @@ def run_train(
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:
                     return finished
-            cmd = rank_command(
+            cmd = launch_command(
+                job_plan,
                 str(run_dir),
-                job_plan.nodes,
-                job_plan.processes_per_node,
-                job_plan.process_group,
                 node_rank=role.node_rank,
                 master_addr=role.master_addr,
                 master_port=role.master_port,
                 python=sys.executable,
                 resume_from=str(resume_from) if resume_from else None,
                 rdzv_id=role.rdzv_id,
-                shutdown_timeout=job_plan.stop_seconds,
             )
             # written before torchrun starts: no rank of any node runs before node 0's rendezvous, so all find it
             if role.node_rank == 0:

@@ -11,6 +11,10 @@ joins again; torchrun numbers the nodes).
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from finetune.plan.plan import Plan
 
 DEFAULT_PORT = 29500
 RANK_ENTRY = "finetune.rank"
@@ -24,11 +28,9 @@ def needs_launcher(backend: str, world_size: int) -> bool:
     return world_size > 1 or backend in ("fsdp", "deepspeed")
 
 
-def rank_command(
+def launch_command(
+    plan: Plan,
     run_dir: str,
-    nodes: int,
-    processes_per_node: int,
-    process_group: bool,
     *,
     node_rank: int | str | None = None,
     master_addr: str | None = None,
@@ -36,24 +38,25 @@ def rank_command(
     python: str | None = None,
     resume_from: str | None = None,
     rdzv_id: str | None = None,
-    shutdown_timeout: int | None = None,
 ) -> list[str]:
-    """argv that starts every rank of this node for the run in `run_dir` (resuming from a checkpoint folder if given).
-
-    python=None writes the portable form (`python`, `torchrun`) shown by `ft plan`; ft itself passes its interpreter."""
+    """The command that starts this node's ranks of `plan`'s job: what `ft plan` shows (python=None, the portable
+    form, with placeholders for the node) and what `ft train` runs (its interpreter, this node's rank, the checkpoint
+    it resumes from). The plan alone decides the nodes, the ranks per node, whether they need a process group and how
+    long a stop's checkpoint may take (torchrun's shutdown timeout: only in the command ft runs, as whether torchrun
+    takes the option depends on the torch that runs it; ft's launcher also sets it in the environment)."""
     entry = ["-m", RANK_ENTRY, str(run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
-    if not process_group:
+    if not plan.process_group:
         return [python or "python", *entry]
     return torchrun(
         entry,
-        nodes,
-        processes_per_node,
+        plan.nodes,
+        plan.processes_per_node,
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         python=python,
         rdzv_id=rdzv_id,
-        shutdown_timeout=shutdown_timeout,
+        shutdown_timeout=plan.stop_seconds if python else None,
     )
 
 

@@ -28,7 +28,7 @@ from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
 from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers
-from finetune.plan.launch import needs_launcher, rank_command
+from finetune.plan.launch import launch_command, needs_launcher
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
 from finetune.plan.parallel import check as check_parallel
@@ -108,7 +108,7 @@ def plan(
         fit.estimate, c.adapter, c.sharding is not None, sharded_params(c), topo.processes_per_node
     )
     process_group = needs_launcher(c.backend, topo.world)  # decided once: the ranks read plan.process_group
-    return Plan(
+    made = Plan(
         model=model.name,
         hardware=hardware.describe(),
         device="CPU process" if hardware.is_cpu else "GPU",
@@ -138,15 +138,7 @@ def plan(
         device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware),
         decisions=tuple(decisions),
-        launch=tuple(
-            rank_command(
-                config.output.dir,
-                topo.nodes,
-                topo.processes_per_node,
-                process_group,
-                master_addr=hardware.launch.master_addr,
-            )
-        ),
+        launch=(),  # below: built from the finished plan
         communication=step,
         communication_seconds=comm_seconds(step, topo, c, speeds),
         quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
@@ -177,6 +169,8 @@ def plan(
         max_steps=config.train.max_steps or 0,
         device_memory_bytes=hardware.device_memory_bytes,
     )
+    shown = launch_command(made, config.output.dir, master_addr=hardware.launch.master_addr)  # the portable form
+    return replace(made, launch=tuple(shown))
 
 
 def generation(fit: Fit, m: ModelFacts, hw: Hardware, precision: str) -> str:
