@@ -312,14 +312,13 @@ def run(
             if stop_after:
                 stop.signum = stop.signum or signal.SIGTERM
             with activity(f"agreeing after step {step} whether to stop"):
-                stopping = job.runtime.any(bool(stop.signum))
-            if stopping:  # every rank stops after the same step
+                # the signal itself, not only whether one came: a rank that has not yet heard it (its watchdog
+                # reads the launcher's request between polls) stops after the same step, for the same reason
+                signum = job.runtime.largest(int(stop.signum))
+            if signum:  # every rank stops after the same step
                 with activity(f"saving the checkpoint of step {step}"), stop.saving():
-                    path = save_checkpoint(
-                        job, run_dir, step, {**state, "stopped_by": signal.Signals(stop.signum or signal.SIGTERM).name}
-                    )
+                    path = save_checkpoint(job, run_dir, step, {**state, "stopped_by": signal.Signals(signum).name})
                 metrics.close()
-                signum = stop.signum or signal.SIGTERM
                 raise Stopped(
                     f"stopped by {signal.Signals(signum).name} after step {step} of {job.total_steps}; "
                     f"checkpoint saved to {path}. Resume with: ft train CONFIG --resume",

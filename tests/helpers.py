@@ -441,21 +441,26 @@ def step_hook(
     fail: tuple[int, int] | None = None,
     hang: tuple[int, int, float] | None = None,
     stop_at: int | None = None,
+    signal: tuple[int, int, str] | None = None,
 ) -> dict[str, str]:
     """The environment that makes every rank of a run call a hook written into `folder` at the start of each step
     (FT_STEP_HOOK, see finetune/rank.py): fail=(RANK, STEP) makes that rank raise there ("injected failure on rank
     RANK at step STEP"), hang=(RANK, STEP, SECONDS) makes it sleep there (its peers' collectives wait), stop_at=STEP
-    stops every rank after that step as if SIGTERM had arrived."""
+    stops every rank after that step as if SIGTERM had arrived, signal=(RANK, STEP, NAME) makes that rank alone send
+    itself that signal there (what its peers have not heard)."""
     import tempfile
     from pathlib import Path
 
     fd, path = tempfile.mkstemp(dir=folder, prefix="step_hook_", suffix=".py")
     with open(fd, "w", encoding="utf-8") as f:
         f.write(
-            f"import time\n\nFAIL, HANG, STOP_AT = {fail!r}, {hang!r}, {stop_at!r}\n\n\ndef hook(rank, step):\n"
+            "import os\nimport signal\nimport time\n\n"
+            f"FAIL, HANG, STOP_AT, SIGNAL = {fail!r}, {hang!r}, {stop_at!r}, {signal!r}\n\n\ndef hook(rank, step):\n"
             "    if FAIL is not None and (rank, step) == tuple(FAIL):\n"
             '        raise RuntimeError(f"injected failure on rank {rank} at step {step}")\n'
             "    if HANG is not None and (rank, step) == tuple(HANG[:2]):\n        time.sleep(HANG[2])\n"
+            "    if SIGNAL is not None and (rank, step) == tuple(SIGNAL[:2]):\n"
+            "        os.kill(os.getpid(), getattr(signal, SIGNAL[2]))\n"
             "    return step == STOP_AT\n"
         )
     return {"FT_STEP_HOOK": f"{Path(path)}:hook"}

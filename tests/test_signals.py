@@ -137,6 +137,22 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
 
 @pytest.mark.slow
 @linux
+def test_a_signal_one_rank_alone_heard_stops_every_rank_for_that_signal(tmp_path, no_leftovers):
+    """The ranks agree after each step on the stop signal itself, not only on whether one came: a rank that has not
+    heard it yet (its watchdog polls for the launcher's request) stops after the same step for the same reason."""
+    from finetune import checkpoint
+
+    config, run = job(tmp_path, "run", steps=6), tmp_path / "run"
+    r = ft_train(config, "--hardware", "cpu:2", env=step_hook(tmp_path, signal=(1, 2, "SIGINT")), timeout=240)
+    text = r.stdout + r.stderr
+    assert r.returncode == 128 + signal.SIGINT, text[-3000:]
+    assert "stopped by SIGINT after step 2 of 6" in text and "Traceback" not in text, text[-3000:]
+    state = json.loads((checkpoint.latest(run) / "state.json").read_text())
+    assert (state["step"], state["stopped_by"]) == (2, "SIGINT")
+
+
+@pytest.mark.slow
+@linux
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, no_leftovers):
     config, run = job(tmp_path, "run", steps=5000), tmp_path / "run"
     with open(tmp_path / "out.txt", "w") as out:

@@ -169,6 +169,14 @@ class Runtime:
         torch.distributed.all_reduce(t)
         return {k: float(v) / self.world_size for k, v in zip(values, t.tolist())}
 
+    def largest(self, value: int) -> int:
+        """The largest of an integer over all ranks (e.g. the stop signal one rank received, 0 on the others)."""
+        if self.world_size == 1:
+            return int(value)
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on one (e.g. a stop signal received by one rank)."""
         return self.sum(1.0 if flag else 0.0) > 0
