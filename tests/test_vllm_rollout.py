@@ -1,7 +1,7 @@
 """GRPO's vLLM rollout engine on CPU (vLLM's CPU build): greedy rollouts equal transformers', the engine's log-probs
 equal the trainer's after a training step and a weight sync (an adapter as a new LoRA request, full weights in place),
 and GRPO with `engine: vllm` raises the reward on one process and two (colocated), and runs with a rollout server
-that ft train starts and stops.
+that ft train starts and stops; ranks that share a tensor-parallel engine submit the same requests to it.
 
 Runs in an environment with vLLM (the main one has none, and this file skips there):
     OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_rollout.py
@@ -13,6 +13,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 
@@ -190,3 +191,55 @@ def test_a_rollout_server_started_by_ft_train_serves_the_run_and_is_stopped_afte
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(url + "/health", timeout=5)  # stopped with the job
     assert not (tmp_path / "served" / "rollout-server.json").exists()  # the ranks read its address there while it ran
+
+
+# ---------------------------------------------------------------- a colocated engine shared by tensor-parallel ranks
+class RecordingLLM:
+    """Stands in for vLLM's LLM object (the library's side; ft's request building runs for real): records each
+    request's prompt and seed and answers it with [first prompt token, seed]."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def generate(self, prompts, params, lora_request=None, use_tqdm=False):
+        asked = [(list(p["prompt_token_ids"]), sp.seed) for p, sp in zip(prompts, params)]
+        self.submitted.append(asked)
+        return [
+            SimpleNamespace(outputs=[SimpleNamespace(token_ids=[ids[0], seed], logprobs=None)]) for ids, seed in asked
+        ]
+
+
+def _tensor_parallel_rank(rank: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    spec = EngineSpec(
+        model="m", tokenizer="m", dtype="fp32", max_model_len=8, tensor_parallel=2, external_launcher=True
+    )
+    section = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=2)
+    engine = VllmRollout(spec, section, stop=[0], llm=RecordingLLM())
+    mine = [[10 * rank + i] for i in range(rank + 2)]  # rank 0: two prompts, rank 1: three
+    got = engine.generate(mine, seed=100 * (rank + 1))
+    out.put((rank, [c.ids for c in got], engine.llm.submitted))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_ranks_sharing_a_tensor_parallel_engine_submit_the_same_requests_and_each_gets_its_own_back():
+    import torch.multiprocessing as mp
+
+    from tests.helpers import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_tensor_parallel_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (ids, sub)) for r, ids, sub in (out.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0][0] == [[0, 100], [1, 101]]
+    assert results[1][0] == [[10, 200], [11, 201], [12, 202]]
+    # one engine: both ranks ask it the same thing, every prompt once with its own seed
+    assert results[0][1] == results[1][1] == [[([0], 100), ([1], 101), ([10], 200), ([11], 201), ([12], 202)]]
