@@ -1,4 +1,4 @@
-"""The planner's memory estimate against the memory a real (CPU) training run adds, in a fresh process."""
+"""The planner's memory estimate against the memory a real (CPU) training run adds, each in a process of its own."""
 
 from __future__ import annotations
 
@@ -14,27 +14,27 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.slow  # each test trains in a process of its own
 
 
-def probe(adapter: str, keys: str = "") -> subprocess.Popen:
+def probe(jobs: list[tuple[str, str]]) -> list[dict]:
+    """tests/scripts/memory_probe.py: each (adapter, train keys) job trained in a child of one fresh process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     script = str(REPO / "tests" / "scripts" / "memory_probe.py")
-    return subprocess.Popen(
-        [sys.executable, script, adapter, keys],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+    r = subprocess.run(
+        [sys.executable, script, *(f"{adapter}|{keys}" for adapter, keys in jobs)],
+        capture_output=True,
         text=True,
         cwd=REPO,
         env=env,
+        timeout=600,
     )
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(d["adapter"], d["keys"]) for d in found] == jobs
+    return found
 
 
-def result(process: subprocess.Popen) -> dict:
-    out, err = process.communicate(timeout=600)
-    assert process.returncode == 0, err[-2000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
-# each probe trains in a fresh process (peak RSS only grows); they run side by side. Selective checkpointing's saving
-# is measured in tests/test_activation_savers.py (saved-tensor bytes fall as more layers recompute).
+# each job trains in a process of its own (peak RSS only grows), forked after the imports; they run side by side.
+# Selective checkpointing's saving is measured in tests/test_activation_savers.py (saved-tensor bytes fall as more
+# layers recompute).
 SAVERS = {
     "plain": "",
     "chunked loss": "loss_implementation: chunked",
@@ -43,9 +43,9 @@ SAVERS = {
 
 
 def test_estimate_is_within_band_of_measured_training_memory():
-    runs = {("full", name): probe("full", keys) for name, keys in SAVERS.items()}
-    runs["lora", "plain"] = probe("lora")
-    measured = {key: result(p) for key, p in runs.items()}
+    keys = [("full", name) for name in SAVERS] + [("lora", "plain")]
+    found = probe([(adapter, SAVERS[name]) for adapter, name in keys])
+    measured = dict(zip(keys, found))
     for (adapter, name), d in measured.items():
         ratio = d["estimated"] / d["measured"]
         print(

@@ -1,8 +1,12 @@
-"""Measure the peak host memory that training adds, next to the planner's estimate (run in a fresh process).
+"""Measure the peak host memory that training adds, next to the planner's estimate, for several jobs of one model.
 
-python tests/scripts/memory_probe.py full|lora [TRAIN_KEYS]  -> prints one JSON line: measured, estimated, breakdown
+python tests/scripts/memory_probe.py 'full|' 'full|loss_implementation: chunked' 'lora|' ...
+  -> one JSON line per job, in the order given: adapter, keys, measured, estimated, breakdown
 
-TRAIN_KEYS: more `train:` keys in YAML flow style, e.g. "loss_implementation: chunked" (the memory savers).
+Each job is ADAPTER|TRAIN_KEYS: full or lora, then more `train:` keys in YAML flow style (the memory savers). The
+imports, the model and its data file are made once here; each job then prepares its data (a cache of its own) and
+trains in a child forked from this process, all side by side. A child's peak resident memory starts from what it
+inherits (its peak mark is reset when it starts), so each job's growth is measured alone, as in a fresh process.
 """
 
 import json
@@ -10,9 +14,11 @@ import os
 import resource
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the children are forked after the tokenizer ran
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from finetune.config import loads
@@ -49,42 +55,82 @@ long = [
     for _ in range(64)
 ]
 data = write_jsonl(long, tmp / "d.jsonl")
-adapter = sys.argv[1]  # full | lora
-extra = f", {sys.argv[2]}" if len(sys.argv) > 2 and sys.argv[2] else ""
-if "checkpoint" not in extra:
-    extra = ", gradient_checkpointing: false" + extra
-text = f"""
-model: {{name: {tmp / "model"}}}
-data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / "cache"}, packing: true}}
-adapter: {{type: {adapter}}}
-train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2{extra}}}
-output: {{dir: {tmp / "run"}}}
-"""
-config = loads(text)
-p = plan(config, parse("cpu"), model_facts(config.model))
-prepared = prepare(config)
 
 
-def rss():
+def rss() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS"):
             return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-base = rss()
-job = setup(config, p, prepared)
-# the optimizer state is created at the end of the first step: the second is the first to peak with it
-for _ in range(2):
-    train_step(job)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(
-    json.dumps(
-        {
-            "measured": peak - base,
-            "estimated": p.estimate.device_bytes,
-            "breakdown": p.estimate.device,
-            "base": base,
-            "peak": peak,
-        }
-    )
-)
+def peak() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(adapter: str, keys: str, index: int) -> dict:
+    extra = f", {keys}" if keys else ""
+    if "checkpoint" not in extra:
+        extra = ", gradient_checkpointing: false" + extra
+    text = f"""
+model: {{name: {tmp / "model"}}}
+data: {{datasets: [{{path: {data}, format: chat}}], seq_len: 256, cache_dir: {tmp / f"cache-{index}"}, packing: true}}
+adapter: {{type: {adapter}}}
+train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2{extra}}}
+output: {{dir: {tmp / f"run-{index}"}}}
+"""
+    config = loads(text)
+    p = plan(config, parse("cpu"), model_facts(config.model))
+    prepared = prepare(config)
+    base = rss()
+    job = setup(config, p, prepared)
+    # the optimizer state is created at the end of the first step: the second is the first to peak with it
+    for _ in range(2):
+        train_step(job)
+    top = peak()
+    return {
+        "adapter": adapter,
+        "keys": keys,
+        "measured": top - base,
+        "estimated": p.estimate.device_bytes,
+        "breakdown": p.estimate.device,
+        "base": base,
+        "peak": top,
+    }
+
+
+children = []
+for index, job_spec in enumerate(sys.argv[1:]):
+    adapter, _, keys = job_spec.partition("|")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one job, its figures down the pipe
+        os.close(read)
+        status = 1
+        try:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # reset the peak mark to the memory in use now
+            except OSError:
+                pass  # kernels before 4.0: the peak inherited from the parent (below the training's peak)
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(measure(adapter, keys, index)))
+            status = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(status)
+    os.close(write)
+    children.append((pid, os.fdopen(read)))
+failed = 0
+for pid, pipe in children:
+    text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        failed += 1
+        print(f"a job's child failed with status {status}", file=sys.stderr)
+    else:
+        print(text)
+sys.exit(1 if failed else 0)
