@@ -97,24 +97,28 @@ def packed_rows():
     return examples, rows
 
 
-# The test files that take longest, longest first (seconds of a whole file alone on 2 busy cores, --durations:
-# alignment 200 (of which the sft_model build 60-110), deepspeed 150-275, distributed 150, preference_distributed
-# 90-250 (DeepSpeed's first CPU op build), signals 124, train 80, sharded_loading 74, slurm 65). One-process runs
-# that a test compares with train in the test's process (tests/helpers.py train_here): a new one imports for 10-15 s.
-# scripts/test.sh runs whole files on 2 workers (--dist loadfile) in collection order: a long file that started last
-# would run alone.
+# The test files that take longest, longest first (seconds of a whole file on 3 workers sharing 2 cores, from a cold
+# test cache, --junitxml: alignment 226 (of which the sft_model build 100), distributed 211, deepspeed 124,
+# tensor_parallel 120, families 118, signals 98, slurm 87, gpu_first_contact 86, memory_measured 85, expert_parallel
+# 79, generate_multinode 70, reward 62, sharded_loading 56, train 56). One-process runs that a test compares with train
+# in the test's process (tests/helpers.py train_here): a new one imports for 10-15 s. scripts/test.sh runs whole files
+# on 3 workers (--dist loadfile) in collection order: a long file that started last would run alone.
 LONGEST_FIRST = (
     "test_alignment.py",
-    "test_deepspeed.py",
     "test_distributed.py",
-    "test_preference_distributed.py",
+    "test_deepspeed.py",
+    "test_tensor_parallel.py",
+    "test_families.py",
     "test_signals.py",
-    "test_train.py",
-    "test_sharded_loading.py",
     "test_slurm.py",
+    "test_gpu_first_contact.py",
     "test_memory_measured.py",
-    "test_generate.py",
-    "test_qlora_sharded.py",
+    "test_expert_parallel.py",
+    "test_generate_multinode.py",
+    "test_reward.py",
+    "test_sharded_loading.py",
+    "test_train.py",
+    "test_preference_distributed.py",
 )
 
 
