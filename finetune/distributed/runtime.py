@@ -173,13 +173,13 @@ class Runtime:
         """The largest of an integer over all ranks (e.g. the stop signal one rank received, 0 on the others)."""
         if self.world_size == 1:
             return int(value)
-        t = torch.tensor([int(value)], dtype=torch.int64)
+        t = torch.tensor([int(value)], dtype=torch.int64)  # host memory: gloo's half of the group (`backend`)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t.item())
 
     def any(self, flag: bool) -> bool:
-        """True on every rank when it is true on one (e.g. a stop signal received by one rank)."""
-        return self.sum(1.0 if flag else 0.0) > 0
+        """True on every rank when it is true on one (e.g. a rank whose checkpoint write failed)."""
+        return self.largest(1 if flag else 0) > 0
 
     def barrier(self) -> None:
         if self.world_size > 1:
