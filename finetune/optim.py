@@ -74,12 +74,32 @@ def optimizer_factory(train: TrainSection, lr: float, pure_bf16: bool, compensat
 
 
 def build_scheduler(optimizer, train: TrainSection, total_steps: int):
-    """Linear warmup, then cosine / linear decay to zero, or constant."""
-    from transformers import get_scheduler
+    """Linear warmup, then cosine / linear decay to zero, or constant: torch's LambdaLR over `lr_multiplier` (the
+    multipliers of transformers' get_scheduler for cosine, linear and constant_with_warmup, formula for formula, as
+    torchtune and torchtitan keep their own). transformers.get_scheduler itself is not called: importing
+    transformers.optimization imports its Trainer utilities, which import peft and bitsandbytes (~1.8 s of CPU in every
+    process, where a full fine-tuning rank needs neither). The lambda is a functools.partial, as get_scheduler's is, so
+    scheduler.pt has the same contents and a checkpoint written by either resumes under the other."""
+    from functools import partial
 
-    warmup = train.warmup_steps or int(round(train.warmup_ratio * total_steps))
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[train.scheduler]
-    return get_scheduler(name, optimizer, num_warmup_steps=min(warmup, total_steps), num_training_steps=total_steps)
+    warmup = min(train.warmup_steps or int(round(train.warmup_ratio * total_steps)), total_steps)
+    multiplier = partial(lr_multiplier, kind=train.scheduler, warmup=warmup, total=total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+def lr_multiplier(step: int, *, kind: str, warmup: int, total: int) -> float:
+    """The learning rate of `step` as a fraction of the configured one: 0 -> 1 linearly over `warmup` steps, then 1
+    (`constant`), or down to 0 at `total` along a straight line (`linear`) or half a cosine (`cosine`)."""
+    import math
+
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if kind == "constant":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
 # ---------------------------------------------------------------- AdamW for bf16 weights
