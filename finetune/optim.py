@@ -8,6 +8,7 @@ stochastic rounding or a Kahan compensation buffer, so that updates below half a
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch.optim.adamw import adamw  # torch's functional AdamW: CompensatedAdamW runs its math
@@ -90,8 +91,6 @@ def build_scheduler(optimizer, train: TrainSection, total_steps: int):
 def lr_multiplier(step: int, *, kind: str, warmup: int, total: int) -> float:
     """The learning rate of `step` as a fraction of the configured one: 0 -> 1 linearly over `warmup` steps, then 1
     (`constant`), or down to 0 at `total` along a straight line (`linear`) or half a cosine (`cosine`)."""
-    import math
-
     if step < warmup:
         return float(step) / float(max(1, warmup))
     if kind == "constant":
