@@ -119,7 +119,7 @@ def test_compiled_layers_under_fsdp2_give_the_eager_loss_and_gradients():
     def check():
         eager = tiny_llama("sdpa").train()
         sharded = copy.deepcopy(eager)
-        fsdp.wrap(sharded, "fp32", "full_shard", 1, 1, torch.device("cpu"))
+        fsdp.wrap(sharded, "fp32", "full_shard", 1, 1, torch.device("cpu"), split_layers=False)
         assert compile_layers(sharded, backend="aot_eager") == 2
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
         loss_e, grads_e = step_of(eager, ids)

@@ -155,6 +155,8 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
         "output.save_steps=3",
         "--set",  # the head runs outside the forward, on the root unit gathered again: still one process's losses
         "train.loss_implementation=chunked",
+        "--set",  # each layer's recomputed forward gathers its inner units (fsdp.pieces) again
+        "train.gradient_checkpointing=true",
     ]
     stopped = ft_train(fsdp, *sharded, env=step_hook(tmp_path, stop_at=4))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
@@ -166,7 +168,7 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     plan = json.loads((tmp_path / "fsdp" / "plan.json").read_text())
     assert (plan["backend"], plan["sharding"], plan["world_size"]) == ("fsdp", "full_shard", 2)
-    assert plan["loss_implementation"] == "chunked"
+    assert plan["loss_implementation"] == "chunked" and plan["gradient_checkpointing"]
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
     from transformers import AutoModelForCausalLM
 

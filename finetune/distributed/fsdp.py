@@ -1,8 +1,9 @@
 """FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over ranks.
 
-Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), then the root; the
-embeddings and the output head stay sharded by vocabulary rows, walked a chunk at a time (distributed/vocab.py), or
-where that cannot apply are units of their own (unless tied). `shard_grad_op` keeps the gathered parameters from
+Each decoder layer is one unit (its parameters are all-gathered just before use and freed after), its attention and
+its largest matrices units of their own inside it (`pieces`), then the root; the embeddings and the output head stay
+sharded by vocabulary rows, walked a chunk at a time (distributed/vocab.py), or where that cannot apply are units of
+their own (unless tied). `shard_grad_op` keeps the gathered parameters from
 forward to backward; `hybrid_shard` shards inside a node and replicates across nodes (a 2-D device mesh). Mixed
 precision computes in the plan's half precision and reduces gradients in fp32. Checkpoints are engine.py's: every
 rank writes its shards into one torch.distributed.checkpoint folder.
@@ -46,6 +47,7 @@ def wrap(
     expert_parallel: int = 1,
     head_unit: bool = True,
     vocab_rows: bool = True,
+    split_layers: bool = True,
 ):
     """fully_shard each decoder layer, then the root; the embeddings and the output head split by vocabulary rows
     (distributed/vocab.py; `vocab_rows` false, or where it cannot apply: units of their own, `ends`). A model that
@@ -53,7 +55,9 @@ def wrap(
     With tensor (or context) parallelism the ranks form a (dp, cp, tp) mesh (distributed/mesh.py): each decoder layer
     is first split over tp (distributed/tp.py), then FSDP2 shards every parameter over the dp (× cp) sub-mesh. With
     expert parallelism the routed experts are split over ep ranks first and each experts module is its own unit over
-    the ranks that hold the same experts (distributed/ep.py); the rest is sharded over all ranks."""
+    the ranks that hold the same experts (distributed/ep.py); the rest is sharded over all ranks. `split_layers`: on
+    a 1-D or hybrid mesh without expert parallelism, the large parts of each layer are units inside its unit
+    (`pieces`); false for layers torch.compile compiles whole (each inner unit's hooks would break the graph)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -92,7 +96,10 @@ def wrap(
         ignored = vocab.shard(
             rows, kwargs["mesh"], budget, kwargs["mp_policy"].param_dtype if "mp_policy" in kwargs else None
         )
-    for unit in (*layers, *(m for m in ends(model, head_unit) if m not in rows)):
+    inner = (
+        [p for layer in layers for p in pieces(layer)] if split_layers and grid is None and expert_parallel == 1 else []
+    )
+    for unit in (*inner, *layers, *(m for m in ends(model, head_unit) if m not in rows)):
         fully_shard(unit, reshard_after_forward=reshard, **kwargs)
     fully_shard(runner(model), reshard_after_forward=reshard, ignored_params=ignored or None, **kwargs)
     if device.type == "cpu":  # gloo's all-gather stages a second copy of each unit (vocab.gather_rows)
@@ -100,6 +107,34 @@ def wrap(
             if isinstance(unit, FSDPModule):
                 unit.set_custom_all_gather(vocab.CpuAllGather())
     return model
+
+
+def pieces(layer) -> list:
+    """The parts of a decoder layer sharded as units of their own inside the layer's unit, so that a rank holds one
+    part gathered at a time (with its all-gather buffer beside it while it is copied out) instead of the whole layer:
+    each child module no larger than the layer's largest matrix (x1.25, for an adapter's or a bias's extra parameters)
+    and not much smaller (at least 1/8 of it; norms and routers stay in the layer's unit), descending into larger
+    children made of smaller modules. A Llama layer: its attention, then gate, up and down projections, each a
+    quarter of the layer; an MoE layer: its experts module (whose fused expert tensors are its own parameters), with
+    the attention if not far smaller. FSDP2 nests units (torch 2.13 fully_shard: a unit manages the parameters no inner
+    unit took); under activation checkpointing the recomputed forward gathers each part again, as it gathers layers."""
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in layer.modules()]
+    most = 1.25 * max(own, default=0)
+    found = []
+
+    def walk(module):
+        for child in module.children():
+            size = sum(p.numel() for p in child.parameters())
+            container = type(child).forward is torch.nn.Module.forward  # a ModuleDict or ModuleList: not a unit
+            # a matrix with its own parameters, or an adapter around one (peft's layers hold a `base_layer`): whole
+            whole = hasattr(child, "base_layer") or size == sum(p.numel() for p in child.parameters(recurse=False))
+            if container or (size > most and not whole):
+                walk(child)
+            elif size * 8 >= most:
+                found.append(child)
+
+    walk(layer)
+    return found
 
 
 def ends(model, head: bool = True) -> list:
@@ -135,6 +170,7 @@ def wrap_planned(model, plan, device: torch.device):
         context_parallel=plan.context_parallel,
         expert_parallel=plan.expert_parallel,
         head_unit=plan.loss_implementation == "plain",
+        split_layers=not plan.compile,
     )
 
 

@@ -380,7 +380,9 @@ def gathered_bytes(m: ModelFacts, s: Setup, a: int, stored: float) -> float:
     one). FSDP2 on a plain mesh (`vocab_rows`) gathers the embeddings and the head half a layer at a time; otherwise
     (distributed/fsdp.py `ends`) untied embeddings and the output head are units of their own, each gathered only
     while it runs, next to one layer; the root unit (final norm, a tied table, and the head where the loss runs it
-    outside the forward pass, chunk by chunk) stays gathered for the whole step."""
+    outside the forward pass, chunk by chunk) stays gathered for the whole step. Two whole layers also where FSDP2
+    gathers a layer in parts (distributed/fsdp.py pieces, a quarter of a Llama layer each): compiled layers (chosen
+    after the fit) stay whole units, and a bound for every family is two layers."""
     layer = m.layer_params * (a if s.adapter == "full" else stored) / s.tensor_parallel
     if s.sharding not in FSDP:
         return 2 * layer
