@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 
 from finetune.config.schema import AdapterSection
 from finetune.errors import FtError
@@ -24,9 +25,14 @@ _ZERO = ("lora_B", "lora_embedding_A")
 def apply_adapter(model, adapter: AdapterSection, plan):
     """Make the planned parameters trainable; returns the (possibly peft-wrapped) model. Works on a meta-device model
     too."""
+    vision = getattr(plan, "vision", False)
     if plan.adapter == "full":
         for p in model.parameters():
             p.requires_grad_(True)
+        if vision:  # the vision side as planned (model.train_vision)
+            from finetune.vision import freeze
+
+            freeze(model, plan.train_vision)
         return model
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -41,6 +47,14 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         modules = list(dict.fromkeys([*modules, "embed_tokens", "score" if score else "lm_head"]))
     if score:
         modules = list(dict.fromkeys([*modules, "score"]))
+    exclude = None
+    if vision:  # the adapter is on the language model; the projector (and the tower) train in full where planned
+        from finetune.vision import parts_of, vision_names
+
+        towers, projectors = parts_of(model)
+        trained = {"projector": projectors, "all": towers + projectors}.get(plan.train_vision, [])
+        modules = list(dict.fromkeys([*modules, *trained]))
+        exclude = "|".join(f"{re.escape(name)}(\\..*)?" for name in vision_names(model)) or None
     targets, dropout = lora_targets(model, adapter, tuple(modules))
     config = LoraConfig(
         r=adapter.r,
@@ -51,6 +65,7 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         use_dora=adapter.dora,
         use_rslora=adapter.rslora,
         modules_to_save=modules or None,
+        exclude_modules=exclude,
         task_type="SEQ_CLS" if score else "CAUSAL_LM",
     )
     try:

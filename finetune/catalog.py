@@ -140,6 +140,32 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
         model_type=model_type,
         **{**core, **switches},
         tie_word_embeddings=model_type in TIED_BY_DEFAULT if tie is None else bool(tie),
+        vision_params=vision_params(cfg, core["hidden_size"]),
+    )
+
+
+def vision_params(cfg: dict, text_hidden: int) -> int:
+    """A vision-language model's vision tower and projector, estimated from its vision_config (0 without one): per
+    encoder layer attention (4h²) and MLP (2·h·i), the patch embedding (c·p²·h, times the frames a patch spans) and
+    the position table, and a two-layer projector into the language model."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        return 0
+    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0)  # Qwen2-VL: embed_dim (hidden_size: its output)
+    if h <= 0:
+        return 0
+    layers = int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
+    inter = int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h)
+    patch = int(v.get("patch_size") or 14)
+    channels = int(v.get("num_channels") or v.get("in_chans") or v.get("in_channels") or 3)
+    frames = int(v.get("temporal_patch_size") or 1)
+    positions = (int(v.get("image_size") or 0) // patch) ** 2
+    out = int(_first(v, ("out_hidden_size",)) or h)
+    return (
+        layers * (4 * h * h + 2 * h * inter)
+        + channels * patch * patch * frames * h
+        + positions * h
+        + (out * text_hidden + text_hidden * text_hidden)
     )
 
 
@@ -289,7 +315,9 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
     """
     folder = Path(name).expanduser()
     if (folder / "config.json").is_file():
-        return from_hf_config(_local_config(folder, trust_remote_code), name)
+        facts = from_hf_config(_local_config(folder, trust_remote_code), name)
+        processor = any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json"))
+        return replace(facts, image_processor=facts.vision_params > 0 and processor)
     found = lookup(name)
     if found is not None:
         return found
@@ -302,4 +330,5 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
         cfg = _hub_config(name, revision, trust_remote_code, local_only=bool(why))
     except Exception as exc:  # noqa: BLE001 - every way the hub fails means "not found here"
         raise ModelNotFound(name, tuple(suggest(name)), _first_line(exc)) from exc
-    return from_hf_config(cfg, name)
+    facts = from_hf_config(cfg, name)
+    return replace(facts, image_processor=facts.vision_params > 0)  # a hub model ships its processor files

@@ -91,6 +91,8 @@ class ModelFacts:
     expert_scale: bool = False  # a learned scale per expert (Gemma 4)
     checkpoint_quantization: str = ""  # the published weights' format where quantized (gpt-oss: mxfp4)
     counts_exact: bool = True  # False where the layout was guessed (an unknown model_type)
+    vision_params: int = 0  # a vision-language model's vision tower and projector (estimated from its vision_config)
+    image_processor: bool = False  # its processor files are known to exist (a hub model's always are)
     source: str = ""  # where the catalog's values come from
     aliases: tuple[str, ...] = ()
 
@@ -169,7 +171,8 @@ class ModelFacts:
     @property
     def num_params(self) -> int:
         """Total parameters, as transformers instantiates the model (tied weights counted once)."""
-        return self.embedding_params + self.lm_head_params + self.decoder_params + norm_params(self)
+        text = self.embedding_params + self.lm_head_params + self.decoder_params + norm_params(self)
+        return text + self.vision_params
 
     @property
     def other_params(self) -> int:

@@ -118,7 +118,7 @@ def _model(config, plan):
     from finetune.data.preprocess import training_tokenizer
     from finetune.models import load_model
 
-    tokenizer, _, _ = training_tokenizer(config)
+    tokenizer, _, _, _ = training_tokenizer(config)
     # the attention the run's plan chose, which the model class supports (no forward pass runs here)
     model = apply_adapter(load_model(config.model, plan, tokenizer), config.adapter, plan)
     return model, tokenizer

@@ -145,6 +145,10 @@ def kept_modules(model: ModelSection, plan, path: str) -> list[str]:
     """What a 4/8-bit base leaves unquantized besides a score head: on an MoE model (plan.moe) what peft adapts
     through target_parameters (finetune/experts.py, from the model's config at `path`); nothing on a dense model,
     which the plan knows: its loading reads no config and asks no hub for it."""
+    if getattr(plan, "vision", False):  # bitsandbytes quantizes the language model only: the vision side stays
+        from finetune.vision import PROJECTORS, TOWERS
+
+        return [*TOWERS, *PROJECTORS]
     if not plan.moe:
         return []
     from finetune.experts import kept_unquantized
@@ -195,9 +199,11 @@ def build_empty(model: ModelSection, plan, tokenizer, attn: str, dtype: str):
 def auto_class(plan):
     """transformers' Auto class for the plan's head: a causal LM, or a sequence classifier with one output (reward
     models: its `score` layer reads the hidden state of each sequence's last token that is not padding)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification if plan.head == "score" else AutoModelForCausalLM
+    if plan.head == "score":
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if getattr(plan, "vision", False) else AutoModelForCausalLM
 
 
 def head_options(plan, tokenizer) -> dict:
@@ -259,6 +265,10 @@ def finish_model(net, plan):
     the CPU, activation checkpointing where planned: on plan.checkpoint_layers decoder layers, or all of them when it is
     0 (every backend's loader ends here)."""
     net.config.use_cache = False
+    if getattr(plan, "vision", False):  # what of the vision side trains (an adapter then freezes all of the base)
+        from finetune.vision import freeze
+
+        freeze(net, plan.train_vision)
     if plan.quantization == "nf4":
         from finetune.compat import keep_4bit_layers_trainable_on_cpu
 

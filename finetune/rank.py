@@ -142,7 +142,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             trackers.close(failed=True)
             raise
     trackers.close()
-    final = train.save_final(job, run_dir, prepared.tokenizer)
+    # a vision-language model's processor (tokenizer, image processor, chat template) loads with the final model
+    final = train.save_final(job, run_dir, getattr(prepared, "processor", None) or prepared.tokenizer)
     # before the return of other ranks: a sharded model generates on all
     after = _task_eval(config, job, prepared.tokenizer)
     if not is_main:

@@ -208,3 +208,100 @@ def ensure_model(name: str = "ft-tiny", root: str | Path = "~/.cache/ft/models")
     except OSError:  # another process built it first
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+# ---------------------------------------------------------------- a tiny vision-language model and an image task
+IMAGE_TOKEN = "<image>"
+VLM_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<image>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
+
+
+def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """Save a randomly initialised tiny LLaVA (a 2-layer CLIP vision tower, a projector, a 2-layer Llama) with its
+    processor (ft's tiny tokenizer with an image token, a CLIP image processor, a ChatML template with image parts) to
+    out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor."""
+    import torch
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, IMAGE_TOKEN))
+    tokenizer.chat_template = VLM_TEMPLATE
+    images = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    processor = LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        chat_template=VLM_TEMPLATE,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch,
+            projection_dim=32,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=None,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return model, processor
+
+
+def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32) -> list[dict]:
+    """Chat records asking the colour of the square in a generated picture, each with its image (PNG, written into
+    `folder`, referenced relative to it): the answer depends on the image alone (text alone is at chance, 1 in 4)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = random.Random(seed)
+    folder = Path(folder)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    names = sorted(COLORS)
+    out = []
+    for i in range(n):
+        color = rng.choice(names)
+        pixels = np.random.default_rng(seed * 100003 + i).integers(0, 60, (size, size, 3), dtype=np.uint8)
+        side = rng.randint(size // 2, size - 4)
+        x, y = rng.randint(0, size - side), rng.randint(0, size - side)
+        pixels[y : y + side, x : x + side] = COLORS[color]
+        name = f"images/{seed}-{i}.png"
+        Image.fromarray(pixels).save(folder / name)
+        question = [{"type": "image", "image": name}, {"type": "text", "text": "What colour is the square?"}]
+        out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": color}]})
+    return out

@@ -357,12 +357,14 @@ def _check_model_rules(config, config_path: str) -> None:
 
     from finetune.catalog import lookup
     from finetune.config.moe_checks import moe_problems
+    from finetune.config.vision_checks import vision_problems
     from finetune.errors import ConfigError
 
     local = (Path(config.model.name).expanduser() / "config.json").is_file()
     if not local and lookup(config.model.name) is None:
         return
-    problems = moe_problems(config, model_facts(config.model))
+    facts = model_facts(config.model)
+    problems = moe_problems(config, facts) + vision_problems(config, facts)
     if problems:
         raise ConfigError(config_path, problems)
 

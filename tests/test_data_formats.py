@@ -38,7 +38,8 @@ def test_fields_agree_with_the_config_checks():
 # ---------------------------------------------------------------- chat
 def test_chat_openai_style_keeps_origin():
     record = {"messages": [user("hi"), bot("hello")], "_origin": "f.jsonl:3"}
-    assert normalize(record, spec("chat")) == {"messages": [user("hi"), bot("hello")], "_origin": "f.jsonl:3"}
+    expected = {"messages": [user("hi"), bot("hello")], "images": [], "_origin": "f.jsonl:3"}
+    assert normalize(record, spec("chat")) == expected
 
 
 def test_chat_sharegpt_conversations_are_detected():
@@ -96,7 +97,7 @@ def test_chat_conversation_as_json_text():
         ([user("hi"), {"role": "narrator", "content": "x"}], r"message messages\[1\] has an unknown role 'narrator'"),
         (
             [user("hi"), {"role": "assistant", "content": ["parts"]}],
-            r"message messages\[1\] \(assistant\): 'content' must be a string, got a list",
+            r"message messages\[1\] \(assistant\): part 0 must be \{\"type\": \"text\"",
         ),
         ([user("hi"), {"from": "gpt"}], r"message messages\[1\] \(gpt\) has no 'value'"),
         ([user("hi"), user("anyone?")], r"'messages' has no assistant message"),

@@ -21,6 +21,7 @@ class MethodSection(Section):
 
     formats: ClassVar[frozenset[str]] = frozenset()  # the data formats it trains on
     packing: ClassVar[bool] = False  # whether data.packing applies to it
+    images: ClassVar[bool] = False  # it trains a vision-language model on chat records with images (finetune/vision.py)
     validates: ClassVar[bool] = True  # it has a validation loss (data.validation is evaluated)
     sequences_per_row: ClassVar[int] = 1  # sequences a dataset row puts through the model (DPO: chosen + rejected)
     learning_rates: ClassVar[tuple[float, float]] = (2e-5, 2e-4)  # lr: auto for (full fine-tuning, an adapter)
@@ -87,6 +88,7 @@ class SFTMethod(MethodSection):
 
     formats: ClassVar[frozenset[str]] = frozenset({"chat", "instruction", "completion", "prompt_completion"})
     packing: ClassVar[bool] = True
+    images: ClassVar[bool] = True
     summed_loss: ClassVar[bool] = True
 
     name: Literal["sft"]

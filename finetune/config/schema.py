@@ -36,6 +36,11 @@ class ModelSection(Section):
     flash_attention_2 where flash-attn is installed."""
     trust_remote_code: bool = False
     """Run Python code shipped with the model's repository. Off unless you trust its author."""
+    train_vision: Literal["auto", "none", "projector", "all"] = "auto"
+    """Vision-language models: what of the vision side trains. `none`: the vision tower and the projector stay frozen
+    (the adapter, or full fine-tuning, on the language model only); `projector`: the projector into the language model
+    trains in full as well; `all`: the vision tower too. `auto`: none with LoRA/QLoRA, projector with full
+    fine-tuning; `ft plan` says which and why."""
 
 
 # ---------------------------------------------------------------- data

@@ -1,13 +1,15 @@
 """One canonical record shape per data format.
 
-    chat, instruction   {"messages": [{"role", "content"}, ...]}
+    chat                {"messages": [{"role", "content"}, ...], "images": [path, ...] (one per image marker)}
+    instruction         {"messages": [{"role", "content"}, ...]}
     completion          {"text": str}
     prompt_completion   {"prompt": str, "completion": str}
     preference          {"prompt": messages, "chosen": messages, "rejected": messages}
     prompt_only         {"prompt": messages, "extra": JSON text of the other columns}
     unpaired            {"prompt": messages, "completion": messages, "label": bool (true: desirable)}
 
-Every shape keeps the source's `_origin` column. Roles are user, assistant, system and tool.
+Every shape keeps the source's `_origin` column. Roles are user, assistant, system and tool. A chat message's images
+are marked in its text by finetune/vision.py's PLACEHOLDER, their files (checked, absolute) listed in order.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from functools import partial
 
 import datasets
 
+from finetune import vision
 from finetune.config.schema import DatasetSpec
 from finetune.data.readers import MAX_EXAMPLES, ORIGIN, SKIP_FIX
 from finetune.data.readers import kind as _kind
@@ -68,10 +71,11 @@ _HINTS = {
 }
 _MESSAGES = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
 _TEXT = datasets.Value("string")
+_PATHS = datasets.List(datasets.Value("string"))
 _BOOL = datasets.Value("bool")
 _NUMBER = datasets.Value("float64")
 _SHAPES = {
-    "chat": {"messages": _MESSAGES},
+    "chat": {"messages": _MESSAGES, "images": _PATHS},
     "instruction": {"messages": _MESSAGES},
     "completion": {"text": _TEXT},
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
@@ -105,10 +109,51 @@ def normalize(record: dict, spec: DatasetSpec) -> dict:
 
 def _chat(record: dict, spec: DatasetSpec) -> dict:
     name = _column("messages", spec, record)
-    messages = _with_system(_messages(_value(record, "messages", spec), name), _system(record, spec))
+    slots: list[str | None] = []  # each image marker's file in order (None: the next of the record's `images`)
+    messages = _with_system(_messages(_value(record, "messages", spec), name, slots), _system(record, spec))
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError(f"'{name}' has no assistant message, so there is nothing to train on")
-    return {"messages": messages}
+    images = _images(record, slots)
+    if images and not any(
+        m["content"].replace(vision.PLACEHOLDER, "").strip() for m in messages if m["role"] == "assistant"
+    ):
+        raise RecordError(f"'{name}': the assistant messages hold no text, so this record has nothing to train on")
+    return {"messages": messages, "images": images}
+
+
+_IN_TEXT = object()  # an image marker written in a message's text (the LLaVA layout), filled from `images`
+
+
+def _images(record: dict, slots: list) -> list[str]:
+    """The record's image files in marker order, each resolved (relative to the data file) and checked."""
+    listed = record.get("images", record.get("image"))
+    if listed is None:  # no images column: an image marker written in the text is text (LLaVA's layout has both)
+        slots[:] = [s for s in slots if s is not _IN_TEXT]
+        listed = []
+    elif isinstance(listed, str):
+        listed = [listed]
+    if not isinstance(listed, list):
+        raise RecordError(f"'images' must be a list of image paths, got {_kind(listed)}")
+    wanted = sum(1 for s in slots if s is None or s is _IN_TEXT)
+    if wanted != len(listed):
+        raise RecordError(
+            f"the messages hold {wanted} {vision.PLACEHOLDER} marker{'s' if wanted != 1 else ''} (or image parts "
+            f"without a path) but 'images' lists {len(listed)} image{'s' if len(listed) != 1 else ''}: each listed "
+            f"image needs one {vision.PLACEHOLDER} where it belongs in the text, and each marker one image"
+        )
+    origin = str(record.get(ORIGIN) or "")
+    source = origin.rsplit(":", 1)[0] if ":" in origin else None
+    queue = iter(listed)
+    out = []
+    for slot in slots:
+        ref = slot if isinstance(slot, str) else next(queue)
+        try:
+            path = vision.resolve(ref, source)
+            vision.check_image(path)
+        except vision.ImageError as e:
+            raise RecordError(str(e)) from None
+        out.append(str(path.resolve()))
+    return out
 
 
 def _instruction(record: dict, spec: DatasetSpec) -> dict:
@@ -290,7 +335,9 @@ def _turns(value: object, name: str, role: str) -> list[dict]:
     return _messages(value, name)
 
 
-def _messages(value: object, name: str) -> list[dict]:
+def _messages(value: object, name: str, slots: list | None = None) -> list[dict]:
+    """Messages read from a list (or JSON text); `slots` (chat records): where image markers are allowed, each one
+    found appends its file (or None: the next of the record's `images`)."""
     if isinstance(value, str) and value.lstrip().startswith("["):  # a conversation stored as JSON text (CSV)
         try:
             value = json.loads(value)
@@ -302,10 +349,10 @@ def _messages(value: object, name: str) -> list[dict]:
         raise RecordError(f"'{name}' must be a list of messages, got {_kind(value)}")
     if not value:
         raise RecordError(f"'{name}' is an empty conversation")
-    return [_message(m, f"{name}[{i}]") for i, m in enumerate(value)]
+    return [_message(m, f"{name}[{i}]", slots) for i, m in enumerate(value)]
 
 
-def _message(message: object, where: str) -> dict:
+def _message(message: object, where: str, slots: list | None = None) -> dict:
     """An OpenAI-style {role, content} or ShareGPT-style {from, value} message, detected per message."""
     if not isinstance(message, dict):
         raise RecordError(f"message {where} must be an object with role and content, got {_kind(message)}")
@@ -323,11 +370,48 @@ def _message(message: object, where: str) -> dict:
         )
     if content is None:
         raise RecordError(f"message {where} ({role}) has no '{keys[1]}'")
+    if slots is not None and isinstance(content, list):
+        content = _parts(content, f"message {where} ({role})", slots)
+    elif slots is not None and isinstance(content, str):
+        slots.extend([_IN_TEXT] * content.count(vision.PLACEHOLDER))
     if not isinstance(content, str):
         raise RecordError(
             f"message {where} ({role}): '{keys[1]}' must be a string, got {_kind(content)}; ft reads text messages only"
         )
     return {"role": ROLES[role.strip().lower()], "content": content}
+
+
+def _parts(parts: list, where: str, slots: list) -> str:
+    """Content parts ({"type": "text", "text"}, {"type": "image", "image": PATH}) as text with image markers."""
+    out = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if vision.PLACEHOLDER in part["text"]:
+                raise RecordError(
+                    f"{where}: text part {k} holds {vision.PLACEHOLDER!r}, which marks images; put images in parts of "
+                    'type "image"'
+                )
+            out.append(part["text"])
+        elif kind in ("image", "image_url"):
+            ref = part.get("image", part.get("path", part.get("url", part.get("image_url"))))
+            if isinstance(ref, dict):  # OpenAI style: {"image_url": {"url": ...}}
+                ref = ref.get("url")
+            if ref is not None and not isinstance(ref, str):
+                raise RecordError(f"{where}: image part {k} must give its file as a path, got {_kind(ref)}")
+            slots.append(ref)
+            out.append(vision.PLACEHOLDER)
+        else:
+            raise RecordError(
+                f'{where}: part {k} must be {{"type": "text", "text": ...}} or {{"type": "image", "image": PATH}}, '
+                f"got {_short(part)}"
+            )
+    return "".join(out)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------- a whole dataset
@@ -416,7 +500,7 @@ def _normalize_batch(
             if not skip or isinstance(e, MissingColumn):
                 raise _record_error(origin, e, *where) from None
             row = {
-                k: [] if v is _MESSAGES else False if v is _BOOL else None if v is _NUMBER else ""
+                k: [] if v is _MESSAGES or v is _PATHS else False if v is _BOOL else None if v is _NUMBER else ""
                 for k, v in _SHAPES[spec.format].items()
             } | {"_error": f"{origin}: {e}"}
         row[ORIGIN] = origin

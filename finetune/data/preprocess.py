@@ -35,6 +35,7 @@ class Prepared:
     added_tokens: tuple[str, ...]
     tokenizer: object
     built: bool  # False when a complete cache entry was reused
+    processor: object = None  # a vision-language model's processor (finetune/vision.py)
 
 
 def prepare(
@@ -48,11 +49,12 @@ def prepare(
     problems = check_paths(config)
     if problems:
         raise DataError("\n".join(problems))
-    tokenizer, jinja, added = tokens or training_tokenizer(config)
-    key = fingerprint(fingerprint_parts(config, tokenizer, jinja))
+    tokens = tokens or training_tokenizer(config)
+    tokenizer, jinja, added, processor = tokens
+    key = fingerprint(fingerprint_parts(config, tokenizer, jinja, processor))
     cache = DataCache(config.data.cache_dir)
     with cache.lock(key):
-        if force and cache.is_complete(key):
+        if cache.is_complete(key) and (force or _images_changed(cache.path(key))):
             cache.remove(key)
         built = not cache.is_complete(key)
         if built:
@@ -60,13 +62,31 @@ def prepare(
 
             disable_progress_bars()
             with cache.build(key) as tmp:
-                summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None))
+                summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None), processor)
                 summary["added_tokens"] = added
                 (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
     root = cache.path(key)
     summary = json.loads((root / "summary.json").read_text())
     train, validation = _splits(root)
-    return Prepared(train, validation, summary, root, tuple(added), tokenizer, built)
+    return Prepared(train, validation, summary, root, tuple(added), tokenizer, built, processor)
+
+
+def _images_changed(root: Path) -> bool:
+    """Whether an image the prepared data refers to is gone or has other content than when it was prepared: the
+    images' files are part of the data's fingerprint, checked when the cache is reused."""
+    from finetune.vision import file_sha256
+
+    try:
+        images = json.loads((root / "summary.json").read_text()).get("image_files") or {}
+    except (OSError, ValueError):
+        return True
+    for path, digest in images.items():
+        try:
+            if file_sha256(Path(path)) != digest:
+                return True
+        except OSError:
+            return True
+    return False
 
 
 def load_prepared(config: Config, root: Path) -> Prepared:
@@ -76,10 +96,10 @@ def load_prepared(config: Config, root: Path) -> Prepared:
             f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train "
             "again, which prepares it"
         )
-    tokenizer, _, added = training_tokenizer(config)
+    tokenizer, _, added, processor = training_tokenizer(config)
     summary = json.loads((root / "summary.json").read_text())
     train, validation = _splits(root)
-    return Prepared(train, validation, summary, root, tuple(added), tokenizer, False)
+    return Prepared(train, validation, summary, root, tuple(added), tokenizer, False, processor)
 
 
 def _splits(root: Path) -> tuple[Rows, Rows | None]:
@@ -95,15 +115,39 @@ class Tokens(NamedTuple):
     tokenizer: object
     jinja: str | None
     added: tuple[str, ...]
+    processor: object = None  # a vision-language model's processor (finetune/vision.py), whose tokenizer is `tokenizer`
 
 
 def training_tokenizer(config: Config) -> Tokens:
     from finetune.models import add_special_tokens, load_tokenizer
 
-    tokenizer = load_tokenizer(config.model)
+    processor = None
+    if vision_language(config):
+        from finetune import vision
+        from finetune.models import model_path
+
+        processor = vision.load_processor(config.model, model_path(config.model))
+        tokenizer = processor.tokenizer
+        if getattr(processor, "chat_template", None) and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = processor.chat_template  # the template is the processor's (image markers)
+    else:
+        tokenizer = load_tokenizer(config.model)
     jinja, template_tokens = _template(config, tokenizer)
     added = add_special_tokens(tokenizer, [*config.data.add_special_tokens, *template_tokens])
-    return Tokens(tokenizer, jinja, tuple(added))
+    return Tokens(tokenizer, jinja, tuple(added), processor)
+
+
+def vision_language(config: Config) -> bool:
+    """Whether the job trains a vision-language model through its processor (config/vision_checks.py)."""
+    from finetune.catalog import resolve
+    from finetune.config.vision_checks import trains_images
+
+    model = config.model
+    try:
+        facts = resolve(model.name, model.revision, model.trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model the catalog cannot describe is loaded (and refused) as a text model
+        return False
+    return trains_images(config, facts)
 
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
@@ -118,7 +162,7 @@ def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
     return resolve(tokenizer, config.data.template), missing_special_tokens(tokenizer, config.data.template)
 
 
-def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
+def fingerprint_parts(config: Config, tokenizer, jinja: str | None, processor=None) -> dict:
     """Everything that changes the prepared data; nothing else (not the output dir, not the model weights)."""
     from finetune.data.cache import file_digest
     from finetune.data.sources import resolve_files
@@ -146,6 +190,8 @@ def fingerprint_parts(config: Config, tokenizer, jinja: str | None) -> dict:
         else repr(tokenizer),
         "special": sorted(str(t) for t in tokenizer.all_special_tokens),
         "template": jinja,
+        # how images become tokens (the images' own content is checked when the cache is reused: _images_changed)
+        **({"image_processor": processor.image_processor.to_json_string()} if processor is not None else {}),
     }
 
 
@@ -162,7 +208,7 @@ def rules_for(config: Config, spec: DatasetSpec):
 
 
 # ---------------------------------------------------------------- building
-def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Progress) -> dict:
+def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Progress, processor=None) -> dict:
     """Build the prepared data into `out`; return the summary."""
     from finetune.data.packing import efficiency, pack
     from finetune.data.sources import mix, split_validation
@@ -171,11 +217,14 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     counts: Counter = Counter()
     examples: list = []  # the first skipped records, with file:line and why
     parts = [
-        _source(config, i, spec, tokenizer, jinja, counts, progress, examples) for i, spec in enumerate(data.datasets)
+        _source(config, i, spec, tokenizer, jinja, counts, progress, examples, processor)
+        for i, spec in enumerate(data.datasets)
     ]
     train = mix(parts, data.seed)
     if isinstance(data.validation, DatasetSpec):
-        validation = _source(config, "validation", data.validation, tokenizer, jinja, Counter(), progress, examples)
+        validation = _source(
+            config, "validation", data.validation, tokenizer, jinja, Counter(), progress, examples, processor
+        )
     else:  # records repeated by weight/samples share an origin and stay on one side of the split
         train, validation = split_validation(train, data.validation, data.seed)
     train = train.remove_columns("_origin")
@@ -184,6 +233,11 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     summary = _summary(counts, train, lengths, data.seq_len)
     if examples:
         summary["skipped_examples"] = examples[:5]
+    if "images" in train.column_names:
+        from finetune.vision import file_sha256
+
+        files = {p for rows in (train, validation) if rows is not None for ps in rows["images"][:] for p in ps}
+        summary["image_files"] = {p: file_sha256(Path(p)) for p in sorted(files)}
     if data.packing and all(
         s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets
     ):
@@ -201,7 +255,15 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
 
 
 def _source(
-    config: Config, index, spec: DatasetSpec, tokenizer, jinja, counts: Counter, progress: Progress, examples: list
+    config: Config,
+    index,
+    spec: DatasetSpec,
+    tokenizer,
+    jinja,
+    counts: Counter,
+    progress: Progress,
+    examples: list,
+    processor=None,
 ):
     """One source: read, sample, normalize, tokenize, fit to seq_len."""
     from finetune.data.formats import normalize_dataset
@@ -228,10 +290,10 @@ def _source(
     counts["skipped_bad_records"] += skipped
     norm = take(norm, spec, data.seed)
     counts["sampled"] += len(norm)
-    return tokenize_dataset(norm, rules_for(config, spec), tokenizer, jinja, counts, progress, key, data)
+    return tokenize_dataset(norm, rules_for(config, spec), tokenizer, jinja, counts, progress, key, data, processor)
 
 
-def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Progress, key: str, data):
+def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Progress, key: str, data, processor=None):
     """Tokenize with `datasets.map`; count what happened to each record; drop the ones that cannot train."""
     total, done = len(ds), [0]
     if total == 0:
@@ -240,7 +302,7 @@ def tokenize_dataset(ds, rules, tokenizer, jinja, counts: Counter, progress: Pro
     def batch(records: dict) -> dict:
         n = len(records["_origin"])
         rows = [
-            _one({k: v[i] for k, v in records.items()}, rules, tokenizer, jinja, data.skip_bad_records, key)
+            _one({k: v[i] for k, v in records.items()}, rules, tokenizer, jinja, data.skip_bad_records, key, processor)
             for i in range(n)
         ]
         if data.num_proc == 1:
@@ -283,11 +345,11 @@ _EMPTY = {
 }
 
 
-def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
+def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str, processor=None) -> dict:
     from finetune.data.tokenize import fit_length, tokenize_record
 
     try:
-        row, status = fit_length(tokenize_record(rec, rules, tokenizer, jinja), rules)
+        row, status = fit_length(tokenize_record(rec, rules, tokenizer, jinja, processor), rules)
     except FtError as e:
         if not skip_bad:
             raise DataError(
@@ -303,6 +365,8 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str) -> dict:
             row["desirable"] = False
         if rules.format == "preference":
             row["margin"] = None
+        if processor is not None and rules.format == "chat":
+            row["images"] = []
     return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
 
 

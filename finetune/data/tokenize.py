@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 
 from finetune.data.masking import IGNORE, tokenize_continuation, tokenize_conversation, tokenize_prompt
+from finetune.errors import DataError
 
 SFT_FORMATS = ("chat", "instruction", "completion", "prompt_completion")
 CHARS_PER_TOKEN = 8  # the first cut: characters of text per token of seq_len (widened when too short)
@@ -42,7 +43,7 @@ class Rules:
     max_prompt_len: int  # prompt_only: room left for the completion
 
 
-def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dict:
+def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None, processor=None) -> dict:
     """One canonical record -> token columns (before length handling).
 
     Time is bounded by seq_len, not by the record: a record with far more text than seq_len tokens can
@@ -53,6 +54,13 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> di
     status, as the whole one; otherwise the cut is widened (x4) until the whole record is used.
     prompt_only and preference records are never cut (prompts are truncated from the left).
     """
+    if processor is not None and rules.format == "chat":  # a vision-language model: every chat row lists its images
+        return _with_images(rec, rules, processor, jinja)
+    if rec.get("images"):
+        raise DataError(
+            "this record has images, but the model is a text model (its config has no vision_config); train a "
+            "vision-language model on it, or leave the images out"
+        )
     budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
     for _ in range(16):  # 4**16 times the first budget is past any record a line can hold
         short = _shortened(rec, rules, budget, tokenizer, jinja)
@@ -63,6 +71,20 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> di
             return row
         budget *= 4
     return tokenize_whole(rec, rules, tokenizer, jinja)
+
+
+def _with_images(rec: dict, rules: Rules, processor, jinja: str | None) -> dict:
+    """A chat record for a vision-language model: each image marker expanded into the image's tokens by the model's
+    processor (finetune/vision.py), never trained; the rows keep the images' files. Never cut short: a cut could
+    fall inside an image's tokens (fit_length refuses image rows over seq_len instead)."""
+    from finetune import vision
+
+    images = list(rec.get("images") or [])
+    if images:
+        ids, labels = vision.tokenize_images(rec["messages"], images, processor, jinja, rules.train_on)
+    else:
+        ids, labels = tokenize_conversation(rec["messages"], processor.tokenizer, jinja, rules.train_on)
+    return {"input_ids": ids, "labels": labels, "images": images}
 
 
 def _length(row: dict) -> int:
@@ -200,6 +222,14 @@ def fit_length(row: dict, rules: Rules) -> tuple[dict | None, str]:
     out = dict(row)
     for k in keys:
         ids, labels = out[f"{k}input_ids"], out[f"{k}labels"]
+        if len(ids) > rules.seq_len and row.get("images"):
+            image_tokens = sum(1 for a, b in zip(ids, labels) if b == IGNORE)
+            raise DataError(
+                f"with its {len(row['images'])} image(s) this record is {len(ids)} tokens (at most {image_tokens} of "
+                f"them the images' and the template's), over data.seq_len {rules.seq_len}; an image row is never "
+                "cut (its image tokens must all reach the model): raise data.seq_len, or lower the images' "
+                "resolution (the processor's max_pixels)"
+            )
         if len(ids) > rules.seq_len:
             if rules.overlong == "drop":
                 return None, "dropped_long"

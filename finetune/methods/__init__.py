@@ -68,6 +68,7 @@ class Context:
     seed: int = 0  # train.seed
     stream: Any = None  # the data stream (data/stream.py): a method that prepares a batch ahead peeks at it
     validation: Any = None  # the prepared held-out rows (data.validation), where the method validates
+    processor: Any = None  # a vision-language model's processor: the pixels of a batch's images (finetune/vision.py)
 
 
 _REGISTRY: dict[str, type] = {}
@@ -130,5 +131,6 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, 
         folder=Path(config.output.dir).expanduser(),
         seed=config.train.seed,
         stream=stream,
+        processor=getattr(prepared, "processor", None),
     )
     return method_class(config.method.name).create(config.method, context)

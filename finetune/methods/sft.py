@@ -21,6 +21,8 @@ class SFT:
         head: LossHead | None = None,
         masks: dict | None = None,
         sample_index: bool = False,
+        processor=None,
+        pixel_dtype=None,
     ):
         self.pad_id = pad_id
         self.attn = attn_implementation
@@ -28,11 +30,16 @@ class SFT:
         self.micro = micro_batch_size
         self.validates = validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
+        # a vision-language model's rows list their images: the processor makes their pixels, in the tower's dtype
+        self.processor, self.pixel_dtype = processor, pixel_dtype
 
     @classmethod
     def create(cls, section, context: Context) -> SFT:
+        from finetune.models import load_dtype, torch_dtype
+
         plan = context.plan
         head = loss_head(plan, False)
+        vision = getattr(plan, "vision", False) and context.processor is not None
         return cls(
             context.pad_id,
             context.attn,
@@ -41,6 +48,8 @@ class SFT:
             head,
             plan.attention_masks,
             plan.sample_index,
+            context.processor if vision else None,
+            torch_dtype(load_dtype(context.model, plan)) if vision and context.model is not None else None,
         )
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
@@ -53,10 +62,19 @@ class SFT:
             out.append(
                 {
                     **collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index),
+                    **self.pixels(chunk),
                     "num_tokens": sum(len(r["input_ids"]) for r in chunk),
                 }
             )
         return out
+
+    def pixels(self, rows: list[dict]) -> dict:
+        """The model inputs of the rows' images, in the order their tokens appear in the batch ({} without any)."""
+        if self.processor is None:
+            return {}
+        from finetune.vision import pixel_inputs
+
+        return pixel_inputs(self.processor, [p for r in rows for p in r.get("images") or []], self.pixel_dtype)
 
     def tokens(self, batch: dict) -> int:
         shifted = "shift_labels" in batch  # a rank's share of a sequence, shifted before the split (distributed/cp.py)

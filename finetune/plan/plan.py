@@ -143,6 +143,10 @@ class Plan:
     # the LoRA dropout trained with: adapter.dropout, or 0 where the adapter reaches an MoE model's fused experts
     # (config/moe_checks.py lora_dropout); 0 for full fine-tuning; None in plans written before it was recorded
     lora_dropout: float | None = 0.0
+    # a vision-language model trained through its processor (config/vision_checks.py trains_images): loaded as an
+    # image-text-to-text model; what of its vision side trains: none | projector | all
+    vision: bool = False
+    train_vision: str = "none"
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)

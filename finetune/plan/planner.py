@@ -18,6 +18,7 @@ from dataclasses import replace
 from finetune.catalog import ModelFacts
 from finetune.config.moe_checks import lora_dropout, moe_notes, moe_problems
 from finetune.config.schema import Config
+from finetune.config.vision_checks import train_vision, trains_images, vision_problems
 from finetune.errors import ConfigError
 from finetune.hardware import Hardware
 from finetune.model_class import for_facts
@@ -56,7 +57,8 @@ def plan(
     speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
     """
     speeds = speeds or links(hardware)
-    problems = moe_problems(config, model)  # what peft and the loss cannot do on this model, with the key and fix
+    # what peft, the loss and the data pipeline cannot do on this model, with the key and fix
+    problems = moe_problems(config, model) + vision_problems(config, model)
     if problems:
         raise ConfigError(config_path, problems)
     if new_tokens or config.data.add_special_tokens:
@@ -99,6 +101,9 @@ def plan(
             )
         )
     decisions.extend(Decision(*note) for note in moe_notes(config, model, c.adapter, c.quantization))
+    vision, (trained_vision, why) = trains_images(config, model), train_vision(config, c.adapter)
+    if vision:
+        decisions.append(Decision("model.train_vision", trained_vision, why))
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     decisions.extend(attention_decisions)
     s = replace(s, expert_parallel=ep)
@@ -133,6 +138,8 @@ def plan(
         sample_index=attn.sample_index,
         flash_upgrade=attn.flash_upgrade,
         moe=model.is_moe,
+        vision=vision,
+        train_vision=trained_vision if vision else "none",
         lora_dropout=lora_dropout(config.adapter, model, c.adapter),
         estimate=fit.estimate,
         device_capacity_bytes=device_capacity(hardware),

@@ -89,12 +89,20 @@ def record_cases() -> list[Case]:
     return [
         c("chat_content_number", "chat", 31, chat(U, {"role": "assistant", "content": 5}), "must be a string"),
         c(
-            "chat_content_parts",
+            "chat_content_part_unknown",
             "chat",
             12,
-            chat(U, {"role": "assistant", "content": [{"type": "text", "text": "x"}]}),
-            "string",
+            chat(U, {"role": "assistant", "content": [{"type": "audio", "audio": "x.wav"}]}),
+            '"type": "image"',
         ),
+        c(
+            "chat_image_missing",
+            "chat",
+            16,
+            chat({"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]}, A),
+            "does not exist",
+        ),
+        c("chat_images_without_markers", "chat", 17, {**chat(U, A), "images": ["a.png"]}, "1 image"),
         c("chat_role_unknown", "chat", 7, chat({"role": "robot", "content": "x"}, A), "unknown role"),
         c("chat_role_number", "chat", 8, chat({"role": 3, "content": "x"}, A), "role"),
         c("chat_messages_empty", "chat", 9, chat(), "empty"),

@@ -1,0 +1,65 @@
+"""What ft does with a vision-language model, known before the model is loaded (the model's facts say it has a vision
+tower): which method and data layout it trains through the model's processor, and what of the vision side trains.
+
+`ft validate` and `ft plan` run these rules (with the facts at hand), so a refused combination never fails at step 1.
+SFT trains on chat records with images (finetune/vision.py); the other methods (and a model folder without processor
+files) train a vision-language model's language side on text, as for any model.
+"""
+
+from __future__ import annotations
+
+from finetune.errors import Problem
+
+_TRAIN_VISION = ("model", "train_vision")
+
+
+def trains_images(config, facts) -> bool:
+    """The job trains a vision-language model through its processor: the model has a vision tower and its processor
+    files, and the method trains on images (SFT). A vision-language model without processor files trains its language
+    side on text, as before."""
+    return facts.vision_params > 0 and facts.image_processor and config.method.images
+
+
+def vision_problems(config, facts) -> list[Problem]:
+    """Every problem of the vision settings on this model, all at once."""
+    out = []
+    chosen = config.model.train_vision
+    if chosen != "auto" and not trains_images(config, facts):
+        if facts.vision_params == 0:
+            why = "has no vision tower"
+        elif not facts.image_processor:
+            why = "has no processor files (preprocessor_config.json or processor_config.json)"
+        else:
+            why = f"trains on text with {config.method.name}"
+        out.append(
+            Problem(
+                (_TRAIN_VISION,),
+                f"{chosen} applies to vision-language SFT, but this job {why}",
+                "remove model.train_vision",
+            )
+        )
+    if trains_images(config, facts) and config.data.packing:
+        out.append(
+            Problem(
+                (("data", "packing"), ("model", "name")),
+                "ft does not pack rows for vision-language models yet (each image's tokens and its pixels must stay "
+                "with their sample)",
+                "set data.packing: false",
+            )
+        )
+    return out
+
+
+def train_vision(config, adapter: str) -> tuple[str, str]:
+    """(what of the vision side trains, why) for the chosen adapter: model.train_vision, or with `auto` the projector
+    under full fine-tuning (it maps the images into the language model being retrained) and nothing under an adapter
+    (the adapter on the language model learns to read the projector's output as it is)."""
+    chosen = config.model.train_vision
+    if chosen != "auto":
+        return chosen, "model.train_vision"
+    if adapter == "full":
+        return (
+            "projector",
+            "full fine-tuning retrains the language model: its projector trains with it, the tower stays",
+        )
+    return "none", f"the {adapter} adapter on the language model learns to read the frozen tower and projector"

@@ -1,0 +1,226 @@
+"""Vision-language models: images in chat records, the model's own processor, and what of the vision side trains.
+
+A canonical chat record with images keeps its messages as text, each image's place marked by `PLACEHOLDER` (the
+LLaVA convention), and its images as absolute paths in order (`images`). Records arrive either that way (a top-level
+`images` list and `<image>` in the text) or with content parts, the form transformers' processors take
+(`{"type": "text", "text": ...}`, `{"type": "image", "image": PATH}`); data/formats.py reads both into the canonical
+form, and `check_image` refuses a file that is missing, not an image, truncated or over the pixel limit.
+
+Tokenizing (`tokenize_images`): the conversation is rendered with the processor's chat template (content parts, so
+that the template writes the family's own image marker), tokenized as text with ft's loss mask (data/masking.py),
+then put through the processor, which expands each marker into the image's tokens by the family's resolution rules.
+The processor's token ids are the text's with tokens inserted; each text token keeps its label and every inserted
+token (the image's) is never trained. The pixels are computed again when a batch is made (`pixel_inputs`), from the
+same files, so the prepared data holds token ids and paths, not pixels.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+PLACEHOLDER = "<image>"
+DEFAULT_MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS)
+TRAIN_VISION = ("none", "projector", "all")
+# where transformers' vision-language models keep their vision tower and the projector into the language model
+TOWERS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder")
+PROJECTORS = ("multi_modal_projector", "connector", "mm_projector", "merger", "embed_vision", "projector")
+# inputs a processor's image side returns, which the model's forward takes
+PIXEL_INPUTS = (
+    "pixel_values",
+    "image_sizes",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "aspect_ratio_ids",
+    "aspect_ratio_mask",
+    "image_position_ids",
+)
+
+
+class ImageError(ValueError):
+    """An image a record names that cannot be used; the message says which and why (the caller adds file:line)."""
+
+
+# ---------------------------------------------------------------- files
+def resolve(ref: str, origin_file: str | None) -> Path:
+    """An image reference as a path: absolute, or relative to the data file the record came from."""
+    if not isinstance(ref, str) or not ref.strip():
+        raise ImageError(f"an image reference must be a path, got {ref!r}")
+    if ref.startswith(("http://", "https://")):
+        raise ImageError(
+            f"image {ref!r} is a URL; ft reads images from files: download them next to the data file and give "
+            "their paths"
+        )
+    path = Path(ref).expanduser()
+    if not path.is_absolute() and origin_file:
+        path = Path(origin_file).parent / path
+    return path
+
+
+def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
+    """Open and fully decode the image at `path`; returns its content digest. ImageError when it is missing,
+    unreadable, not an image, truncated, or has more than `max_pixels` pixels (a decompression bomb)."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise ImageError(f"image {str(path)!r} does not exist" if not path.exists() else f"{str(path)!r} is not a file")
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise ImageError(
+                    f"image {str(path)!r} has {width}x{height} = {width * height} pixels, over the limit of "
+                    f"{max_pixels} (data.image.max_file_pixels): a decompression bomb, or an image to downscale"
+                )
+            img.load()  # decodes every pixel: a truncated file fails here
+    except ImageError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image {str(path)!r} is a decompression bomb: {e}") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"{str(path)!r} is not an image PIL can read (PNG, JPEG, WebP, GIF, BMP, TIFF...)") from None
+    except (OSError, ValueError, SyntaxError) as e:  # truncated data, broken headers, unreadable file
+        raise ImageError(f"image {str(path)!r} cannot be decoded: {str(e) or type(e).__name__}") from None
+    return file_sha256(path)
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_images(paths: list[str]) -> list:
+    """The images at `paths`, decoded as RGB (a processor's input)."""
+    from PIL import Image
+
+    out = []
+    for p in paths:
+        with Image.open(p) as img:
+            out.append(img.convert("RGB"))
+    return out
+
+
+# ---------------------------------------------------------------- messages
+def to_parts(messages: list[dict]) -> list[dict]:
+    """Canonical messages (text with `PLACEHOLDER`) as content parts, the form processors' chat templates render."""
+    out = []
+    for m in messages:
+        pieces = m["content"].split(PLACEHOLDER)
+        parts = []
+        for k, text in enumerate(pieces):
+            if k:
+                parts.append({"type": "image"})
+            if text:
+                parts.append({"type": "text", "text": text})
+        out.append({"role": m["role"], "content": parts})
+    return out
+
+
+def count_placeholders(messages: list[dict]) -> int:
+    return sum(m["content"].count(PLACEHOLDER) for m in messages)
+
+
+# ---------------------------------------------------------------- models and processors
+def is_vision_language(config: dict) -> bool:
+    """Whether a model config (config.json as a dict) describes a vision-language model: one with a vision tower."""
+    return isinstance(config.get("vision_config"), dict)
+
+
+def load_processor(model_section, path: str):
+    """The model's own processor (chat template, image processor, image tokens) from `path`."""
+    from transformers import AutoProcessor
+
+    from finetune.errors import FtError
+
+    try:
+        processor = AutoProcessor.from_pretrained(
+            path, revision=model_section.revision, trust_remote_code=model_section.trust_remote_code
+        )
+    except (OSError, ValueError, AttributeError, ImportError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FtError(
+            f"model.name: {model_section.name!r} is a vision-language model, but its processor cannot be loaded "
+            f"({first}); ft needs the model's processor files (preprocessor_config.json, processor_config.json) "
+            "beside its weights"
+        ) from None
+    if not hasattr(processor, "image_processor") or not hasattr(processor, "tokenizer"):
+        raise FtError(
+            f"model.name: the processor of {model_section.name!r} ({type(processor).__name__}) has no image processor "
+            "and tokenizer; ft trains vision-language models through processors that have both"
+        )
+    return processor
+
+
+def tokenize_images(messages: list[dict], images: list[str], processor, jinja: str, train_on: str):
+    """input_ids and labels of a conversation with images: the text's tokens and loss mask (data/masking.py), with
+    each image marker expanded by the processor into the image's tokens, none of which is trained."""
+    from finetune.data.masking import IGNORE, tokenize_conversation
+    from finetune.errors import DataError
+    from finetune.templates import render
+
+    parts = to_parts(messages)
+    tokenizer = processor.tokenizer
+    ids, labels = tokenize_conversation(parts, tokenizer, jinja, train_on)
+    text = render(parts, tokenizer, jinja)
+    expanded = processor(text=[text], images=load_images(images) if images else None, add_special_tokens=False)
+    full = list(expanded["input_ids"][0])
+    out, i = [], 0
+    for token in full:  # the text's tokens in order; the processor only inserts the images' tokens between them
+        if i < len(ids) and token == ids[i]:
+            out.append(labels[i])
+            i += 1
+        else:
+            out.append(IGNORE)
+    if i != len(ids):
+        raise DataError(
+            f"{type(processor).__name__} changed the conversation's text tokens while expanding its images (matched "
+            f"{i} of {len(ids)}), so ft cannot place the loss mask on them; report the model family"
+        )
+    return full, out
+
+
+def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
+    """The model inputs of a batch's images, in the order their markers appear: what the processor's image side
+    returns (pixel_values and the family's sizes/grids), floating tensors in `dtype`."""
+    if not paths:
+        return {}
+    import torch
+
+    got = processor.image_processor(images=load_images(paths), return_tensors="pt")
+    out = {}
+    for key, value in got.items():
+        if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
+            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    return out
+
+
+def parts_of(model) -> tuple[list[str], list[str]]:
+    """The module names of the vision tower(s) and of the projector(s) into the language model in a transformers
+    vision-language model (a projector may sit inside its tower: Qwen2-VL's visual.merger)."""
+    towers, projectors = [], []
+    for name, _ in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in PROJECTORS and not any(name.startswith(p + ".") for p in projectors):
+            projectors.append(name)
+        elif last in TOWERS and not any(name.startswith(t + ".") for t in towers):
+            towers.append(name)
+    return towers, projectors
+
+
+def vision_names(model) -> list[str]:
+    """Every module name on the vision side (tower and projector): LoRA leaves them alone."""
+    towers, projectors = parts_of(model)
+    return towers + [p for p in projectors if not any(p.startswith(t + ".") for t in towers)]
+
+
+def freeze(model, train_vision: str) -> None:
+    """Set requires_grad on the vision side: the tower trains only with `all`, the projector with `projector` or
+    `all`."""
+    towers, projectors = parts_of(model)
+    for name in towers:
+        model.get_submodule(name).requires_grad_(train_vision == "all")
+    for name in projectors:
+        model.get_submodule(name).requires_grad_(train_vision in ("projector", "all"))
