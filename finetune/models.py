@@ -146,9 +146,9 @@ def kept_modules(model: ModelSection, plan, path: str) -> list[str]:
     through target_parameters (finetune/experts.py, from the model's config at `path`); nothing on a dense model,
     which the plan knows: its loading reads no config and asks no hub for it."""
     if getattr(plan, "vision", False):  # bitsandbytes quantizes the language model only: the vision side stays
-        from finetune.vision import PROJECTORS, TOWERS
+        from finetune.vision import unquantized_patterns
 
-        return [*TOWERS, *PROJECTORS]
+        return unquantized_patterns()
     if not plan.moe:
         return []
     from finetune.experts import kept_unquantized

@@ -16,7 +16,6 @@ same files, so the prepared data holds token ids and paths, not pixels.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 PLACEHOLDER = "<image>"
@@ -57,8 +56,8 @@ def resolve(ref: str, origin_file: str | None) -> Path:
     return path
 
 
-def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
-    """Open and fully decode the image at `path`; returns its content digest. ImageError when it is missing,
+def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """Open and fully decode the image at `path`. ImageError when it is missing,
     unreadable, not an image, truncated, or has more than `max_pixels` pixels (a decompression bomb)."""
     from PIL import Image, UnidentifiedImageError
 
@@ -81,15 +80,6 @@ def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> str:
         raise ImageError(f"{str(path)!r} is not an image PIL can read (PNG, JPEG, WebP, GIF, BMP, TIFF...)") from None
     except (OSError, ValueError, SyntaxError) as e:  # truncated data, broken headers, unreadable file
         raise ImageError(f"image {str(path)!r} cannot be decoded: {str(e) or type(e).__name__}") from None
-    return file_sha256(path)
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def load_images(paths: list[str]) -> list:
@@ -208,6 +198,14 @@ def parts_of(model) -> tuple[list[str], list[str]]:
         elif last in TOWERS and not any(name.startswith(t + ".") for t in towers):
             towers.append(name)
     return towers, projectors
+
+
+def unquantized_patterns() -> list[str]:
+    """bitsandbytes' llm_int8_skip_modules for the vision side, wherever it sits. transformers 5.25 matches each pattern
+    as a regex from the start of a module's full name up to a name boundary, or as a suffix
+    (quantizers/quantizers_utils.py should_convert_module): a bare "vision_tower" would miss
+    "model.vision_tower.encoder.layers.0.q_proj", so each name may follow any prefix."""
+    return [rf"(?:.*\.)?{name}" for name in (*TOWERS, *PROJECTORS)]
 
 
 def vision_names(model) -> list[str]:

@@ -190,6 +190,25 @@ def test_a_text_model_refuses_image_records_and_plans_refuse_packing(tmp_path, v
     assert r.returncode != 0 and f"{tmp_path / 'images.jsonl'}:1" in r.stderr and "text model" in r.stderr
 
 
+def test_a_4bit_base_leaves_every_vision_module_unquantized():
+    """The skip patterns as transformers matches them (should_convert_module): tower and projector linears at any
+    depth stay as they are, the language model's are quantized."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from finetune.vision import unquantized_patterns
+
+    kept = unquantized_patterns()
+    for name in (
+        "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj",
+        "model.multi_modal_projector.linear_1",
+        "model.visual.blocks.3.attn.qkv",
+        "model.visual.merger.mlp.0",
+    ):
+        assert not should_convert_module(name, kept), name
+    for name in ("model.language_model.layers.0.self_attn.q_proj", "model.language_model.layers.1.mlp.down_proj"):
+        assert should_convert_module(name, kept), name
+
+
 # ---------------------------------------------------------------- training
 @pytest.mark.slow
 def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):

@@ -74,19 +74,13 @@ def prepare(
 def _images_changed(root: Path) -> bool:
     """Whether an image the prepared data refers to is gone or has other content than when it was prepared: the
     images' files are part of the data's fingerprint, checked when the cache is reused."""
-    from finetune.vision import file_sha256
+    from finetune.data.cache import file_digest
 
     try:
         images = json.loads((root / "summary.json").read_text()).get("image_files") or {}
-    except (OSError, ValueError):
+        return any(file_digest(path) != digest for path, digest in images.items())
+    except (OSError, ValueError, DataError):  # an unreadable summary, an image gone or unreadable
         return True
-    for path, digest in images.items():
-        try:
-            if file_sha256(Path(path)) != digest:
-                return True
-        except OSError:
-            return True
-    return False
 
 
 def load_prepared(config: Config, root: Path) -> Prepared:
@@ -234,10 +228,10 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     if examples:
         summary["skipped_examples"] = examples[:5]
     if "images" in train.column_names:
-        from finetune.vision import file_sha256
+        from finetune.data.cache import file_digest
 
         files = {p for rows in (train, validation) if rows is not None for ps in rows["images"][:] for p in ps}
-        summary["image_files"] = {p: file_sha256(Path(p)) for p in sorted(files)}
+        summary["image_files"] = {p: file_digest(p) for p in sorted(files)}
     if data.packing and all(
         s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets
     ):
