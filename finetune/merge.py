@@ -26,6 +26,7 @@ from finetune.artifacts import (
     attach,
     dtypes,
     find_adapter,
+    find_processor,
     find_tokenizer,
     first_line,
     load_base,
@@ -155,9 +156,12 @@ def _logits(model, tokens):
         return model(input_ids=tokens.to(model.device)).logits.float().cpu()
 
 
-def _save(model, tokenizer, tmp: Path, max_shard_size: str) -> int:
-    """Save weights (safetensors, sharded above max_shard_size) and tokenizer; return the shard count."""
+def _save(model, tokenizer, tmp: Path, max_shard_size: str, processor=None) -> int:
+    """Save weights (safetensors, sharded above max_shard_size), a vision-language model's processor, and the
+    tokenizer; return the shard count."""
     model.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+    if processor is not None:  # image processor, chat template, and its tokenizer (the one found below wins)
+        processor.save_pretrained(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     shards = len(list(tmp.glob("*.safetensors")))
@@ -234,7 +238,10 @@ def merge_lora(
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # not mkdtemp: its 0700 mode would make the published folder private
     try:
-        shards = _save(merged, tokenizer, tmp, max_shard_size)
+        processor = None
+        if getattr(merged.config, "vision_config", None) is not None:  # loads with AutoProcessor, as the base did
+            processor = find_processor(list(src.tokenizer_dirs), base_name, trust_remote_code)
+        shards = _save(merged, tokenizer, tmp, max_shard_size, processor)
         report = MergeReport(
             out_dir=out,
             base=base_name,

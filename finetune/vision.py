@@ -148,28 +148,47 @@ def tokenize_images(messages: list[dict], images: list[str], processor, jinja: s
     """input_ids and labels of a conversation with images: the text's tokens and loss mask (data/masking.py), with
     each image marker expanded by the processor into the image's tokens, none of which is trained."""
     from finetune.data.masking import IGNORE, tokenize_conversation
-    from finetune.errors import DataError
     from finetune.templates import render
 
     parts = to_parts(messages)
-    tokenizer = processor.tokenizer
-    ids, labels = tokenize_conversation(parts, tokenizer, jinja, train_on)
-    text = render(parts, tokenizer, jinja)
+    ids, labels = tokenize_conversation(parts, processor.tokenizer, jinja, train_on)
+    full, text_positions = _expand(render(parts, processor.tokenizer, jinja), ids, images, processor)
+    out = [IGNORE] * len(full)
+    for k, position in enumerate(text_positions):
+        out[position] = labels[k]
+    return full, out
+
+
+def tokenize_prompt(messages: list[dict], images: list[str], processor, jinja: str) -> list[int]:
+    """Token ids of a prompt with images, rendered with the generation prompt (what `ft generate` continues): the
+    text's tokens as for a text prompt, each image marker expanded by the processor."""
+    from finetune.data.masking import tokenize_prompt as text_prompt
+    from finetune.templates import render
+
+    parts = to_parts(messages)
+    ids = text_prompt(parts, processor.tokenizer, jinja)
+    full, _ = _expand(render(parts, processor.tokenizer, jinja, add_generation_prompt=True), ids, images, processor)
+    return full
+
+
+def _expand(text: str, ids: list[int], images: list[str], processor) -> tuple[list[int], list[int]]:
+    """(the processor's token ids of `text` with its images, the position of each of `ids` in them): the processor
+    only inserts the images' tokens between the text's."""
+    from finetune.errors import DataError
+
     expanded = processor(text=[text], images=load_images(images) if images else None, add_special_tokens=False)
-    full = list(expanded["input_ids"][0])
-    out, i = [], 0
-    for token in full:  # the text's tokens in order; the processor only inserts the images' tokens between them
+    full = [int(t) for t in expanded["input_ids"][0]]
+    positions, i = [], 0
+    for position, token in enumerate(full):
         if i < len(ids) and token == ids[i]:
-            out.append(labels[i])
+            positions.append(position)
             i += 1
-        else:
-            out.append(IGNORE)
     if i != len(ids):
         raise DataError(
             f"{type(processor).__name__} changed the conversation's text tokens while expanding its images (matched "
             f"{i} of {len(ids)}), so ft cannot place the loss mask on them; report the model family"
         )
-    return full, out
+    return full, positions
 
 
 def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:

@@ -185,7 +185,7 @@ def test_overwrite_replaces_and_failure_leaves_nothing(tiny, tmp_path, monkeypat
 
     import finetune.merge as merge
 
-    def broken_save(model, tokenizer, tmp, max_shard_size):
+    def broken_save(model, tokenizer, tmp, max_shard_size, processor=None):
         (tmp / "model.safetensors").write_text("half")
         raise OSError("disk full")
 

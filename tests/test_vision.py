@@ -5,6 +5,7 @@ vision side frozen or trained as planned, and a tiny LLaVA that learns a task on
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -49,26 +50,40 @@ def preprocess(path) -> subprocess.CompletedProcess:
     )
 
 
-def accuracy(folder, data) -> float:
-    """Greedy answers of the model in `folder` (transformers + its saved processor) to the image questions in data."""
+def answers(folder, data) -> list[str]:
+    """Greedy answers of the model in `folder` (transformers + its saved processor) to the image questions in data:
+    the oracle ft's generation is checked against."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(str(folder))
     model = AutoModelForImageTextToText.from_pretrained(str(folder)).eval()
-    records = [json.loads(line) for line in data.read_text().splitlines()]
-    right = 0
-    for r in records:
+    out = []
+    for r in [json.loads(line) for line in data.read_text().splitlines()]:
         image, question = r["messages"][0]["content"]
         parts = [{"role": "user", "content": [{"type": "image"}, question]}]
         text = processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=[Image.open(data.parent / image["image"]).convert("RGB")])
         inputs = {k: torch.as_tensor(v) for k, v in inputs.items()}
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        answer = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-        right += answer.strip() == r["messages"][1]["content"]
-    return right / len(records)
+            ids = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        out.append(processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True))
+    return out
+
+
+def accuracy(folder, data) -> float:
+    truth = [json.loads(line)["messages"][1]["content"] for line in data.read_text().splitlines()]
+    return sum(a.strip() == t for a, t in zip(answers(folder, data), truth)) / len(truth)
+
+
+def ft(*args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=timeout
+    )
+
+
+def generated(path) -> list[str]:
+    return [json.loads(line)["completion"] for line in path.read_text().splitlines()]
 
 
 # ---------------------------------------------------------------- records
@@ -148,7 +163,6 @@ def test_image_tokens_and_the_template_are_never_trained(vlm):
 
 
 def test_changed_image_content_prepares_the_data_again(tmp_path, vlm):
-    import shutil
 
     from PIL import Image
 
@@ -187,7 +201,7 @@ def test_a_text_model_refuses_image_records_and_plans_refuse_packing(tmp_path, v
         plan(text, parse("cpu"), model_facts(text.model))
     write_jsonl(image_records(4, tmp_path), tmp_path / "images.jsonl")
     r = preprocess(job(tmp_path, "ft-tiny", tmp_path / "images.jsonl"))
-    assert r.returncode != 0 and f"{tmp_path / 'images.jsonl'}:1" in r.stderr and "text model" in r.stderr
+    assert r.returncode != 0 and f"{tmp_path / 'images.jsonl'}:1" in r.stderr and "vision-language model" in r.stderr
 
 
 def test_a_4bit_base_leaves_every_vision_module_unquantized():
@@ -209,6 +223,42 @@ def test_a_4bit_base_leaves_every_vision_module_unquantized():
         assert should_convert_module(name, kept), name
 
 
+# ---------------------------------------------------------------- prompts
+def test_prompts_with_images_are_read_expanded_and_refused_where_they_cannot_run(tmp_path, vlm):
+    from finetune.artifacts import resolve
+    from finetune.errors import DataError, FtError
+    from finetune.infer.prompts import PromptSpec, encode, load_processor, read_prompts, template_for
+
+    shutil.copytree(vlm / "data" / "images", tmp_path / "images")
+    name = "images/1-0.png"
+    rows = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": "Q?"}]}]},
+        {"prompt": "<image>\nQ?", "images": [name], "answer": "red"},
+        {"question": "no picture here"},
+    ]
+    write_jsonl(rows[:1], tmp_path / "prompts.jsonl")
+    write_jsonl([{"prompt": r.get("prompt", r.get("question")), **r} for r in rows[1:]], tmp_path / "llava.jsonl")
+    prompts = [*read_prompts(PromptSpec(str(tmp_path / "prompts.jsonl"))).prompts]
+    prompts += read_prompts(PromptSpec(str(tmp_path / "llava.jsonl"))).prompts
+    want = (str((tmp_path / name).resolve()),)
+    assert prompts[0].images == want and prompts[1].images == want and prompts[2].images == ()
+    assert prompts[1].reference == "red" and prompts[1].fields["images"] == [name]  # the output row keeps the record
+    source = resolve(str(vlm / "model"))
+    processor = load_processor(source, prompts)
+    jinja = template_for(processor.tokenizer, "tokenizer")
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    ids = [encode(p, processor.tokenizer, jinja, processor) for p in prompts]
+    assert ids[0].count(image_id) == 16 and ids[1].count(image_id) == 16 and image_id not in ids[2]
+    with pytest.raises(DataError, match="prompts.jsonl:1: .*chat template"):
+        encode(prompts[0], processor.tokenizer, None, processor)
+    with pytest.raises(FtError, match="prompts.jsonl:1: the prompt has images, but .* no image processor"):
+        load_processor(resolve("ft-tiny"), prompts)
+    assert load_processor(resolve("ft-tiny"), prompts[2:]) is None  # text prompts need none
+    write_jsonl([{"prompt": "Q?"}, {"prompt": "<image> Q?", "images": ["images/gone.png"]}], tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: image .*gone\.png.* does not exist"):
+        read_prompts(PromptSpec(str(tmp_path / "bad.jsonl")))
+
+
 # ---------------------------------------------------------------- training
 @pytest.mark.slow
 def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):
@@ -226,7 +276,16 @@ def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):
     plan = json.loads((tmp_path / "run-full" / "plan.json").read_text())
     assert plan["vision"] and plan["train_vision"] == "projector"
     final = tmp_path / "run-full" / "final"
-    assert accuracy(final, test) >= 0.9
+    oracle = answers(final, test)
+    truth = [json.loads(line)["messages"][1]["content"] for line in test.read_text().splitlines()]
+    assert sum(a.strip() == t for a, t in zip(oracle, truth)) / len(truth) >= 0.9
+    # ft eval and ft generate read the images of the prompts and give the model's own answers, in input order
+    r = ft("eval", tmp_path / "run-full", "--data", test, "--max-new-tokens", 8, "--json", "-b", 7)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["metrics"]["exact_match"] >= 0.9
+    r = ft("generate", tmp_path / "run-full", "-p", test, "-o", tmp_path / "out.jsonl", "--max-new-tokens", 8)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [a.strip() for a in generated(tmp_path / "out.jsonl")] == [a.strip() for a in oracle]
     before, after = load_file(str(vlm / "model" / "model.safetensors")), load_file(str(final / "model.safetensors"))
     tower = [k for k in before if "vision_tower" in k]
     projector = [k for k in before if "multi_modal_projector" in k]
@@ -247,3 +306,34 @@ def test_lora_adapts_the_language_model_only(tmp_path, vlm):
     names = list(load_file(str(tmp_path / "run-lora" / "final" / "adapter_model.safetensors")))
     assert names and all("language_model" in n for n in names)
     assert (tmp_path / "run-lora" / "final" / "processor_config.json").is_file()
+    # merge-lora: the merged folder loads with AutoModelForImageTextToText + AutoProcessor and gives base+adapter's
+    # logits on a prompt with an image; generating from the run (adapter merged in memory) and from it agree
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from finetune.vision import load_images
+
+    merged = tmp_path / "merged"
+    r = ft("merge-lora", tmp_path / "run-lora", "--out", merged)
+    assert r.returncode == 0, r.stderr[-3000:]
+    processor = AutoProcessor.from_pretrained(str(merged))
+    record = json.loads((vlm / "data" / "test.jsonl").read_text().splitlines()[0])
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    image = load_images([str(vlm / "data" / record["messages"][0]["content"][0]["image"])])
+    inputs = {k: torch.as_tensor(v) for k, v in processor(text=[text], images=image, return_tensors="pt").items()}
+    base = AutoModelForImageTextToText.from_pretrained(str(vlm / "model")).eval()
+    with torch.no_grad():
+        before = base(**inputs).logits
+        want = PeftModel.from_pretrained(base, str(tmp_path / "run-lora" / "final")).eval()(**inputs).logits
+        got = AutoModelForImageTextToText.from_pretrained(str(merged)).eval()(**inputs).logits
+    assert (want - before).abs().max() > 1e-3  # the adapter changed the answer's logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    test = vlm / "data" / "test.jsonl"
+    for source, out in ((tmp_path / "run-lora", "run.jsonl"), (merged, "merged.jsonl")):
+        r = ft("generate", source, "-p", test, "-o", tmp_path / out, "--max-new-tokens", 4)
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert generated(tmp_path / "run.jsonl") == generated(tmp_path / "merged.jsonl")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")  # a vision-language model's processor
 
 
 def dtypes() -> dict:
@@ -92,6 +93,21 @@ def find_tokenizer(dirs: list[Path], base: str, trust_remote_code: bool):
     return None, ""
 
 
+def find_processor(dirs: list[Path], base: str, trust_remote_code: bool):
+    """A vision-language model's processor (image processor and tokenizer): from the first folder that has one, else
+    the base's; None when none has (a text model)."""
+    from transformers import AutoProcessor
+
+    for where in [*(str(d) for d in dirs if any((d / f).is_file() for f in PROCESSOR_FILES)), base]:
+        try:
+            processor = AutoProcessor.from_pretrained(where, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, TypeError, AttributeError, ImportError):
+            continue
+        if hasattr(processor, "image_processor") and hasattr(processor, "tokenizer"):
+            return processor
+    return None
+
+
 def load_tokenizer(src: ModelSource):
     """The run's or adapter's saved tokenizer, else the model's; a pad token is set (EOS) when missing."""
     tokenizer, _ = find_tokenizer([Path(d) for d in src.tokenizer_dirs], src.model, src.trust_remote_code)
@@ -109,12 +125,13 @@ def load_tokenizer(src: ModelSource):
 def load_base(base: str, dtype, trust_remote_code: bool, score_pad: int | None = None):
     """The base model an adapter goes on, in eval mode, on the CPU; with `score_pad` (a reward model's adapter) as a
     sequence classifier with one output that finds each sequence's last token by that pad id."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
-    auto, head = AutoModelForCausalLM, {}
+    head = {}
     if score_pad is not None:
-        auto, head = AutoModelForSequenceClassification, {"num_labels": 1, "pad_token_id": score_pad}
+        head = {"num_labels": 1, "pad_token_id": score_pad}
     try:
+        auto = AutoModelForSequenceClassification if score_pad is not None else generative(base, trust_remote_code)
         model = auto.from_pretrained(
             base, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, **head
         )
@@ -138,13 +155,26 @@ def load_model(src: ModelSource, tokenizer, dtype, device):
     return model.to(device).eval()
 
 
-def _full_model(src: ModelSource, dtype, device):
-    from transformers import AutoModelForCausalLM
+def generative(model: str, trust_remote_code: bool):
+    """transformers' auto class that generates text with the model at `model`: AutoModelForImageTextToText for a
+    vision-language model (its vision tower and projector loaded with it), else AutoModelForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    vision = getattr(config, "vision_config", None) is not None
+    return (
+        AutoModelForImageTextToText
+        if vision and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+        else AutoModelForCausalLM
+    )
+
+
+def _full_model(src: ModelSource, dtype, device):
     # straight onto the GPU, not through host memory
     placed = {"device_map": {"": device}} if device.type == "cuda" else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        return generative(src.model, src.trust_remote_code).from_pretrained(
             src.model, dtype=dtype, trust_remote_code=src.trust_remote_code, **placed
         )
     except (OSError, ValueError) as e:

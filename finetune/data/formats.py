@@ -80,7 +80,7 @@ _SHAPES = {
     "completion": {"text": _TEXT},
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
     "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES, "margin": _NUMBER},
-    "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT},
+    "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT, "images": _PATHS},
     "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL},
 }
 
@@ -226,10 +226,16 @@ def _shared_prompt(record: dict, spec: DatasetSpec, chosen: object, rejected: ob
 
 def _prompt_only(record: dict, spec: DatasetSpec) -> dict:
     name = _column("prompt", spec, record)
-    prompt = _with_system(_turns(_value(record, "prompt", spec), name, "user"), _system(record, spec))
+    slots: list[str | None] = []
+    prompt = _with_system(_turns(_value(record, "prompt", spec), name, "user", slots), _system(record, spec))
     used = {_column(f, spec, record) for f in FIELDS["prompt_only"]} | {ORIGIN}
+    images: list[str] = []
+    # image parts, or the LLaVA layout (markers in the text and an images column)
+    if any(s is not _IN_TEXT for s in slots) or record.get("images") or (slots and record.get("image") is not None):
+        images = _images(record, slots)
+        used |= {"images", "image"}
     extra = {k: v for k, v in record.items() if k not in used}
-    return {"prompt": prompt, "extra": json.dumps(extra, ensure_ascii=False, default=str)}
+    return {"prompt": prompt, "extra": json.dumps(extra, ensure_ascii=False, default=str), "images": images}
 
 
 def _unpaired(record: dict, spec: DatasetSpec) -> dict:
@@ -326,13 +332,15 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     return messages
 
 
-def _turns(value: object, name: str, role: str) -> list[dict]:
-    """A string becomes one message of `role`; a list is read as messages."""
+def _turns(value: object, name: str, role: str, slots: list | None = None) -> list[dict]:
+    """A string becomes one message of `role`; a list is read as messages (`slots`: see _messages)."""
     if isinstance(value, str):
         if not value.strip():
             raise RecordError(f"'{name}' is empty")
+        if slots is not None:
+            slots.extend([_IN_TEXT] * value.count(vision.PLACEHOLDER))
         return [{"role": role, "content": value}]
-    return _messages(value, name)
+    return _messages(value, name, slots)
 
 
 def _messages(value: object, name: str, slots: list | None = None) -> list[dict]:

@@ -58,8 +58,9 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None, proce
         return _with_images(rec, rules, processor, jinja)
     if rec.get("images"):
         raise DataError(
-            "this record has images, but the model is a text model (its config has no vision_config); train a "
-            "vision-language model on it, or leave the images out"
+            "this record has images, which this job cannot use: ft trains on images with method sft (chat records) "
+            "on a vision-language model whose folder holds its processor files; use such a model and method, or "
+            "leave the images out"
         )
     budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
     for _ in range(16):  # 4**16 times the first budget is past any record a line can hold

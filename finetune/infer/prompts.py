@@ -48,6 +48,7 @@ class Prompt:
     messages: tuple  # the conversation the model answers
     text: str | None  # the prompt as plain text: given as text, or a lone user message
     reference: str | None
+    images: tuple[str, ...] = ()  # absolute paths, one per image marker (finetune.vision.PLACEHOLDER) in the messages
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,28 @@ def template_for(tokenizer, spec: str):
         ) from None
 
 
-def encode(prompt: Prompt, tokenizer, jinja: str | None) -> list[int]:
-    """Token ids the model continues: the conversation with the generation prompt, or the raw text."""
+def encode(prompt: Prompt, tokenizer, jinja: str | None, processor=None) -> list[int]:
+    """Token ids the model continues: the conversation with the generation prompt, or the raw text. A prompt with
+    images goes through the model's `processor` (load_processor), which expands each image into its tokens."""
     from finetune.data.masking import tokenize_prompt
 
+    if prompt.images:
+        from finetune import vision
+
+        if processor is None or jinja is None:
+            raise DataError(
+                f"{prompt.origin}: the prompt has images, which "
+                + (
+                    "need the conversation's chat template.\n    fix: drop --template none"
+                    if processor is not None
+                    else "need a vision-language model with its processor files.\n    fix: generate with such a "
+                    "model, or leave the images out"
+                )
+            )
+        try:
+            return vision.tokenize_prompt(list(prompt.messages), list(prompt.images), processor, jinja)
+        except DataError as e:
+            raise DataError(f"{prompt.origin}: {e}") from None
     if jinja is None:
         if prompt.text is None:
             raise DataError(
@@ -120,6 +139,29 @@ def _from_file(spec: PromptSpec) -> PromptSet:
     ids = _ids(records, spec.id_field, spec.path)
     prompts = [_file_prompt(i, ids[i], r, field, reference, spec.system) for i, r in enumerate(records)]
     return PromptSet(prompts, None, spec.path)
+
+
+def has_images(prompts: list[Prompt]) -> bool:
+    return any(p.images for p in prompts)
+
+
+def load_processor(source, prompts: list[Prompt]):
+    """The model's processor when a prompt has images (None otherwise): from the run's or adapter's saved files, else
+    the model's; FtError naming a prompt with images when the model has none."""
+    if not has_images(prompts):
+        return None
+    from finetune.artifacts import find_processor
+    from finetune.errors import FtError
+
+    processor = find_processor([Path(d) for d in source.tokenizer_dirs], source.model, source.trust_remote_code)
+    if processor is None:
+        first = next(p for p in prompts if p.images)
+        raise FtError(
+            f"{first.origin}: the prompt has images, but {source.describe()} has no image processor (a text model, or "
+            "a vision-language model saved without preprocessor_config.json/processor_config.json).\n    fix: "
+            "generate with a vision-language model's folder, or leave the images out"
+        )
+    return processor
 
 
 def _prompt_field(spec: PromptSpec, columns: list[str]) -> str:
@@ -161,19 +203,20 @@ def _file_prompt(index: int, id_, record: dict, field: str, reference_field: str
         and record["input"].strip()
     ):
         value = f"{value}\n\n{record['input']}"  # alpaca records, as the instruction format reads them
+    images = {k: record[k] for k in ("images", "image") if k in record and k != field}
     try:
-        messages = normalize(
-            {field: value},
+        canonical = normalize(
+            {field: value, **images, ORIGIN: origin},
             DatasetSpec(path=origin, format="prompt_only", columns={"prompt": field}, system_prompt=system),
-        )["prompt"]
+        )
     except RecordError as e:
         raise DataError(f"{origin}: {e}") from None
-    messages, reference = _split_answer(messages, origin)
+    messages, reference = _split_answer(canonical["prompt"], origin)
     single = messages[0]["content"] if len(messages) == 1 and messages[0]["role"] == "user" else None
     text = value if isinstance(value, str) else single
     if reference is None and reference_field is not None and record.get(reference_field) is not None:
         reference = str(record[reference_field])
-    return Prompt(index, id_, origin, record, tuple(messages), text, reference)
+    return Prompt(index, id_, origin, record, tuple(messages), text, reference, tuple(canonical["images"]))
 
 
 def _split_answer(messages: list[dict], origin: str) -> tuple[list[dict], str | None]:
@@ -267,8 +310,9 @@ def _job_prompt(index: int, id_, record: dict, source) -> Prompt:
     if fmt == "unpaired":  # a desirable completion is a reference answer; an undesirable one is none
         reference = canonical["completion"][-1]["content"] if canonical["label"] else None
         return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, reference)
+    images = tuple(canonical.get("images") or ())
     if fmt == "prompt_only":
         reference = next((str(record[f]) for f in REFERENCE_FIELDS if record.get(f) is not None), None)
-        return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, reference)
+        return Prompt(index, id_, origin, fields, tuple(canonical["prompt"]), None, reference, images)
     messages, reference = _split_answer(canonical["messages"], origin)
-    return Prompt(index, id_, origin, fields, tuple(messages), None, reference)
+    return Prompt(index, id_, origin, fields, tuple(messages), None, reference, images)

@@ -58,14 +58,18 @@ def run(
     gpus = plan["gpus"] if gpus is None else gpus
     if job.engine == "vllm" and world > 1:
         _own_devices(local_rank, local_world or world, job.tensor_parallel, gpus)
-    prompts, tokenizer, jinja = _inputs(job, plan["keys"])
-    engine = _engine(job, tokenizer, local_rank, plan["longest"], gpus) if mine else None
+    prompts, tokenizer, jinja, processor = _inputs(job, plan["keys"])
+    engine = _engine(job, tokenizer, local_rank, plan["longest"], gpus, processor) if mine else None
     skip, writer = set(plan["skip"]), PartWriter(parts, attempt, rank)
     start, rows, tokens = time.time(), 0, 0
     try:
         for done, b in enumerate(mine, 1):
             batch = plan["batches"][b]
-            outputs = engine.generate([_encode(prompts[i], tokenizer, jinja) for i in batch], b)
+            outputs = engine.generate(
+                [_encode(prompts[i], tokenizer, jinja, processor) for i in batch],
+                b,
+                images=[prompts[i].images for i in batch] if processor is not None else None,
+            )
             items = [
                 (prompts[i].id, n, _row(job, prompts[i], text)) for i, (text, n) in zip(batch, outputs) if i not in skip
             ]
@@ -82,7 +86,7 @@ def run(
 
 def _inputs(job, keys: list[str]):
     from finetune.artifacts import load_tokenizer
-    from finetune.infer.prompts import read_prompts, template_for
+    from finetune.infer.prompts import load_processor, read_prompts, template_for
     from finetune.infer.store import id_key
 
     prompts = read_prompts(job.prompts).prompts
@@ -92,13 +96,13 @@ def _inputs(job, keys: list[str]):
             "anew and keeps the rows already written)"
         )
     tokenizer = load_tokenizer(job.source)
-    return prompts, tokenizer, template_for(tokenizer, job.template)
+    return prompts, tokenizer, template_for(tokenizer, job.template), load_processor(job.source, prompts)
 
 
-def _encode(prompt, tokenizer, jinja):
+def _encode(prompt, tokenizer, jinja, processor):
     from finetune.infer.prompts import encode
 
-    return encode(prompt, tokenizer, jinja)
+    return encode(prompt, tokenizer, jinja, processor)
 
 
 def _row(job, prompt, text: str) -> str:
@@ -107,7 +111,7 @@ def _row(job, prompt, text: str) -> str:
     return row_text(prompt.fields, job.prompts.id_field, prompt.id, job.output_field, text)
 
 
-def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int):
+def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int, processor=None):
     import torch
 
     from finetune.infer import engines
@@ -123,7 +127,7 @@ def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int):
     logging.disable_progress_bar()
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     model = load_model(job.source, tokenizer, engines.torch_dtype(job.dtype, device), device)
-    return engines.TransformersEngine(model, tokenizer, job.sampling, device)
+    return engines.TransformersEngine(model, tokenizer, job.sampling, device, processor=processor)
 
 
 def _own_devices(local_rank: int, local_world: int, tensor_parallel: int, gpus: int) -> None:
