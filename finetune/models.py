@@ -13,7 +13,7 @@ from finetune.errors import FtError
 if TYPE_CHECKING:
     import torch
 
-BUILT_IN = ("ft-tiny", "tiny")
+BUILT_IN = ("ft-tiny", "tiny", "ft-tiny-vision")  # built offline into ft's cache on first use (finetune/tiny.py)
 
 
 def load_tokenizer(model: ModelSection):
@@ -23,7 +23,7 @@ def load_tokenizer(model: ModelSection):
     if name.lower() in BUILT_IN and not Path(name).exists():
         from finetune.tiny import ensure_model
 
-        name = str(ensure_model())
+        name = str(ensure_model(name))
     from transformers import AutoTokenizer
 
     from finetune import hub
@@ -53,11 +53,12 @@ def add_special_tokens(tokenizer, tokens: list[str]) -> list[str]:
 
 
 def model_path(model: ModelSection) -> str:
-    """Where the weights come from: ft-tiny is built once into ft's cache; anything else as written."""
+    """Where the weights come from: ft-tiny and ft-tiny-vision are built once into ft's cache; anything else as
+    written."""
     if model.name.lower() in BUILT_IN and not Path(model.name).exists():
         from finetune.tiny import ensure_model
 
-        return str(ensure_model())
+        return str(ensure_model(model.name))
     p = Path(model.name).expanduser()
     if (p.is_absolute() or model.name.startswith(".")) and not p.exists():
         raise FtError(

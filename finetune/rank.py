@@ -122,7 +122,8 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     resume_from = checkpoint.agreed(run_dir, resume_from, job.runtime)
     is_main = job.runtime.is_main
     trackers = _trackers(config, run_dir, job.runtime.rank)
-    before = _task_eval(config, job, prepared.tokenizer) if resume_from is None else None
+    processor = getattr(prepared, "processor", None)  # a vision-language model's (tokenizer, images, template)
+    before = _task_eval(config, job, prepared.tokenizer, processor) if resume_from is None else None
     shown = config.method.progress_metrics
     with (
         progress(console, job.total_steps, config.output.log_steps, shown)
@@ -134,7 +135,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             on_step(step, total, row)
             if step % config.output.log_steps == 0:
                 trackers.log(step, {k: v for k, v in row.items() if isinstance(v, (int, float))})
-            _periodic_eval(config, job, prepared.tokenizer, run_dir, trackers, step, total)
+            _periodic_eval(config, job, prepared.tokenizer, run_dir, trackers, step, total, processor)
 
         try:
             result = train.run(job, run_dir, resume_from, on_step=after_step, hooks=hooks)
@@ -142,10 +143,10 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
             trackers.close(failed=True)
             raise
     trackers.close()
-    # a vision-language model's processor (tokenizer, image processor, chat template) loads with the final model
-    final = train.save_final(job, run_dir, getattr(prepared, "processor", None) or prepared.tokenizer)
+    # a vision-language model's processor loads with the final model
+    final = train.save_final(job, run_dir, processor or prepared.tokenizer)
     # before the return of other ranks: a sharded model generates on all
-    after = _task_eval(config, job, prepared.tokenizer)
+    after = _task_eval(config, job, prepared.tokenizer, processor)
     if not is_main:
         return result
     result.update(
@@ -181,7 +182,7 @@ def _trackers(config, run_dir, rank: int = 0):
     return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, config, rank=rank)
 
 
-def _task_eval(config, job, tokenizer):
+def _task_eval(config, job, tokenizer, processor=None):
     if config.evaluation is None:
         return None
     from finetune.infer.evaluation import task_score
@@ -205,10 +206,11 @@ def _task_eval(config, job, tokenizer):
         job.device,
         context=context,
         synced=job.engine.synced_generation,
+        processor=processor,
     )
 
 
-def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int) -> None:
+def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: int, processor=None) -> None:
     """evaluation.every_steps: the task metric during training, into metrics.jsonl and the trackers."""
     every = config.evaluation.every_steps if config.evaluation is not None else 0
     if not every or step % every or step >= total:
@@ -216,7 +218,7 @@ def _periodic_eval(config, job, tokenizer, run_dir, trackers, step: int, total: 
     from finetune.artifacts import RunFolder
     from finetune.metrics import MetricsWriter
 
-    score = _task_eval(config, job, tokenizer)
+    score = _task_eval(config, job, tokenizer, processor)
     if score is not None and job.runtime.is_main:
         with MetricsWriter(RunFolder(run_dir).metrics_path) as metrics:
             metrics.log(step, **{f"eval_{config.evaluation.metric}": score})

@@ -187,21 +187,27 @@ def write_jsonl(records: list[dict], path: str | Path) -> Path:
 
 
 def ensure_model(name: str = "ft-tiny", root: str | Path = "~/.cache/ft/models") -> Path:
-    """The tiny model's folder in ft's cache, built (deterministically, seed 0) on first use."""
+    """The tiny model's folder in ft's cache, built (deterministically, seed 0) on first use: ft-tiny (alias tiny), or
+    ft-tiny-vision (a tiny LLaVA with its processor, build_vlm)."""
     import hashlib
     import os
     import shutil
 
     from finetune.catalog import lookup
 
+    vision = name.lower() == VISION_MODEL
+    name = VISION_MODEL if vision else "ft-tiny"
     # the folder name carries the spec and this module's version, so a changed spec builds a new model
-    spec = hashlib.sha256(repr((lookup(name), TINY_VERSION)).encode()).hexdigest()[:12]
+    spec = hashlib.sha256(repr((VLM_VERSION if vision else lookup(name), TINY_VERSION)).encode()).hexdigest()[:12]
     folder = Path(root).expanduser() / f"{name}-{spec}"
     if (folder / "config.json").is_file():
         return folder
     tmp = folder.with_name(f".{name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_model(tmp, name=name)
+    if vision:
+        build_vlm(tmp)
+    else:
+        build_model(tmp, name=name)
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.replace(tmp, folder)
@@ -212,6 +218,8 @@ def ensure_model(name: str = "ft-tiny", root: str | Path = "~/.cache/ft/models")
 
 # ---------------------------------------------------------------- a tiny vision-language model and an image task
 IMAGE_TOKEN = "<image>"
+VISION_MODEL = "ft-tiny-vision"
+VLM_VERSION = 1  # bump when build_vlm changes
 VLM_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['content'] is string %}"
     "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
@@ -227,7 +235,7 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor."""
     import torch
     from transformers import (
-        CLIPImageProcessor,
+        CLIPImageProcessorPil,
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
@@ -237,7 +245,7 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
 
     tokenizer = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, IMAGE_TOKEN))
     tokenizer.chat_template = VLM_TEMPLATE
-    images = CLIPImageProcessor(
+    images = CLIPImageProcessorPil(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
     processor = LlavaProcessor(
@@ -283,9 +291,11 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     return model, processor
 
 
-def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32) -> list[dict]:
+def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32, noise: bool = True) -> list[dict]:
     """Chat records asking the colour of the square in a generated picture, each with its image (PNG, written into
-    `folder`, referenced relative to it): the answer depends on the image alone (text alone is at chance, 1 in 4)."""
+    `folder`, referenced relative to it): the answer depends on the image alone (text alone is at chance, 1 in 4).
+    The background is dark noise, or (`noise` False: small files, for the example the repo ships) one dark colour
+    with a few dark stripes."""
     import numpy as np
     from PIL import Image
 
@@ -296,7 +306,13 @@ def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32) -> 
     out = []
     for i in range(n):
         color = rng.choice(names)
-        pixels = np.random.default_rng(seed * 100003 + i).integers(0, 60, (size, size, 3), dtype=np.uint8)
+        draw = np.random.default_rng(seed * 100003 + i)
+        if noise:
+            pixels = draw.integers(0, 60, (size, size, 3), dtype=np.uint8)
+        else:
+            pixels = np.broadcast_to(draw.integers(0, 60, 3, dtype=np.uint8), (size, size, 3)).copy()
+            for row in draw.integers(0, size, 3):
+                pixels[row] = draw.integers(0, 60, 3, dtype=np.uint8)
         side = rng.randint(size // 2, size - 4)
         x, y = rng.randint(0, size - side), rng.randint(0, size - side)
         pixels[y : y + side, x : x + side] = COLORS[color]
@@ -305,3 +321,30 @@ def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32) -> 
         question = [{"type": "image", "image": name}, {"type": "text", "text": "What colour is the square?"}]
         out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": color}]})
     return out
+
+
+def vision_task(out_dir: str | Path, train: int = 240, test: int = 40, noise: bool = True) -> Path:
+    """An image task for the tiny vision-language model (ft-tiny-vision): the colour task's images and chat records in
+    out_dir (train.jsonl, test.jsonl, disjoint seeds). Returns out_dir."""
+    out = Path(out_dir)
+    write_jsonl(image_records(train, out, seed=1, noise=noise), out / "train.jsonl")
+    write_jsonl(image_records(test, out, seed=2, noise=noise), out / "test.jsonl")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m finetune.tiny", description="Write ft's offline example data.")
+    parser.add_argument("what", choices=["vision"], help="vision: the colour-of-the-square image task")
+    parser.add_argument("out", type=Path, help="folder to write (train.jsonl, test.jsonl, images/)")
+    parser.add_argument("--train", type=int, default=240, help="training records")
+    parser.add_argument("--test", type=int, default=40, help="held-out records")
+    parser.add_argument("--plain", action="store_true", help="plain backgrounds (small files) instead of noise")
+    args = parser.parse_args(argv)
+    out = vision_task(args.out, args.train, args.test, noise=not args.plain)
+    print(f"wrote {out}: train.jsonl ({args.train} records), test.jsonl ({args.test}), images/")
+
+
+if __name__ == "__main__":
+    main()

@@ -153,7 +153,15 @@ def evaluate(
 
 
 def task_score(
-    model, tokenizer, jinja: str | None, section, device, batch_size: int = 32, context=None, synced: bool = False
+    model,
+    tokenizer,
+    jinja: str | None,
+    section,
+    device,
+    batch_size: int = 32,
+    context=None,
+    synced: bool = False,
+    processor=None,
 ) -> float:
     """Mean score of an `evaluation:` section's metric over its prompt/answer file, answers generated greedily (the
     task metric during training).
@@ -161,7 +169,8 @@ def task_score(
     Prompts are rendered with `jinja` (the job's chat template) and generated in length-sorted batches by
     the same engine and scored by the same metrics as `ft eval`. During training, `context` gives the job's
     autocast and parameter gathering (fp32 master weights must not reach half-precision-only kernels such as
-    flash-attention), and `synced` keeps the ranks of a sharded model in step.
+    flash-attention), and `synced` keeps the ranks of a sharded model in step. A vision-language model's `processor`
+    reads prompts with images.
     """
     import torch
 
@@ -172,9 +181,15 @@ def task_score(
 
     scorer = Scorer(from_section(section))
     prompts = read_prompts(PromptSpec(section.path, samples=section.samples)).prompts
-    ids = [encode(p, tokenizer, jinja) for p in prompts]
+    ids = [encode(p, tokenizer, jinja, processor) for p in prompts]
     engine = TransformersEngine(
-        model, tokenizer, Sampling(max_new_tokens=section.max_new_tokens), device, context=context, synced=synced
+        model,
+        tokenizer,
+        Sampling(max_new_tokens=section.max_new_tokens),
+        device,
+        context=context,
+        synced=synced,
+        processor=processor,
     )
     was_training = model.training
     model.eval()
@@ -182,7 +197,8 @@ def task_score(
     try:
         with torch.no_grad():
             for number, batch in enumerate(plan([len(i) for i in ids], batch_size)):
-                for i, (text, _) in zip(batch, engine.generate([ids[i] for i in batch], number)):
+                images = [prompts[i].images for i in batch] if processor is not None else None
+                for i, (text, _) in zip(batch, engine.generate([ids[i] for i in batch], number, images)):
                     texts[i] = text
     finally:
         model.train(was_training)
