@@ -17,14 +17,17 @@ import contextlib
 import torch
 
 
-def wrap(model, device: torch.device):
-    """The model wrapped in DDP (only trainable parameters are synchronised), its gradients views of the buckets."""
+def wrap(model, device: torch.device, unused: bool = False):
+    """The model wrapped in DDP (only trainable parameters are synchronised), its gradients views of the buckets.
+    `unused`: some trainable parameters may take no part in a forward (a vision-language model's projector when a
+    micro-batch has no image), which DDP then finds after each forward (a walk of the autograd graph); a frozen tower
+    is not synchronised at all and needs no search."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None
     # every trainable parameter is in a bucket (torch nn/parallel/distributed.py _build_params_for_reducer), so the
     # buckets are the gradients; NCCL all-reduces each bucket in place, on the GPU where the parameters live
-    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=False, gradient_as_bucket_view=True)
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=unused, gradient_as_bucket_view=True)
 
 
 def zero_in_place(model) -> bool:
