@@ -69,7 +69,8 @@ def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
             if width * height > max_pixels:
                 raise ImageError(
                     f"image {str(path)!r} has {width}x{height} = {width * height} pixels, over the limit of "
-                    f"{max_pixels} (data.image.max_file_pixels): a decompression bomb, or an image to downscale"
+                    f"{max_pixels} (PIL's decompression-bomb limit): a decompression bomb, or an image to downscale "
+                    "before training"
                 )
             img.load()  # decodes every pixel: a truncated file fails here
     except ImageError:
@@ -119,8 +120,9 @@ def is_vision_language(config: dict) -> bool:
     return isinstance(config.get("vision_config"), dict)
 
 
-def load_processor(model_section, path: str):
-    """The model's own processor (chat template, image processor, image tokens) from `path`."""
+def load_processor(model_section, path: str, image=None):
+    """The model's own processor (chat template, image processor, image tokens) from `path`, its image side sized by
+    `image` (data.image, see `sized`)."""
     from transformers import AutoProcessor
 
     from finetune.errors import FtError
@@ -141,7 +143,64 @@ def load_processor(model_section, path: str):
             f"model.name: the processor of {model_section.name!r} ({type(processor).__name__}) has no image processor "
             "and tokenizer; ft trains vision-language models through processors that have both"
         )
+    if image is not None:
+        processor.image_processor = sized(processor.image_processor, image)
     return processor
+
+
+def settings(image_processor) -> list[str]:
+    """The names of the settings an image processor takes (transformers' valid_kwargs of its class)."""
+    kinds = getattr(type(image_processor), "valid_kwargs", None)
+    return sorted(getattr(kinds, "__annotations__", {}))
+
+
+def sized(image_processor, image):
+    """The image processor with data.image's settings (min_pixels/max_pixels, and `processor`'s by the processor's
+    own names), built again from its saved settings so that each takes effect as the processor's own constructor reads
+    it; FtError naming the key when the processor does not take a setting."""
+    from finetune.errors import FtError
+
+    wanted = {
+        **{k: v for k, v in (("min_pixels", image.min_pixels), ("max_pixels", image.max_pixels)) if v is not None},
+        **image.processor,
+    }
+    if not wanted:
+        return image_processor
+    known = settings(image_processor)
+    name = type(image_processor).__name__
+    for key in wanted:
+        if key not in known:
+            where = f"data.image.{key}" if key in ("min_pixels", "max_pixels") else f"data.image.processor.{key}"
+            fix = (
+                "remove it; this processor sizes images by its own rules"
+                + (f" (size: {_shown(image_processor.size)})" if getattr(image_processor, "size", None) else "")
+                if key in ("min_pixels", "max_pixels")
+                else f"use one of the settings it takes: {', '.join(known)}"
+            )
+            raise FtError(f"{where}: {name} does not take {key!r}.\n    fix: {fix}")
+    saved = image_processor.to_dict()
+    for key in ("image_processor_type", "processor_class", "_processor_class"):
+        saved.pop(key, None)
+    if "min_pixels" in wanted or "max_pixels" in wanted:
+        saved.pop("size", None)  # resized by pixel count: the constructor sets its size from the two limits
+        for key in ("min_pixels", "max_pixels"):
+            wanted.setdefault(key, getattr(image_processor, key, None) or _size_limit(image_processor, key))
+    try:
+        return type(image_processor)(**{**saved, **wanted})
+    except (TypeError, ValueError) as e:
+        raise FtError(f"data.image: {name} refused the settings {wanted}: {e}") from None
+
+
+def _shown(size) -> str:
+    items = size.items() if isinstance(size, dict) else vars(size).items()
+    return ", ".join(f"{k}={v}" for k, v in items if v is not None)
+
+
+def _size_limit(image_processor, key: str):
+    """A pixel-count processor's current limit (its size's shortest_edge/longest_edge hold min/max pixels)."""
+    size = getattr(image_processor, "size", None) or {}
+    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
+    return get("shortest_edge" if key == "min_pixels" else "longest_edge")
 
 
 def tokenize_images(messages: list[dict], images: list[str], processor, jinja: str, train_on: str):

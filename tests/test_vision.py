@@ -236,6 +236,36 @@ def test_a_4bit_base_leaves_every_vision_module_unquantized():
         assert should_convert_module(name, kept), name
 
 
+def test_data_image_sizes_images_by_the_processors_own_rules_and_names_what_it_does_not_take(tmp_path, vlm):
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from finetune.config.schema import ImageSection
+    from finetune.data.preprocess import prepare
+    from finetune.errors import FtError
+    from finetune.vision import sized
+
+    qwen, picture = Qwen2VLImageProcessorPil(), [Image.new("RGB", (1000, 1000))]
+
+    def grid(processor):
+        return processor(images=picture, return_tensors="pt")["image_grid_thw"].tolist()
+
+    assert grid(qwen) == [[1, 70, 70]]  # 980 x 980 pixels in 14-pixel patches
+    assert grid(sized(qwen, ImageSection(max_pixels=200 * 200))) == [[1, 14, 14]]
+    assert grid(sized(qwen, ImageSection(min_pixels=1200 * 1200, max_pixels=2000 * 2000))) == [[1, 86, 86]]
+    path = job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl")
+    with pytest.raises(FtError, match=r"data\.image\.max_pixels: CLIPImageProcessorPil does not take 'max_pixels'"):
+        prepare(load(path, overrides=["data.image.max_pixels=40000"]))
+    with pytest.raises(FtError, match=r"(?s)data\.image\.processor\.max_patches: .*fix: use one of .*image_mean"):
+        prepare(load(path, overrides=["data.image.processor={max_patches: 4}"]))
+    plain, shifted = (
+        prepare(load(path)),
+        prepare(load(path, overrides=["data.image.processor={image_mean: [0, 0, 0]}"])),
+    )
+    assert shifted.path != plain.path  # the processor's settings are part of the data's fingerprint
+    assert list(shifted.processor.image_processor.image_mean) == [0, 0, 0]
+
+
 # ---------------------------------------------------------------- prompts
 def test_prompts_with_images_are_read_expanded_and_refused_where_they_cannot_run(tmp_path, vlm):
     from finetune.artifacts import resolve

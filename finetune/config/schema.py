@@ -7,7 +7,7 @@ that contradict each other) live in `finetune.config.checks`, so that every prob
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr
 
@@ -75,6 +75,20 @@ class DatasetSpec(Section):
     """System message added to conversations that have none."""
 
 
+class ImageSection(Section):
+    """How a vision-language model's processor sizes images (the images' tokens per sample follow from it)."""
+
+    min_pixels: Bounded(int, ge=1, le=2**40) | None = None
+    """Fewest pixels an image is resized to, for processors that resize by pixel count (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+    GLM-4V...); unset: the processor's own."""
+    max_pixels: Bounded(int, ge=1, le=2**40) | None = None
+    """Most pixels an image is resized to (fewer image tokens, less memory), for the same processors; unset: the
+    processor's own."""
+    processor: dict[str, Any] = {}
+    """Other settings of the processor's image side, by its own names (e.g. `{size: {longest_edge: 1536}}` for
+    SmolVLM/Idefics3, `{max_patches: 8}` where the processor has it); each must be one the processor takes."""
+
+
 class DataSection(Section):
     """Training data and how it becomes token sequences."""
 
@@ -104,6 +118,8 @@ class DataSection(Section):
     """Skip (and count) records that cannot be parsed or rendered instead of stopping at the first."""
     cache_dir: FilePath = "~/.cache/ft/data"
     """Where tokenized data is cached, under a fingerprint of everything that changes it."""
+    image: ImageSection = ImageSection()
+    """Image sizing for vision-language models (their processor's resolution rules)."""
 
 
 # ---------------------------------------------------------------- adapter, quantization

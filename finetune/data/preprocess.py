@@ -120,7 +120,7 @@ def training_tokenizer(config: Config) -> Tokens:
         from finetune import vision
         from finetune.models import model_path
 
-        processor = vision.load_processor(config.model, model_path(config.model))
+        processor = vision.load_processor(config.model, model_path(config.model), config.data.image)
         tokenizer = processor.tokenizer
         if getattr(processor, "chat_template", None) and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = processor.chat_template  # the template is the processor's (image markers)
