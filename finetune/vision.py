@@ -218,6 +218,23 @@ def tokenize_images(messages: list[dict], images: list[str], processor, jinja: s
     return full, out
 
 
+def tokenize_pair_side(prompt: list[dict], answer: list[dict], images: list[str], processor, jinja: str):
+    """input_ids and labels of a preference pair's prompt (with its images) and one of its answers, only the answer's
+    assistant turns trained (data/masking.py tokenize_continuation), each image marker expanded by the processor."""
+    from finetune.data.masking import IGNORE, tokenize_continuation
+    from finetune.templates import render
+
+    prompt_parts, answer_parts = to_parts(prompt), to_parts(answer)
+    ids, labels = tokenize_continuation(prompt_parts, answer_parts, processor.tokenizer, jinja)
+    full, text_positions = _expand(
+        render(prompt_parts + answer_parts, processor.tokenizer, jinja), ids, images, processor
+    )
+    out = [IGNORE] * len(full)
+    for k, position in enumerate(text_positions):
+        out[position] = labels[k]
+    return full, out
+
+
 def tokenize_prompt(messages: list[dict], images: list[str], processor, jinja: str) -> list[int]:
     """Token ids of a prompt with images, rendered with the generation prompt (what `ft generate` continues): the
     text's tokens as for a text prompt, each image marker expanded by the processor."""
@@ -263,6 +280,26 @@ def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
         if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
             out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
     return out
+
+
+class Pixels:
+    """What a method adds to a micro-batch of a vision-language model's rows: the pixel inputs of their images
+    (`pixel_inputs`), in the dtype the tower is loaded in."""
+
+    def __init__(self, processor, dtype=None):
+        self.processor, self.dtype = processor, dtype
+
+    @classmethod
+    def of(cls, context):
+        """The job's (finetune.methods.Context), or None where it trains no images."""
+        if not getattr(context.plan, "vision", False) or context.processor is None:
+            return None
+        from finetune.models import load_dtype, torch_dtype
+
+        return cls(context.processor, torch_dtype(load_dtype(context.model, context.plan)) if context.model else None)
+
+    def __call__(self, paths: list[str]) -> dict:
+        return pixel_inputs(self.processor, paths, self.dtype)
 
 
 def parts_of(model) -> tuple[list[str], list[str]]:

@@ -422,3 +422,116 @@ def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weight
     start = load_file(str(vlm / "model" / "model.safetensors"))
     projector = [k for k in one if "multi_modal_projector" in k]
     assert projector and any(not torch.equal(start[k], other[k]) for k in projector)
+
+
+# ---------------------------------------------------------------- preferences
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo"])
+def test_dpo_loss_on_image_pairs_equals_trl_on_the_same_batch(vlm, kind, tmp_path):
+    """trl's DPOTrainer (the oracle) tokenizes image preference pairs with the processor and scores them with pixels;
+    ft's DPO loss on the same batch (pixels included) is trl's."""
+    import datasets
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    trl = pytest.importorskip("trl")
+    from finetune.config.methods import DPOMethod
+    from finetune.methods.dpo import DPO, FrozenCopy
+
+    processor = AutoProcessor.from_pretrained(str(vlm / "model"))
+    policy = AutoModelForImageTextToText.from_pretrained(str(vlm / "model"))
+    reference = AutoModelForImageTextToText.from_pretrained(str(vlm / "model")).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    records = [json.loads(line) for line in (vlm / "data" / "test.jsonl").read_text().splitlines()[:4]]
+    pairs = []
+    for r in records:
+        image, question = r["messages"][0]["content"]
+        right = r["messages"][1]["content"]
+        pairs.append(
+            {
+                "prompt": [{"role": "user", "content": [{"type": "image"}, question]}],
+                "chosen": [{"role": "assistant", "content": [{"type": "text", "text": right}]}],
+                "rejected": [{"role": "assistant", "content": [{"type": "text", "text": "purple"}]}],
+                "images": [Image.open(vlm / "data" / image["image"]).convert("RGB")],
+            }
+        )
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        loss_type=[kind],
+        beta=0.2,
+        per_device_train_batch_size=4,
+        max_length=None,
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(pairs),
+        processing_class=processor,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert batch["pixel_values"].shape[0] == 8  # each pair's image, for chosen and for rejected
+    policy.train()
+    with torch.no_grad():
+        theirs = trainer._compute_loss(trainer.model, batch, return_outputs=False)
+    ours_batch = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100),
+        "pixel_values": batch["pixel_values"],
+        "rows": torch.arange(4),
+    }
+    method = DPO(DPOMethod(name="dpo", beta=0.2, loss=kind), processor.tokenizer.pad_token_id, 4, FrozenCopy(reference))
+    with torch.no_grad():
+        ours, _ = method.loss(policy, ours_batch, normaliser=4.0)
+        without_images, _ = method.loss(policy, {k: v for k, v in ours_batch.items() if k != "pixel_values"}, 4.0)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-5)
+    assert abs(float(without_images) - float(ours)) > 1e-4  # the pixels reach the forward
+
+
+@pytest.mark.slow
+def test_dpo_on_pairs_whose_prompts_hold_images_trains_only_the_answers(tmp_path, vlm):
+    from finetune.data.preprocess import prepare
+    from tests.helpers import losses, train_here
+
+    records = [json.loads(line) for line in (vlm / "data" / "train.jsonl").read_text().splitlines()[:64]]
+    colours = ("red", "green", "blue", "yellow")
+    pairs = [
+        {
+            "prompt": [r["messages"][0]],
+            "chosen": r["messages"][1]["content"],
+            "rejected": colours[(colours.index(r["messages"][1]["content"]) + 1) % 4],
+        }
+        for r in records
+    ]
+    data = write_jsonl(pairs, vlm / "data" / "pairs.jsonl")
+    path = tmp_path / "dpo.yaml"
+    path.write_text(f"""
+model: {{name: {vlm / "model"}}}
+data: {{datasets: [{{path: {data}, format: preference}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: dpo, beta: 0.5}}
+adapter: {{type: lora, r: 8}}
+train: {{global_batch_size: 8, lr: 5.0e-3, max_steps: 8, warmup_steps: 0}}
+output: {{dir: {tmp_path / "run"}, log_steps: 1}}
+""")
+    prepared = prepare(load(path))
+    tokenizer = prepared.tokenizer
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    row = prepared.train[0]
+    for side in ("chosen", "rejected"):
+        ids, labels = row[f"{side}_input_ids"], row[f"{side}_labels"]
+        assert ids.count(image_id) == 16 and all(b == IGNORE for a, b in zip(ids, labels) if a == image_id)
+        trained = tokenizer.decode([a for a, b in zip(ids, labels) if b != IGNORE]).replace("<|im_end|>", "").strip()
+        assert trained in colours
+    assert row["chosen_input_ids"] != row["rejected_input_ids"] and len(row["images"]) == 1
+    train_here(path)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["vision"] and plan["reference"] == "adapter"
+    seen = losses(tmp_path / "run")
+    assert len(seen) == 8 and seen[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as the reference
+    assert sum(seen[-3:]) / 3 < seen[0] - 0.05, seen

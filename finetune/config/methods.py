@@ -102,6 +102,7 @@ class DPOMethod(MethodSection):
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
     progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
+    images: ClassVar[bool] = True  # pairs whose prompt holds images
 
     name: Literal["dpo"]
     """Method name."""

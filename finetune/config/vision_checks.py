@@ -2,8 +2,9 @@
 tower): which method and data layout it trains through the model's processor, and what of the vision side trains.
 
 `ft validate` and `ft plan` run these rules (with the facts at hand), so a refused combination never fails at step 1.
-SFT trains on chat records with images (finetune/vision.py); the other methods (and a model folder without processor
-files) train a vision-language model's language side on text, as for any model.
+SFT trains on chat records with images and DPO on preference pairs whose prompts hold images (finetune/vision.py); the
+other methods (and a model folder without processor files) train a vision-language model's language side on text, as
+for any model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ _TRAIN_VISION = ("model", "train_vision")
 
 def trains_images(config, facts) -> bool:
     """The job trains a vision-language model through its processor: the model has a vision tower and its processor
-    files, and the method trains on images (SFT). A vision-language model without processor files trains its language
-    side on text, as before."""
+    files, and the method trains on images (SFT, DPO). A vision-language model without processor files trains its
+    language side on text, as before."""
     return facts.vision_params > 0 and facts.image_processor and config.method.images
 
 

@@ -79,7 +79,13 @@ _SHAPES = {
     "instruction": {"messages": _MESSAGES},
     "completion": {"text": _TEXT},
     "prompt_completion": {"prompt": _TEXT, "completion": _TEXT},
-    "preference": {"prompt": _MESSAGES, "chosen": _MESSAGES, "rejected": _MESSAGES, "margin": _NUMBER},
+    "preference": {
+        "prompt": _MESSAGES,
+        "chosen": _MESSAGES,
+        "rejected": _MESSAGES,
+        "margin": _NUMBER,
+        "images": _PATHS,
+    },
     "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT, "images": _PATHS},
     "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL},
 }
@@ -176,13 +182,23 @@ def _prompt_completion(record: dict, spec: DatasetSpec) -> dict:
 def _preference(record: dict, spec: DatasetSpec) -> dict:
     names = {f: _column(f, spec, record) for f in ("prompt", "chosen", "rejected")}
     chosen_raw, rejected_raw = _value(record, "chosen", spec), _value(record, "rejected", spec)
+    slots: list = []  # the prompt's images (a pair's answers are text)
     if names["prompt"] in record or "prompt" in spec.columns:
-        prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user")
+        prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user", slots)
     else:
         prompt = _shared_prompt(record, spec, chosen_raw, rejected_raw, names)
     out = {"prompt": _with_system(prompt, _system(record, spec))}
+    images = _images(record, slots) if slots or record.get("images") else []
+    if images:
+        out["images"] = images  # optional, as margin: absent from a text pair, null in the dataset
     for field, raw in (("chosen", chosen_raw), ("rejected", rejected_raw)):
-        turns = _turns(raw, names[field], "assistant")
+        answer_images: list = []
+        turns = _turns(raw, names[field], "assistant", answer_images)
+        if any(s is not _IN_TEXT for s in answer_images):
+            raise RecordError(
+                f"'{names[field]}' holds an image; a preference pair's images belong in its prompt (the answers "
+                "compared are text)"
+            )
         if turns[: len(prompt)] == prompt:
             turns = turns[len(prompt) :]
         if not any(m["role"] == "assistant" for m in turns):

@@ -359,7 +359,7 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str, processor
             row["desirable"] = False
         if rules.format == "preference":
             row["margin"] = None
-        if processor is not None and rules.format == "chat":
+        if processor is not None and rules.format in ("chat", "preference"):
             row["images"] = []
     return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
 

@@ -54,13 +54,13 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None, proce
     status, as the whole one; otherwise the cut is widened (x4) until the whole record is used.
     prompt_only and preference records are never cut (prompts are truncated from the left).
     """
-    if processor is not None and rules.format == "chat":  # a vision-language model: every chat row lists its images
+    if processor is not None and rules.format in ("chat", "preference"):  # a vision-language model: rows list images
         return _with_images(rec, rules, processor, jinja)
     if rec.get("images"):
         raise DataError(
             "this record has images, which this job cannot use: ft trains on images with method sft (chat records) "
-            "on a vision-language model whose folder holds its processor files; use such a model and method, or "
-            "leave the images out"
+            "or dpo (preference pairs) on a vision-language model whose folder holds its processor files; use such "
+            "a model and method, or leave the images out"
         )
     budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
     for _ in range(16):  # 4**16 times the first budget is past any record a line can hold
@@ -81,6 +81,15 @@ def _with_images(rec: dict, rules: Rules, processor, jinja: str | None) -> dict:
     from finetune import vision
 
     images = list(rec.get("images") or [])
+    if rules.format == "preference":
+        row = {"images": images, "margin": rec.get("margin")}
+        for side in ("chosen", "rejected"):
+            if images:
+                ids, labels = vision.tokenize_pair_side(rec["prompt"], rec[side], images, processor, jinja)
+            else:
+                ids, labels = tokenize_continuation(rec["prompt"], rec[side], processor.tokenizer, jinja)
+            row |= {f"{side}_input_ids": ids, f"{side}_labels": labels}
+        return row
     if images:
         ids, labels = vision.tokenize_images(rec["messages"], images, processor, jinja, rules.train_on)
     else:

@@ -44,8 +44,11 @@ def pair_losses(
 class DPO:
     """Batches and loss for DPO; `reference` gives the reference log-probs of a micro-batch."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, reference, head: LossHead | None = None):
+    def __init__(
+        self, section, pad_id: int, micro_batch_size: int, reference, head: LossHead | None = None, pixels=None
+    ):
         self.beta, self.kind, self.smoothing = section.beta, section.loss, section.label_smoothing
+        self.images = pixels  # a vision-language model's pairs list their prompt's images (finetune.vision.Pixels)
         self.pad_id, self.micro, self.reference = pad_id, micro_batch_size, reference
         self.validates = section.validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
@@ -54,8 +57,17 @@ class DPO:
     @classmethod
     def create(cls, section, context: Context) -> DPO:
         """With the reference the plan chose; `precomputed` scores every row once, now, with the starting model."""
+        from finetune.vision import Pixels
+
         plan = context.plan
-        method = cls(section, context.pad_id, plan.micro_batch_size, reference_model(context), loss_head(plan, True))
+        method = cls(
+            section,
+            context.pad_id,
+            plan.micro_batch_size,
+            reference_model(context),
+            loss_head(plan, True),
+            Pixels.of(context),
+        )
         if context.plan.reference == "precomputed":
             c = context
             method.held_out = c.validation
@@ -84,6 +96,9 @@ class DPO:
                 )
             ]
             batch = collate(chosen + rejected, self.pad_id, "sdpa")
+            if self.images is not None:  # chosen rows then rejected rows, as stacked: each pair's images twice
+                paths = [p for ps in rows["images"][i : i + self.micro] for p in ps]
+                batch.update(self.images(paths + paths))
             batch.update(
                 rows=torch.tensor(indices[i : i + self.micro]),
                 num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected),

@@ -21,8 +21,7 @@ class SFT:
         head: LossHead | None = None,
         masks: dict | None = None,
         sample_index: bool = False,
-        processor=None,
-        pixel_dtype=None,
+        pixels=None,
     ):
         self.pad_id = pad_id
         self.attn = attn_implementation
@@ -30,16 +29,14 @@ class SFT:
         self.micro = micro_batch_size
         self.validates = validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
-        # a vision-language model's rows list their images: the processor makes their pixels, in the tower's dtype
-        self.processor, self.pixel_dtype = processor, pixel_dtype
+        self.images = pixels  # a vision-language model's rows list their images (finetune.vision.Pixels)
 
     @classmethod
     def create(cls, section, context: Context) -> SFT:
-        from finetune.models import load_dtype, torch_dtype
+        from finetune.vision import Pixels
 
         plan = context.plan
         head = loss_head(plan, False)
-        vision = getattr(plan, "vision", False) and context.processor is not None
         return cls(
             context.pad_id,
             context.attn,
@@ -48,8 +45,7 @@ class SFT:
             head,
             plan.attention_masks,
             plan.sample_index,
-            context.processor if vision else None,
-            torch_dtype(load_dtype(context.model, plan)) if vision and context.model is not None else None,
+            Pixels.of(context),
         )
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
@@ -70,11 +66,9 @@ class SFT:
 
     def pixels(self, rows: list[dict]) -> dict:
         """The model inputs of the rows' images, in the order their tokens appear in the batch ({} without any)."""
-        if self.processor is None:
+        if self.images is None:
             return {}
-        from finetune.vision import pixel_inputs
-
-        return pixel_inputs(self.processor, [p for r in rows for p in r.get("images") or []], self.pixel_dtype)
+        return self.images([p for r in rows for p in r.get("images") or []])
 
     def tokens(self, batch: dict) -> int:
         shifted = "shift_labels" in batch  # a rank's share of a sequence, shifted before the split (distributed/cp.py)
