@@ -34,6 +34,8 @@ PIXEL_INPUTS = (
     "aspect_ratio_mask",
     "image_position_ids",
 )
+# what marks each token's modality for the model (Qwen-VL's 3-D RoPE, Gemma 3's bidirectional image attention)
+TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
 
 
 class ImageError(ValueError):
@@ -300,6 +302,27 @@ class Pixels:
 
     def __call__(self, paths: list[str]) -> dict:
         return pixel_inputs(self.processor, paths, self.dtype)
+
+    def add(self, batch: dict, paths: list[str]) -> dict:
+        """`batch` (collated, right-padded rows) made a vision-language model's: the images' pixel inputs, each token's
+        modality where the model reads it (token_types), and no position ids: the model places the tokens itself
+        (Qwen-VL's 3-D positions of image tokens; 0, 1, ... along each row for the others, as collate's)."""
+        batch.update(self(paths))
+        batch.update(token_types(self.processor, batch["input_ids"]))
+        batch.pop("position_ids", None)
+        return batch
+
+
+def token_types(processor, input_ids) -> dict:
+    """The modality of each token (0 text, 1 image) under the name the model's forward reads it by, from the processor's
+    own create_mm_token_type_ids ({} where the model reads none)."""
+    import torch
+
+    names = [n for n in TOKEN_TYPE_INPUTS if n in getattr(processor, "model_input_names", ())]
+    if not names or not hasattr(processor, "create_mm_token_type_ids"):
+        return {}
+    types = processor.create_mm_token_type_ids(input_ids.tolist())
+    return {names[0]: torch.tensor(types, dtype=torch.long, device=input_ids.device)}
 
 
 def parts_of(model) -> tuple[list[str], list[str]]:

@@ -535,3 +535,84 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1}}
     seen = losses(tmp_path / "run")
     assert len(seen) == 8 and seen[0] == pytest.approx(0.6931, abs=1e-3)  # log 2: the policy starts as the reference
     assert sum(seen[-3:]) / 3 < seen[0] - 0.05, seen
+
+
+# ---------------------------------------------------------------- families whose processor cannot be built here
+class QwenStyleProcessor:
+    """The parts of Qwen2-VL's processor ft's batches use (transformers' Qwen2VLProcessor also needs torchvision for
+    its video side, which this environment lacks): its own image processor, its model inputs (mm_token_type_ids, read
+    by the model's 3-D RoPE) and the processor's own create_mm_token_type_ids."""
+
+    model_input_names = ["input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"]
+    image_token_id = 60
+
+    def __init__(self):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+
+    @property
+    def image_token_ids(self):
+        return [self.image_token_id]
+
+    video_token_ids, audio_token_ids = [63], []
+
+    def create_mm_token_type_ids(self, input_ids):
+        from transformers.processing_utils import ProcessorMixin
+
+        return ProcessorMixin.create_mm_token_type_ids(self, input_ids)
+
+
+def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(tmp_path):
+    """Each row of ft's padded batch (collate + Pixels.add) gives the logits the model gives that sample alone with
+    the inputs its processor makes; with the collated 1-D position ids instead (what a text batch carries), the image
+    tokens would get text positions and the logits would differ."""
+    from PIL import Image
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from finetune.data.collate import collate
+    from finetune.methods.loss import MODEL_INPUTS
+    from finetune.vision import Pixels
+
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+            "bos_token_id": None,
+            "eos_token_id": 1,
+        },
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "patch_size": 14},
+        image_token_id=60,
+        vision_start_token_id=61,
+        vision_end_token_id=62,
+        video_token_id=63,
+    )
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    paths = []
+    for k, colour in enumerate(("red", "blue")):
+        Image.new("RGB", (56, 56), colour).save(tmp_path / f"{k}.png")
+        paths.append(str(tmp_path / f"{k}.png"))
+    # a 56x56 image: 4x4 patches of 14 pixels, merged 2x2 into 4 tokens between vision_start and vision_end
+    rows = [
+        {"input_ids": [5, 6, 61, *[60] * 4, 62, 7, 8, 9], "labels": [-100] * 8 + [8, 9, 1], "images": paths[:1]},
+        {"input_ids": [5, 61, *[60] * 4, 62, 7], "labels": [-100] * 7 + [7], "images": paths[1:]},
+    ]
+    rows[0]["labels"] = rows[0]["labels"][: len(rows[0]["input_ids"])]
+    pixels = Pixels(QwenStyleProcessor())
+    batch = pixels.add(collate(rows, 0, "sdpa"), paths)
+    assert "position_ids" not in batch and batch["mm_token_type_ids"].sum() == 8
+    with torch.no_grad():
+        together = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
+        for i, row in enumerate(rows):
+            alone = pixels.add(collate([row], 0, "sdpa"), row["images"])
+            want = model(**{k: alone[k] for k in MODEL_INPUTS if k in alone}).logits[0]
+            torch.testing.assert_close(together[i, : len(row["input_ids"])], want, atol=1e-5, rtol=1e-5)
+        flat = collate(rows, 0, "sdpa")  # 1-D positions: the model would skip its 3-D placement of the images
+        wrong = model(**{k: v for k, v in {**batch, "position_ids": flat["position_ids"]}.items() if k in MODEL_INPUTS})
+    assert (wrong.logits[0, :11] - together[0, :11]).abs().max() > 1e-4

@@ -141,10 +141,11 @@ class TransformersEngine:
             extra["synced_gpus"] = True
         paths = [p for row in images or () for p in row]
         if paths:
-            from finetune.vision import pixel_inputs
+            from finetune.vision import pixel_inputs, token_types
 
             dtype = next(self.model.parameters()).dtype
             extra.update({k: v.to(self.device) for k, v in pixel_inputs(self.processor, paths, dtype).items()})
+            extra.update(token_types(self.processor, input_ids))
         with torch.no_grad(), self.context() if self.context else contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra

@@ -97,8 +97,8 @@ class DPO:
             ]
             batch = collate(chosen + rejected, self.pad_id, "sdpa")
             if self.images is not None:  # chosen rows then rejected rows, as stacked: each pair's images twice
-                paths = [p for ps in rows["images"][i : i + self.micro] for p in ps]
-                batch.update(self.images(paths + paths))
+                paths = [p for ps in rows["images"][i : i + self.micro] for p in ps or ()]
+                self.images.add(batch, paths + paths)
             batch.update(
                 rows=torch.tensor(indices[i : i + self.micro]),
                 num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected),

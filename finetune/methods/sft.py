@@ -55,20 +55,11 @@ class SFT:
         out = []
         for i in range(0, len(rows), self.micro):
             chunk = rows[i : i + self.micro]
-            out.append(
-                {
-                    **collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index),
-                    **self.pixels(chunk),
-                    "num_tokens": sum(len(r["input_ids"]) for r in chunk),
-                }
-            )
+            batch = collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index)
+            if self.images is not None:  # the rows' images, in the order their tokens appear in the batch
+                self.images.add(batch, [p for r in chunk for p in r.get("images") or []])
+            out.append({**batch, "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
         return out
-
-    def pixels(self, rows: list[dict]) -> dict:
-        """The model inputs of the rows' images, in the order their tokens appear in the batch ({} without any)."""
-        if self.images is None:
-            return {}
-        return self.images([p for r in rows for p in r.get("images") or []])
 
     def tokens(self, batch: dict) -> int:
         shifted = "shift_labels" in batch  # a rank's share of a sequence, shifted before the split (distributed/cp.py)
