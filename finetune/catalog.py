@@ -141,6 +141,7 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
         **{**core, **switches},
         tie_word_embeddings=model_type in TIED_BY_DEFAULT if tie is None else bool(tie),
         vision_params=vision_params(cfg, core["hidden_size"]),
+        vision_model_type=str(cfg.get("model_type") or "") if isinstance(cfg.get("vision_config"), dict) else "",
     )
 
 

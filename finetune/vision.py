@@ -36,6 +36,9 @@ PIXEL_INPUTS = (
 )
 # what marks each token's modality for the model (Qwen-VL's 3-D RoPE, Gemma 3's bidirectional image attention)
 TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
+# families whose image tokens take ordinary 1-D positions in a causal language model, each image encoded on its own:
+# their samples can share a packed row (positions restarting per sample, attention kept inside each)
+PACKABLE = ("llava", "llava_next", "llava_onevision", "mistral3", "idefics2", "idefics3", "smolvlm")
 
 
 class ImageError(ValueError):
@@ -303,13 +306,15 @@ class Pixels:
     def __call__(self, paths: list[str]) -> dict:
         return pixel_inputs(self.processor, paths, self.dtype)
 
-    def add(self, batch: dict, paths: list[str]) -> dict:
-        """`batch` (collated, right-padded rows) made a vision-language model's: the images' pixel inputs, each token's
-        modality where the model reads it (token_types), and no position ids: the model places the tokens itself
-        (Qwen-VL's 3-D positions of image tokens; 0, 1, ... along each row for the others, as collate's)."""
+    def add(self, batch: dict, paths: list[str], packed: bool = False) -> dict:
+        """`batch` (collated rows) made a vision-language model's: the images' pixel inputs, each token's modality
+        where the model reads it (token_types), and, for right-padded rows, no position ids: the model places the
+        tokens itself (Qwen-VL's 3-D positions of image tokens; 0, 1, ... along each row for the others, as collate's).
+        `packed` rows keep theirs, restarting at each sample (families with 1-D positions only: PACKABLE)."""
         batch.update(self(paths))
         batch.update(token_types(self.processor, batch["input_ids"]))
-        batch.pop("position_ids", None)
+        if not packed:
+            batch.pop("position_ids", None)
         return batch
 
 

@@ -191,20 +191,26 @@ def test_changed_image_content_prepares_the_data_again(tmp_path, vlm):
     assert prepare(config).built
 
 
-def test_a_text_model_refuses_image_records_and_plans_refuse_packing(tmp_path, vlm):
+def test_a_text_model_refuses_image_records_and_plans_refuse_packing_where_positions_are_3d(tmp_path, vlm):
     from finetune.config import loads
     from finetune.errors import ConfigError
     from finetune.hardware import parse
     from finetune.plan import plan
     from finetune.workflow import model_facts
 
-    config = loads(
-        f"model: {{name: {vlm / 'model'}}}\ndata: {{datasets: [{{path: {vlm / 'data' / 'train.jsonl'}, "
-        "format: chat}], seq_len: 64, packing: true}\nmethod: {name: sft}\noutput: {dir: run}\n",
-        environ={},
-    )
-    with pytest.raises(ConfigError, match=r"data\.packing"):
-        plan(config, parse("cpu"), model_facts(config.model))
+    def packed(model):
+        return loads(
+            f"model: {{name: {model}}}\ndata: {{datasets: [{{path: {vlm / 'data' / 'train.jsonl'}, "
+            "format: chat}], seq_len: 64, packing: true}\nmethod: {name: sft}\noutput: {dir: run}\n",
+            environ={},
+        )
+
+    assert plan(packed(vlm / "model"), parse("cpu"), model_facts(packed(vlm / "model").model)).vision  # LLaVA packs
+    qwen = tmp_path / "qwen2-vl"
+    tiny_qwen2_vl().save_pretrained(qwen)
+    (qwen / "preprocessor_config.json").write_text(json.dumps({"image_processor_type": "Qwen2VLImageProcessor"}))
+    with pytest.raises(ConfigError, match=r"(?s)data\.packing.*qwen2_vl: its image tokens take 3-D positions"):
+        plan(packed(qwen), parse("cpu"), model_facts(packed(qwen).model))
     text = loads(
         "model: {name: ft-tiny, train_vision: all}\ndata: {datasets: [{path: x.jsonl, format: chat}]}\n"
         "output: {dir: run}\n",
@@ -264,6 +270,55 @@ def test_data_image_sizes_images_by_the_processors_own_rules_and_names_what_it_d
     )
     assert shifted.path != plain.path  # the processor's settings are part of the data's fingerprint
     assert list(shifted.processor.image_processor.image_mean) == [0, 0, 0]
+
+
+@pytest.mark.slow
+def test_packed_samples_with_images_give_the_logits_each_gives_alone(tmp_path, vlm):
+    """LLaVA (1-D positions) packs: each packed row lists its samples' images in order, and each sample's logits in the
+    packed row (positions restarting, attention kept inside the sample) are the ones it gives alone."""
+    from transformers import AutoModelForImageTextToText
+
+    from finetune.data.collate import collate
+    from finetune.data.preprocess import prepare
+    from finetune.methods.loss import MODEL_INPUTS
+    from finetune.vision import Pixels
+
+    rows = [json.loads(line) for line in (vlm / "data" / "train.jsonl").read_text().splitlines()[:9]]
+    rows.insert(
+        4, {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "red"}]}
+    )
+    data = write_jsonl(rows, vlm / "data" / "packable.jsonl")
+    path = job(tmp_path, vlm / "model", data)
+    plain = prepare(load(path, overrides=["data.seq_len=96"]))
+    packed = prepare(load(path, overrides=["data.seq_len=96", "data.packing=true"]))
+    alone = {(tuple(r["input_ids"]), tuple(r["images"])): r for r in plain.train}
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm / "model")).eval()
+    pixels, pad = Pixels(packed.processor), packed.tokenizer.pad_token_id
+    image_id = packed.tokenizer.convert_tokens_to_ids("<image>")
+
+    def logits(row, is_packed):
+        batch = pixels.add(collate([row], pad, "sdpa"), list(row["images"]), packed=is_packed)
+        with torch.no_grad():
+            return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits[0]
+
+    checked = 0
+    for row in packed.train:
+        if len(row["seq_lens"]) < 2:
+            continue
+        together, start, used = logits(row, True), 0, 0
+        for n in row["seq_lens"]:
+            ids = tuple(row["input_ids"][start : start + n])
+            images = tuple(row["images"][used : used + ids.count(image_id) // 16])  # 16 tokens per image
+            sample = alone[(ids, images)]
+            torch.testing.assert_close(together[start : start + n], logits(sample, False), atol=1e-5, rtol=1e-5)
+            start, used, checked = start + n, used + len(images), checked + 1
+        assert used == len(row["images"])
+    assert checked >= 4
+    from tests.helpers import losses, train_here
+
+    train_here(path, "--set", "data.seq_len=96", "--set", "data.packing=true", "--set", "output.log_steps=1")
+    seen = losses(tmp_path / "run-full")
+    assert len(seen) == 60 and sum(seen[-5:]) / 5 < seen[0] / 2  # packed image rows train
 
 
 # ---------------------------------------------------------------- prompts
@@ -563,16 +618,9 @@ class QwenStyleProcessor:
         return ProcessorMixin.create_mm_token_type_ids(self, input_ids)
 
 
-def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(tmp_path):
-    """Each row of ft's padded batch (collate + Pixels.add) gives the logits the model gives that sample alone with
-    the inputs its processor makes; with the collated 1-D position ids instead (what a text batch carries), the image
-    tokens would get text positions and the logits would differ."""
-    from PIL import Image
+def tiny_qwen2_vl():
+    """A randomly initialised one-layer Qwen2-VL (3-D RoPE over image tokens), seed 0."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    from finetune.data.collate import collate
-    from finetune.methods.loss import MODEL_INPUTS
-    from finetune.vision import Pixels
 
     config = Qwen2VLConfig(
         text_config={
@@ -593,7 +641,20 @@ def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(t
         video_token_id=63,
     )
     torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    return Qwen2VLForConditionalGeneration(config)
+
+
+def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(tmp_path):
+    """Each row of ft's padded batch (collate + Pixels.add) gives the logits the model gives that sample alone with
+    the inputs its processor makes; with the collated 1-D position ids instead (what a text batch carries), the image
+    tokens would get text positions and the logits would differ."""
+    from PIL import Image
+
+    from finetune.data.collate import collate
+    from finetune.methods.loss import MODEL_INPUTS
+    from finetune.vision import Pixels
+
+    model = tiny_qwen2_vl().eval()
     paths = []
     for k, colour in enumerate(("red", "blue")):
         Image.new("RGB", (56, 56), colour).save(tmp_path / f"{k}.png")

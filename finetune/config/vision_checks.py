@@ -10,6 +10,7 @@ for any model.
 from __future__ import annotations
 
 from finetune.errors import Problem
+from finetune.vision import PACKABLE
 
 _TRAIN_VISION = ("model", "train_vision")
 
@@ -39,12 +40,19 @@ def vision_problems(config, facts) -> list[Problem]:
                 "remove model.train_vision",
             )
         )
-    if trains_images(config, facts) and config.data.packing:
+    family = facts.vision_model_type or facts.model_type
+    if trains_images(config, facts) and config.data.packing and family not in PACKABLE:
+        why = (
+            "its image tokens take 3-D positions the model computes per row (M-RoPE), which a packed row would mix"
+            if "qwen" in family or "glm" in family
+            else "its images are attended in ways a packed row would mix (cross-attention to the images, or "
+            "bidirectional attention over them)"
+        )
         out.append(
             Problem(
                 (("data", "packing"), ("model", "name")),
-                "ft does not pack rows for vision-language models yet (each image's tokens and its pixels must stay "
-                "with their sample)",
+                f"ft packs the samples of a vision-language model only for families whose image tokens take ordinary "
+                f"positions ({', '.join(PACKABLE)}); {family}: {why}",
                 "set data.packing: false",
             )
         )

@@ -138,6 +138,9 @@ def _pack_batch(bins: dict, source) -> dict:
     labels[starts] = IGNORE  # every example has at least one token (best_fit_decreasing checks)
     positions = np.arange(len(ids), dtype=np.int64) - np.repeat(starts, lengths)
     out = {"input_ids": [], "labels": [], "position_ids": [], "seq_lens": []}
+    images = table.column("images").to_pylist() if "images" in table.column_names else None
+    if images is not None:
+        out["images"] = []
     cursor = 0
     for b in bins["example_ids"]:
         first, last = cursor, cursor + len(b)
@@ -146,6 +149,8 @@ def _pack_batch(bins: dict, source) -> dict:
         out["labels"].append(labels[lo:hi])
         out["position_ids"].append(positions[lo:hi])
         out["seq_lens"].append(lengths[first:last])
+        if images is not None:  # a vision-language model's rows: their images in the order of their tokens
+            out["images"].append([p for k in range(first, last) for p in images[k] or ()])
         cursor = last
     return out
 
@@ -154,14 +159,17 @@ def pack(ds, seq_len: int, batch_size: int = 1000):
     """One row per bin of `best_fit_decreasing`: input_ids and labels concatenated (each example's
     first label set to -100), position_ids restarting at 0 per example, seq_lens. Not padded.
 
-    Only input_ids and labels are kept; other columns are dropped. Rows come out in bin order
-    (longest examples first), so the training sampler must shuffle them.
+    Only input_ids and labels are kept (and a vision-language model's `images`, concatenated in example order); other
+    columns are dropped. Rows come out in bin order (longest examples first), so the training sampler must shuffle
+    them.
     """
     import datasets
 
     bins = best_fit_decreasing(example_lengths(ds), seq_len)
     ints = datasets.List(datasets.Value("int64"))
     features = datasets.Features({"input_ids": ints, "labels": ints, "position_ids": ints, "seq_lens": ints})
+    if "images" in ds.column_names:
+        features["images"] = datasets.List(datasets.Value("string"))
     digest = hashlib.sha256(repr((seq_len, len(ds), bins)).encode()).hexdigest()[:16]
     if not bins:
         return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
