@@ -13,7 +13,7 @@ from finetune.config.methods import DPOMethod, GRPOMethod, KTOMethod, ORPOMethod
 from finetune.metrics import MetricsWriter, plot_losses
 from finetune.progress import StepLines, step_line
 from finetune.quiet import DEEPSPEED_CPU, DEEPSPEED_LOGGER, only_new_score_head, quiet_libraries
-from tests.helpers import REPO, ft_train, job
+from tests.helpers import REPO, ft_train
 
 ROW = {"loss": 1.23454, "lr": 2e-4, "tokens": 800, "tokens_per_s": 999.0, "memory_gib": 3.21, "grad_norm": 0.5}
 GRPO_ROW = {
@@ -128,10 +128,14 @@ LINE = re.compile(
 SILENCED = ("is_gradient_checkpointing", DEEPSPEED_CPU, "LOAD REPORT", "kernels-community", "Loading weights")
 
 
-@pytest.mark.slow
-def test_piped_output_has_a_step_line_per_log_steps_and_no_library_noise(tmp_path):
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
     """One tiny reward-model run with LoRA and a checkpoint (what loads a new score head, wraps with peft and saves),
-    its stdout and stderr pipes."""
+    its stdout and stderr pipes, from a fresh home: ft first builds and saves ft-tiny there (transformers' "Writing
+    model shards" bar). (home, the finished process)."""
+    tmp_path = tmp_path_factory.mktemp("piped")
+    home = tmp_path / "home"
+    home.mkdir()
     r = ft_train(
         str(REPO / "examples/yaml/tiny-reward.yaml"),
         "--hardware",
@@ -139,8 +143,15 @@ def test_piped_output_has_a_step_line_per_log_steps_and_no_library_noise(tmp_pat
         *("--set", f"output.dir={tmp_path / 'run'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"),
         *("--set", "train.max_steps=4", "--set", "train.global_batch_size=8", "--set", "train.warmup_steps=1"),
         *("--set", "output.log_steps=2", "--set", "output.save_steps=2", "--set", "output.eval_steps=0"),
+        env={"HOME": str(home), "BASE_MODEL": "ft-tiny"},  # the example's own base, built in the fresh home
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    return home, r
+
+
+@pytest.mark.slow
+def test_piped_output_has_a_step_line_per_log_steps_and_no_library_noise(piped_run):
+    _, r = piped_run
     steps = [int(m.group(1)) for m in map(LINE.fullmatch, r.stdout.splitlines()) if m]
     assert steps == [2, 4], r.stdout
     everything = r.stdout + r.stderr
@@ -171,13 +182,10 @@ def test_quiet_tensor_parallel_drops_only_torch_notices_of_the_split_layers():
 
 
 @pytest.mark.slow
-def test_a_log_gets_no_progress_bars_even_when_ft_builds_its_tiny_model(tmp_path):
+def test_a_log_gets_no_progress_bars_even_when_ft_builds_its_tiny_model(piped_run):
     """A fresh home: ft builds and saves ft-tiny before training (transformers' "Writing model shards" bar), then
     trains and saves; with stdout and stderr going to pipes, no bar and no carriage return reaches them."""
-    home = tmp_path / "home"
-    home.mkdir()
-    r = ft_train(job(tmp_path, "run", steps=2), "--hardware", "cpu", env={"HOME": str(home)})
-    assert r.returncode == 0, r.stderr[-3000:]
+    home, r = piped_run
     assert any((home / ".cache" / "ft" / "models").iterdir())  # the model was built in this run
     everything = r.stdout + r.stderr
     assert "\r" not in everything and "it/s]" not in everything, everything
