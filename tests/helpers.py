@@ -98,6 +98,28 @@ def train_here(config, *args: str, hardware: str = "cpu", resume: bool = False) 
         set_run_dir(None)  # the run's folder no longer receives this process's error logs
 
 
+def launch_here(config, *args: str, hardware: str = "cpu:2", resume: bool = False) -> dict:
+    """`ft train CONFIG --hardware cpu:2 [--set K=V ...] [--resume]` with this process as ft train's launcher: it plans,
+    prepares the data, writes the run folder and starts torchrun and the ranks (one thread each, as `ft_train`'s),
+    without a new interpreter importing for the launcher (seconds a run). For multi-process runs whose results (not
+    the CLI's output or exit code) a test checks. Returns run_train's result; an error raises."""
+    from finetune.errors import set_run_dir
+    from finetune.workflow import run_train
+
+    if len(args) % 2 or any(flag != "--set" for flag in args[::2]):
+        raise ValueError(f"launch_here takes only --set KEY=VALUE pairs, not {args}")
+    threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # what ft_train gives its process: the ranks inherit it
+    try:
+        return run_train(str(config), list(args[1::2]), hardware, resume=resume)
+    finally:
+        if threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = threads
+        set_run_dir(None)  # the run's folder no longer receives this process's error logs
+
+
 def metric_rows(run_dir) -> list[dict]:
     """Every row of a run folder's metrics.jsonl."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]

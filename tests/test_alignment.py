@@ -10,8 +10,9 @@ import json
 
 import pytest
 
+from finetune.errors import Stopped
 from finetune.tiny import preference_records, prompt_records, write_jsonl
-from tests.helpers import REPO, ft_train, losses, step_hook, train_here
+from tests.helpers import REPO, launch_here, losses, step_hook, train_here
 
 pytestmark = pytest.mark.slow  # every test here trains
 
@@ -46,8 +47,7 @@ output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 
 def test_dpo_raises_held_out_preference_accuracy_on_one_and_two_processes(tmp_path, sft_model):
     train_here(dpo_job(tmp_path, "one", sft_model))  # in this process (a new one spends seconds importing)
-    two = ft_train(dpo_job(tmp_path, "two", sft_model), "--hardware", "cpu:2")
-    assert two.returncode == 0, two.stderr[-3000:]
+    launch_here(dpo_job(tmp_path, "two", sft_model))  # ft train --hardware cpu:2, this process the launcher
     assert json.loads((tmp_path / "two" / "plan.json").read_text())["backend"] == "ddp"
     # the same global batch
     assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
@@ -99,11 +99,11 @@ def rewards(run_dir) -> list[float]:
     return [r["reward"] for r in rows(run_dir / "metrics.jsonl") if "reward" in r]
 
 
-def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model):
+def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model, capfd):
     """Rollouts from the training model (transformers); on two processes with vLLM rollouts:
     tests/test_vllm_rollout.py."""
-    r = ft_train(grpo_job(tmp_path, "grpo", sft_model, steps=40), "--hardware", "cpu")
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(grpo_job(tmp_path, "grpo", sft_model, steps=40))  # in this process (a new one spends seconds importing)
+    said = "".join(capfd.readouterr())
     got = rewards(tmp_path / "grpo")
     assert len(got) == 40
     first, last = sum(got[:10]) / 10, sum(got[-10:]) / 10  # measured: 0.48 -> 0.75 (1 process)
@@ -114,18 +114,22 @@ def test_grpo_raises_the_mean_reward_of_an_sft_model(tmp_path, sft_model):
         "rewards/digits_right",  # a reward's metric is named after its function
         "completion_length",
     } <= row.keys()
-    closing = next(line for line in (r.stdout + r.stderr).splitlines() if line.startswith("trained 40 steps"))
+    closing = next(line for line in said.splitlines() if line.startswith("trained 40 steps"))
     assert f"reward {row['reward']:.4g}" in closing and "rewards/exact_match" in closing, closing
 
 
-def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_model):
+def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_model, monkeypatch):
     """Two updates per rollout, stopped between them: the checkpoint carries the rollout the next step reuses, and
     the rollout after it samples from the restored RNG."""
     two = ("--set", "method.num_iterations=2")
     train_here(grpo_job(tmp_path, "straight", sft_model, steps=6), *two)  # the reference: in this process
     job = grpo_job(tmp_path, "stopped", sft_model, steps=6)
-    stopped = ft_train(job, "--hardware", "cpu", *two, env=step_hook(tmp_path, stop_at=3))
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    with monkeypatch.context() as hooked:  # in this process, the hook (FT_STEP_HOOK) stopping it after step 3
+        for name, value in step_hook(tmp_path, stop_at=3).items():
+            hooked.setenv(name, value)
+        with pytest.raises(Stopped) as stopped:
+            train_here(job, *two)
+    assert stopped.value.exit_code == 143, str(stopped.value)
     assert train_here(job, *two, resume=True)["steps"] == 6
     # the same samples: the reused rollout kept, RNG restored
     assert rewards(tmp_path / "stopped") == pytest.approx(rewards(tmp_path / "straight"), abs=1e-6)
@@ -135,10 +139,8 @@ def test_grpo_resumed_after_a_stop_matches_an_uninterrupted_run(tmp_path, sft_mo
 
 def test_grpo_with_a_lora_adapter_and_kl_under_fsdp_on_two_processes(tmp_path, sft_model):
     job = grpo_job(tmp_path, "fsdp", sft_model, steps=3, extra="distributed: {backend: fsdp, sharding: full_shard}\n")
-    r = ft_train(
+    launch_here(  # ft train --hardware cpu:2, this process the launcher
         job,
-        "--hardware",
-        "cpu:2",
         "--set",
         "adapter={type: lora, r: 8, alpha: 16, dropout: 0.0}",
         "--set",
@@ -146,7 +148,6 @@ def test_grpo_with_a_lora_adapter_and_kl_under_fsdp_on_two_processes(tmp_path, s
         "--set",
         "train.lr=2.0e-3",
     )
-    assert r.returncode == 0, r.stderr[-3000:]
     got = rows(tmp_path / "fsdp" / "metrics.jsonl")
     assert len(got) == 3 and all(row["kl"] >= 0 for row in got)
     assert (tmp_path / "fsdp" / "final" / "adapter_model.safetensors").exists()

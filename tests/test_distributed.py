@@ -11,7 +11,7 @@ import time
 import pytest
 
 from finetune.data.stream import Stream
-from tests.helpers import LORA, REPO, free_port, ft_train, job, losses, step_hook
+from tests.helpers import LORA, REPO, free_port, ft_train, job, launch_here, losses, step_hook
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -164,8 +164,7 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
     ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000004"
     assert (ckpt / "dcp").is_dir() and (ckpt / "rng-1.pt").exists()  # sharded: every rank wrote its part
     assert json.loads((ckpt / "state.json").read_text())["format"] == "dcp"  # the engine's format, recorded
-    resumed = ft_train(fsdp, *sharded, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    launch_here(fsdp, *sharded[2:], resume=True)  # ft train ... --resume, this process the launcher
     plan = json.loads((tmp_path / "fsdp" / "plan.json").read_text())
     assert (plan["backend"], plan["sharding"], plan["world_size"]) == ("fsdp", "full_shard", 2)
     assert plan["loss_implementation"] == "chunked" and plan["gradient_checkpointing"]
@@ -190,8 +189,7 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path, o
     import torch
     from safetensors.torch import load_file
 
-    two = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu:2", "--set", "distributed.backend=fsdp", *LORA)
-    assert two.returncode == 0, two.stderr[-3000:]
+    launch_here(job(tmp_path, "fsdp"), "--set", "distributed.backend=fsdp", *LORA)  # ft train --hardware cpu:2
     a = load_file(str(one_process_lora / "final" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "fsdp" / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and len(a) > 0

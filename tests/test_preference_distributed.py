@@ -14,7 +14,7 @@ import json
 import pytest
 
 from finetune.tiny import preference_records, write_jsonl
-from tests.helpers import ZERO3_XFAIL, ft_train, losses, metric_rows, train_here
+from tests.helpers import ZERO3_XFAIL, launch_here, losses, metric_rows, train_here
 
 pytestmark = pytest.mark.slow  # every test here trains, on one and two processes
 
@@ -59,8 +59,7 @@ output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 def one_and_two(tmp_path, model, method: str, adapter: str, backend: list[str], **job) -> dict:
     """Trains the job on one process and on two under `backend` (--set overrides); returns the two plans."""
     train_here(preference_job(tmp_path, "one", model, method, adapter, **job))  # the reference: in this process
-    two = ft_train(preference_job(tmp_path, "two", model, method, adapter, **job), "--hardware", "cpu:2", *backend)
-    assert two.returncode == 0, two.stderr[-3000:]
+    launch_here(preference_job(tmp_path, "two", model, method, adapter, **job), *backend)  # ft train --hardware cpu:2
     got, want = losses(tmp_path / "two"), losses(tmp_path / "one")
     assert len(want) == 3 and got == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert len(set(want)) > 1  # it trains: the losses change step by step
@@ -106,8 +105,7 @@ def test_a_reward_model_under_fsdp_and_zero3_on_two_processes_equals_one_process
     ):
         job = preference_job(tmp_path, name, sft_model, "{name: reward}", "{type: full}")
         sets = [arg for b in backend for arg in ("--set", b)]
-        two = ft_train(job, "--hardware", "cpu:2", *sets)
-        assert two.returncode == 0, two.stderr[-3000:]
+        launch_here(job, *sets)  # ft train --hardware cpu:2
         plan = json.loads((tmp_path / name / "plan.json").read_text())
         assert (plan["head"], plan["world_size"], plan["loading"]) == (
             "score",

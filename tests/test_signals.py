@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, ft_train, job, job_text, losses, setup_job, step_hook
+from tests.helpers import REPO, ft_train, job, job_text, launch_here, losses, setup_job, step_hook
 
 STEPS = 24
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -127,8 +127,7 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
     second = stopped_once(slurm, "SIGTERM", run)
     assert first + 2 <= second <= first + 4
 
-    done = ft_train(config, "--hardware", "cpu:2", "--resume", timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    launch_here(config, resume=True)  # ft train --hardware cpu:2 --resume, this process the launcher
     assert (run / "final").is_dir() and len(losses(run)) == STEPS
     assert [
         json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
