@@ -28,10 +28,10 @@ def test_ranks_see_disjoint_rows_whose_union_is_the_epoch(world):
 
 
 @pytest.mark.slow
-def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_path, one_process):
-    two = ft_train(job(tmp_path, "two"), "--hardware", "cpu:2")
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "torch.distributed.run" in two.stderr and "--nproc-per-node=2" in two.stderr
+def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_path, one_process, capfd):
+    launch_here(job(tmp_path, "two"))  # ft train --hardware cpu:2, this process the launcher
+    said = capfd.readouterr().err
+    assert "torch.distributed.run" in said and "--nproc-per-node=2" in said
     p1, p2 = (json.loads((run / "plan.json").read_text()) for run in (one_process, tmp_path / "two"))
     assert (
         p1["backend"],
@@ -222,9 +222,8 @@ def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_a
 
 
 @pytest.mark.slow
-def test_fsdp_on_one_process_runs_under_torchrun_and_matches_a_plain_process(tmp_path, one_process):
+def test_fsdp_on_one_process_runs_under_torchrun_and_matches_a_plain_process(tmp_path, one_process, capfd):
     """What the planner picks for one GPU that only fits with FSDP offload: FSDP2 needs a process group even of one."""
-    fsdp = ft_train(job(tmp_path, "fsdp"), "--hardware", "cpu", "--set", "distributed.backend=fsdp")
-    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
-    assert "--nproc-per-node=1" in fsdp.stderr
+    launch_here(job(tmp_path, "fsdp"), "--set", "distributed.backend=fsdp", hardware="cpu")  # this process launches
+    assert "--nproc-per-node=1" in capfd.readouterr().err
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
