@@ -103,10 +103,13 @@ def _inside(name: str, prefixes) -> bool:
 
 def expert_parameters(lm) -> list[str]:
     """Full names of the fused routed-expert weights: the 3-D floating-point parameters, one slice per expert
-    (as many as a router has outputs), outside routers and convolutions (a depthwise conv1d weight is 3-D too)."""
+    (as many as a router has outputs), outside routers, convolutions (a depthwise conv1d weight is 3-D too) and a
+    vision-language model's vision side (SigLIP's pooling head holds a 3-D probe)."""
+    from finetune.vision import vision_names
+
     found = routers(lm)
     experts = {expert_count(m, _text_config(lm)) for _, m in found} - {0}
-    skip = [name for name, _ in found]
+    skip = [name for name, _ in found] + vision_names(lm)
     out = []
     for module_name, module in lm.named_modules():
         if _inside(module_name, skip) or isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):

@@ -291,6 +291,123 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     return model, processor
 
 
+def _image_template(marker: str) -> str:
+    """VLM_TEMPLATE with another family's image marker."""
+    return VLM_TEMPLATE.replace("'<image>'", f"'{marker}'")
+
+
+def _text_config(cls, tokenizer, **extra):
+    return cls(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **extra,
+    )
+
+
+def build_gemma3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """A tiny Gemma 3 (a 1-layer SigLIP tower pooled to 4 image tokens, a 2-layer Gemma 3 text model with sliding
+    and global layers) with its processor (image tokens attended bidirectionally: token_type_ids), saved to out_dir."""
+    import torch
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+        Gemma3TextConfig,
+        PreTrainedTokenizerFast,
+        SiglipVisionConfig,
+    )
+
+    marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    base = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, *marks.values()))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer,
+        eos_token=base.eos_token,
+        pad_token=base.pad_token,
+        extra_special_tokens=marks,
+    )
+    template = _image_template(marks["boi_token"])
+    tokenizer.chat_template = template
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    processor = Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template, image_seq_length=4)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma3Config(
+        text_config=_text_config(Gemma3TextConfig, tokenizer, head_dim=16, sliding_window=32),
+        vision_config=SiglipVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=ids(marks["boi_token"]),
+        eoi_token_index=ids(marks["eoi_token"]),
+        image_token_index=ids(marks["image_token"]),
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return model, processor
+
+
+def build_idefics3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """A tiny Idefics3 (SmolVLM's architecture: a 1-layer SigLIP-style tower, pixel shuffle to 4 image tokens, a
+    2-layer Llama) with its processor, saved to out_dir."""
+    import torch
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
+
+    tokenizer = build_tokenizer(
+        extra_special=(*TEMPLATE_TOKENS, "<fake_token_around_image>", IMAGE_TOKEN, "<global-img>", "<end_of_utterance>")
+    )
+    tokenizer.chat_template = VLM_TEMPLATE
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}, do_image_splitting=False
+    )
+    processor = Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=VLM_TEMPLATE, image_seq_len=4
+    )
+    config = Idefics3Config(
+        text_config=_text_config(LlamaConfig, tokenizer),
+        vision_config=Idefics3VisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=image_size,
+            patch_size=patch,
+        ),
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return model, processor
+
+
+VLM_FAMILIES = {"llava": build_vlm, "gemma3": build_gemma3_vlm, "idefics3": build_idefics3_vlm}
+
+
 def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32, noise: bool = True) -> list[dict]:
     """Chat records asking the colour of the square in a generated picture, each with its image (PNG, written into
     `folder`, referenced relative to it): the answer depends on the image alone (text alone is at chance, 1 in 4).

@@ -677,3 +677,71 @@ def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(t
         flat = collate(rows, 0, "sdpa")  # 1-D positions: the model would skip its 3-D placement of the images
         wrong = model(**{k: v for k, v in {**batch, "position_ids": flat["position_ids"]}.items() if k in MODEL_INPUTS})
     assert (wrong.logits[0, :11] - together[0, :11]).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, adapter", [("gemma3", "lora"), ("idefics3", "full")])
+def test_other_families_train_on_images_and_answer_image_prompts(tmp_path, family, adapter):
+    """Gemma 3 (image tokens attended bidirectionally through token_type_ids, sliding-window layers) and Idefics3
+    (SmolVLM's architecture: pixel shuffle, its own image markers) train through their processors and answer prompts
+    with images; LoRA leaves their vision side alone."""
+    from safetensors.torch import load_file
+
+    from finetune.artifacts import resolve
+    from finetune.infer.engines import Sampling
+    from finetune.infer.generate import generate
+    from finetune.infer.job import GenerateJob
+    from finetune.infer.prompts import PromptSpec
+    from finetune.tiny import VLM_FAMILIES
+    from tests.helpers import losses, train_here
+
+    VLM_FAMILIES[family](tmp_path / "model")
+    write_jsonl(image_records(24, tmp_path / "data", seed=1), tmp_path / "data" / "train.jsonl")
+    write_jsonl(image_records(5, tmp_path / "data", seed=2), tmp_path / "data" / "test.jsonl")
+    path = job(tmp_path, tmp_path / "model", tmp_path / "data" / "train.jsonl", adapter=adapter, steps=4)
+    train_here(path, "--set", "data.seq_len=128", "--set", "train.global_batch_size=8", "--set", "output.log_steps=1")
+    run = tmp_path / f"run-{adapter}"
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["vision"] and plan["train_vision"] == ("none" if adapter == "lora" else "projector")
+    seen = losses(run)
+    assert len(seen) == 4 and seen[-1] < seen[0]
+    if adapter == "lora":
+        names = list(load_file(str(run / "final" / "adapter_model.safetensors")))
+        assert names and all("language_model" in n for n in names)
+    out = tmp_path / "answers.jsonl"
+    job_ = GenerateJob(
+        resolve(str(run)), PromptSpec(str(tmp_path / "data" / "test.jsonl")), str(out), Sampling(max_new_tokens=4)
+    )
+    result = generate(job_, processes=1, progress=False)
+    assert result.rows == 5 and len(out.read_text().splitlines()) == 5
+
+
+def test_llama_vision_is_refused_where_it_would_train_on_images(tmp_path):
+    from dataclasses import replace
+
+    from finetune.catalog import from_hf_config
+    from finetune.config import loads
+    from finetune.config.vision_checks import vision_problems
+
+    facts = from_hf_config(
+        {
+            "model_type": "mllama",
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64},
+            "text_config": {
+                "model_type": "mllama_text_model",
+                "vocab_size": 64,
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 512,
+            },
+        },
+        "tiny-mllama",
+    )
+    facts = replace(facts, image_processor=True)
+    config = loads(
+        "model: {name: tiny-mllama}\ndata: {datasets: [{path: x.jsonl, format: chat}]}\noutput: {dir: run}\n",
+        environ={},
+    )
+    problems = vision_problems(config, facts)
+    assert len(problems) == 1 and "cross_attention_mask" in problems[0].message
