@@ -141,6 +141,7 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
         **{**core, **switches},
         tie_word_embeddings=model_type in TIED_BY_DEFAULT if tie is None else bool(tie),
         vision_params=vision_params(cfg, core["hidden_size"]),
+        projector_params=projector_params(cfg, core["hidden_size"]),
         vision_model_type=str(cfg.get("model_type") or "") if isinstance(cfg.get("vision_config"), dict) else "",
     )
 
@@ -148,7 +149,7 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
 def vision_params(cfg: dict, text_hidden: int) -> int:
     """A vision-language model's vision tower and projector, estimated from its vision_config (0 without one): per
     encoder layer attention (4h²) and MLP (2·h·i), the patch embedding (c·p²·h, times the frames a patch spans) and
-    the position table, and a two-layer projector into the language model."""
+    the position table, and a two-layer projector into the language model (projector_params)."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return 0
@@ -161,13 +162,23 @@ def vision_params(cfg: dict, text_hidden: int) -> int:
     channels = int(v.get("num_channels") or v.get("in_chans") or v.get("in_channels") or 3)
     frames = int(v.get("temporal_patch_size") or 1)
     positions = (int(v.get("image_size") or 0) // patch) ** 2
-    out = int(_first(v, ("out_hidden_size",)) or h)
     return (
         layers * (4 * h * h + 2 * h * inter)
         + channels * patch * patch * frames * h
         + positions * h
-        + (out * text_hidden + text_hidden * text_hidden)
+        + (projector_params(cfg, text_hidden))
     )
+
+
+def projector_params(cfg: dict, text_hidden: int) -> int:
+    """The projector from the vision tower into the language model, estimated as two layers (0 without a vision
+    tower)."""
+    v = cfg.get("vision_config")
+    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0) if isinstance(v, dict) else 0
+    if h <= 0:
+        return 0
+    out = int(_first(v, ("out_hidden_size",)) or h)
+    return out * text_hidden + text_hidden * text_hidden
 
 
 # What to_hf_config cannot write: facts with any of these set need their family's own config keys.

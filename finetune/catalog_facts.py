@@ -92,6 +92,7 @@ class ModelFacts:
     checkpoint_quantization: str = ""  # the published weights' format where quantized (gpt-oss: mxfp4)
     counts_exact: bool = True  # False where the layout was guessed (an unknown model_type)
     vision_params: int = 0  # a vision-language model's vision tower and projector (estimated from its vision_config)
+    projector_params: int = 0  # the projector's part of vision_params
     image_processor: bool = False  # its processor files are known to exist (a hub model's always are)
     vision_model_type: str = ""  # a vision-language model's own model_type (llava, qwen2_vl...; model_type: its text's)
     source: str = ""  # where the catalog's values come from

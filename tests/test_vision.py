@@ -745,3 +745,32 @@ def test_llama_vision_is_refused_where_it_would_train_on_images(tmp_path):
     )
     problems = vision_problems(config, facts)
     assert len(problems) == 1 and "cross_attention_mask" in problems[0].message
+
+
+def test_the_planner_counts_only_the_vision_parameters_that_train():
+    """Full fine-tuning leaves the tower frozen (no gradients or optimizer state for it) unless train_vision is all;
+    an adapter adds the projector or the tower where they train in full."""
+    from finetune.config import loads
+    from finetune.hardware import parse
+    from finetune.plan import plan
+    from finetune.workflow import model_facts
+
+    def trained(adapter, train_vision):
+        config = loads(
+            f"model: {{name: ft-tiny-vision, train_vision: {train_vision}}}\ndata: {{datasets: [{{path: "
+            f"{REPO / 'examples/data/colours/train.jsonl'}, format: chat}}], seq_len: 64}}\n"
+            f"adapter: {{type: {adapter}}}\noutput: {{dir: run}}\n",
+            environ={},
+        )
+        facts = model_facts(config.model)
+        return plan(config, parse("cpu"), facts).estimate.trainable_params, facts
+
+    full, facts = trained("full", "auto")
+    tower, projector = facts.vision_params - facts.projector_params, facts.projector_params
+    assert tower > 0 and projector > 0
+    assert full == facts.num_params - tower
+    assert trained("full", "all")[0] == facts.num_params
+    assert trained("full", "none")[0] == facts.num_params - tower - projector
+    lora = trained("lora", "auto")[0]
+    assert trained("lora", "projector")[0] == lora + projector
+    assert trained("lora", "all")[0] == lora + tower + projector

@@ -445,8 +445,8 @@ def host_loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float])
 def trainable_params(m: ModelFacts, s: Setup) -> int:
     """Parameters the optimizer updates."""
     if s.adapter == "full":
-        return m.num_params
-    total = 0
+        return m.num_params - s.vision_frozen
+    total = s.vision_trained
     for lin in targeted_linears(m, s.lora_targets):
         total += lin.count * (s.lora_r * (lin.in_features + lin.out_features) + (lin.out_features if s.dora else 0))
     for name in s.modules_to_save:

@@ -304,7 +304,23 @@ def setup(
         head=method.head,
         tensor_parallel=cand.tp,
         context_parallel=cand.cp,
+        **vision_split(config, m, cand.adapter),
     )
+
+
+def vision_split(config, m: ModelFacts | None, adapter: str) -> dict:
+    """Setup's vision_frozen/vision_trained: what of a vision-language model's vision side trains (model.train_vision,
+    config/vision_checks.py): the tower stays frozen unless `all`, the projector trains with `projector` or `all`."""
+    from finetune.config.vision_checks import train_vision, trains_images
+
+    if m is None or not trains_images(config, m):
+        return {}
+    trained = train_vision(config, adapter)[0]
+    tower, projector = m.vision_params - m.projector_params, m.projector_params
+    parts = {"none": 0, "projector": projector, "all": tower + projector}[trained]
+    if adapter == "full":
+        return {"vision_frozen": tower + projector - parts}
+    return {"vision_trained": parts}
 
 
 def reward_models(method) -> tuple:

@@ -39,6 +39,8 @@ class Setup:
     rollout_host_bytes: int = 0  # per process: its weights in host RAM while asleep
     reward_models: tuple = ()  # GRPO rewards by trained reward models: (ModelFacts, batch_size) of each
     head: str = "lm"  # lm: next-token logits | score: one value per sequence (reward-model training)
+    vision_frozen: int = 0  # a vision-language model's parameters that stay frozen under full fine-tuning
+    vision_trained: int = 0  # its vision parameters trained in full next to an adapter (model.train_vision)
     # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
     # activations in host memory, optimizer step in backward
     pure_bf16: bool = False
