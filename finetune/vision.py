@@ -47,18 +47,74 @@ class ImageError(ValueError):
 
 # ---------------------------------------------------------------- files
 def resolve(ref: str, origin_file: str | None) -> Path:
-    """An image reference as a path: absolute, or relative to the data file the record came from."""
+    """An image reference as a path: absolute, or relative to the data file the record came from; an http(s) URL or
+    a data: URI is downloaded (decoded) once into ft's image cache (`fetch`)."""
     if not isinstance(ref, str) or not ref.strip():
         raise ImageError(f"an image reference must be a path, got {ref!r}")
-    if ref.startswith(("http://", "https://")):
-        raise ImageError(
-            f"image {ref!r} is a URL; ft reads images from files: download them next to the data file and give "
-            "their paths"
-        )
+    if ref.startswith(("http://", "https://", "data:")):
+        return fetch(ref)
     path = Path(ref).expanduser()
     if not path.is_absolute() and origin_file:
         path = Path(origin_file).parent / path
     return path
+
+
+IMAGE_CACHE = "~/.cache/ft/images"  # FT_IMAGE_CACHE names another folder
+MAX_DOWNLOAD = 64 * 2**20  # bytes of one image from a URL
+
+
+def fetch(ref: str) -> Path:
+    """The file of an image given by URL (http, https) or data: URI, in ft's image cache: named by the reference's
+    hash, downloaded (at most MAX_DOWNLOAD bytes) or decoded once and reused after, so that a run, its resume and
+    `ft generate` read the same bytes; written whole or not at all. ImageError (the URL shown without its query,
+    which may hold a token) when it cannot be had."""
+    import base64
+    import binascii
+    import hashlib
+    import os
+    import urllib.error
+    import urllib.request
+
+    folder = Path(os.environ.get("FT_IMAGE_CACHE") or IMAGE_CACHE).expanduser()
+    path = folder / hashlib.sha256(ref.encode()).hexdigest()[:40]
+    if path.is_file():
+        return path
+    shown = shown_url(ref)
+    if ref.startswith("data:"):
+        head, _, body = ref.partition(",")
+        try:
+            data = base64.b64decode(body, validate=True) if head.endswith(";base64") else body.encode()
+        except (binascii.Error, ValueError):
+            raise ImageError(f"image {shown} is a data: URI whose base64 content cannot be decoded") from None
+    else:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(ref, headers={"User-Agent": "ft"}), timeout=30) as r:
+                data = r.read(MAX_DOWNLOAD + 1)
+        except urllib.error.HTTPError as e:
+            raise ImageError(f"image {shown} could not be downloaded: HTTP {e.code} {e.reason}") from None
+        except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
+            why = getattr(e, "reason", None) or e
+            raise ImageError(
+                f"image {shown} could not be downloaded ({why}); download it next to the data file and give its path "
+                "where there is no network"
+            ) from None
+        if len(data) > MAX_DOWNLOAD:
+            raise ImageError(f"image {shown} is larger than {MAX_DOWNLOAD // 2**20} MiB; ft does not download it")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
+
+
+def shown_url(ref: str) -> str:
+    """A URL for messages: scheme, host and path (a query may hold a signature or a token); a data: URI's type."""
+    if ref.startswith("data:"):
+        return repr(ref.partition(",")[0] + ",...")
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(ref)
+    return repr(f"{parts.scheme}://{parts.hostname or ''}{parts.path}" + ("?..." if parts.query else ""))
 
 
 def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:

@@ -774,3 +774,52 @@ def test_the_planner_counts_only_the_vision_parameters_that_train():
     lora = trained("lora", "auto")[0]
     assert trained("lora", "projector")[0] == lora + projector
     assert trained("lora", "all")[0] == lora + tower + projector
+
+
+def test_images_given_by_url_or_data_uri_are_fetched_once_and_bad_ones_named(tmp_path, monkeypatch):
+    """http(s) URLs and data: URIs are fetched into ft's image cache once (a second read does not ask the server);
+    a 404 or a non-image names the record's file:line and the URL without its query (it may hold a token)."""
+    import base64
+    import functools
+    import http.server
+    import threading
+
+    from PIL import Image
+
+    from finetune.config.schema import DatasetSpec
+    from finetune.data.formats import RecordError, normalize
+
+    served = tmp_path / "served"
+    served.mkdir()
+    Image.new("RGB", (16, 16), "red").save(served / "red.png")
+    (served / "note.png").write_text("not an image")
+    asked = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            asked.append(self.path)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(served)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("FT_IMAGE_CACHE", str(tmp_path / "cache"))
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        spec = DatasetSpec(path=str(tmp_path / "data.jsonl"), format="chat")
+        inline = "data:image/png;base64," + base64.b64encode((served / "red.png").read_bytes()).decode()
+
+        def record(ref, line=1):
+            part = {"type": "image", "image": ref}
+            user = {"role": "user", "content": [part, {"type": "text", "text": "Q?"}]}
+            return {"messages": [user, {"role": "assistant", "content": "red"}], "_origin": f"{spec.path}:{line}"}
+
+        first = normalize(record(f"{base}/red.png?token=secret"), spec)["images"][0]
+        again = normalize(record(f"{base}/red.png?token=secret"), spec)["images"][0]
+        assert first == again and first.startswith(str(tmp_path / "cache")) and len(asked) == 1
+        assert Image.open(first).size == (16, 16)
+        assert Image.open(normalize(record(inline), spec)["images"][0]).getpixel((0, 0)) == (255, 0, 0)
+        for ref, why in ((f"{base}/gone.png?token=secret", "HTTP 404"), (f"{base}/note.png", "not an image")):
+            with pytest.raises(RecordError, match=why) as e:
+                normalize(record(ref), spec)
+            assert "secret" not in str(e.value) and ref.split("?")[0].rsplit("/", 1)[1] in str(e.value)
+    finally:
+        server.shutdown()

@@ -153,11 +153,13 @@ def _images(record: dict, slots: list) -> list[str]:
     out = []
     for slot in slots:
         ref = slot if isinstance(slot, str) else next(queue)
+        path = None
         try:
             path = vision.resolve(ref, source)
             vision.check_image(path)
         except vision.ImageError as e:
-            raise RecordError(str(e)) from None
+            fetched = path is not None and ref.startswith(("http://", "https://", "data:"))  # a file in ft's cache
+            raise RecordError(f"{e} (fetched from {vision.shown_url(ref)})" if fetched else str(e)) from None
         out.append(str(path.resolve()))
     return out
 
