@@ -388,6 +388,7 @@ class ORPOMethod(MethodSection):
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (8e-6, 8e-5)
     progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
+    images: ClassVar[bool] = True  # pairs whose prompt holds images
 
     name: Literal["orpo"]
     """Method name."""
@@ -403,6 +404,7 @@ class SimPOMethod(MethodSection):
     sequences_per_row: ClassVar[int] = 2
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
     progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
+    images: ClassVar[bool] = True  # pairs whose prompt holds images
 
     name: Literal["simpo"]
     """Method name."""

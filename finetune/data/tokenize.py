@@ -59,8 +59,8 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None, proce
     if rec.get("images"):
         raise DataError(
             "this record has images, which this job cannot use: ft trains on images with method sft (chat records) "
-            "or dpo (preference pairs) on a vision-language model whose folder holds its processor files; use such "
-            "a model and method, or leave the images out"
+            "or dpo/orpo/simpo (preference pairs) on a vision-language model whose folder holds its processor "
+            "files; use such a model and method, or leave the images out"
         )
     budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
     for _ in range(16):  # 4**16 times the first budget is past any record a line can hold

@@ -38,8 +38,8 @@ def log_odds_ratio(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor
 class ORPO(ReferenceFree):
     """Batches and loss for ORPO."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None):
-        super().__init__(section, pad_id, micro_batch_size, head)
+    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None, pixels=None):
+        super().__init__(section, pad_id, micro_batch_size, head, pixels)
         self.weight = section.lambda_
 
     def loss(self, model, batch: dict, normaliser: float):

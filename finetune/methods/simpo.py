@@ -21,15 +21,18 @@ from finetune.methods.loss import metric
 class ReferenceFree(DPO):
     """DPO's micro-batches and pair count, without a reference model: the policy's own mean log-probabilities."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None):
+    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None, pixels=None):
         self.pad_id, self.micro, self.reference, self.held_out = pad_id, micro_batch_size, None, None
         self.validates = section.validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
+        self.images = pixels  # pairs whose prompt holds images (finetune.vision.Pixels), as DPO's
 
     @classmethod
     def create(cls, section, context: Context) -> ReferenceFree:
+        from finetune.vision import Pixels
+
         plan = context.plan
-        return cls(section, context.pad_id, plan.micro_batch_size, loss_head(plan, True))
+        return cls(section, context.pad_id, plan.micro_batch_size, loss_head(plan, True), Pixels.of(context))
 
     def mean_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each answer's log-probability averaged over its trained tokens: (chosen, rejected), one per pair."""
@@ -58,8 +61,8 @@ def simpo_losses(beta: float, gamma: float, smoothing: float, chosen, rejected) 
 class SimPO(ReferenceFree):
     """Batches and loss for SimPO."""
 
-    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None):
-        super().__init__(section, pad_id, micro_batch_size, head)
+    def __init__(self, section, pad_id: int, micro_batch_size: int, head: LossHead | None = None, pixels=None):
+        super().__init__(section, pad_id, micro_batch_size, head, pixels)
         self.beta, self.gamma, self.smoothing = section.beta, section.gamma, section.label_smoothing
 
     def loss(self, model, batch: dict, normaliser: float):
