@@ -179,3 +179,26 @@ def test_vllm_refuses_an_adapter_it_cannot_serve(model_dir, adapter_dir, prompts
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(FtError, match="vLLM cannot serve an adapter with DoRA"):
         generate(job(str(dora), prompts_file, tmp_path / "o.jsonl", "vllm"), processes=1, progress=False)
+
+
+def _vllm_reads_images() -> bool:
+    """vLLM's LLaVA imports transformers' image processors that need torchvision, which the CPU test environment
+    leaves out (its CUDA build breaks `import vllm` without CUDA)."""
+    try:
+        import vllm.model_executor.models.llava  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _vllm_reads_images(), reason="vLLM's vision models need torchvision, not installed here")
+def test_prompts_with_images_give_transformers_greedy_answers_on_vllm(tmp_path):
+    """The prompts' image tokens (the processor's expansion) and their images reach vLLM, which gives the answers
+    transformers' generate gives the same model."""
+    from finetune.tiny import build_vlm, image_records, write_jsonl
+
+    build_vlm(tmp_path / "model")
+    prompts = write_jsonl(image_records(8, tmp_path / "data", seed=2), tmp_path / "data" / "prompts.jsonl")
+    for engine in ("transformers", "vllm"):
+        generate(job(str(tmp_path / "model"), prompts, tmp_path / f"{engine}.jsonl", engine), 1, progress=False)
+    assert (tmp_path / "vllm.jsonl").read_bytes() == (tmp_path / "transformers.jsonl").read_bytes()

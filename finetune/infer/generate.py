@@ -117,10 +117,10 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     batches. With `overwrite`, OUT and its parts are removed once the prompts have been read."""
     from finetune.artifacts import load_tokenizer
     from finetune.infer import batches, engines, store
-    from finetune.infer.prompts import encode, has_images, load_processor, read_prompts, template_for
+    from finetune.infer.prompts import encode, load_processor, read_prompts, template_for
 
     prompt_set = read_prompts(job.prompts)
-    engine = engines.choose(job.engine, job.tensor_parallel, images=has_images(prompt_set.prompts))
+    engine = engines.choose(job.engine, job.tensor_parallel)
     job = dataclasses.replace(
         job,
         out=str(out),

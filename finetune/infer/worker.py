@@ -59,7 +59,7 @@ def run(
     if job.engine == "vllm" and world > 1:
         _own_devices(local_rank, local_world or world, job.tensor_parallel, gpus)
     prompts, tokenizer, jinja, processor = _inputs(job, plan["keys"])
-    engine = _engine(job, tokenizer, local_rank, plan["longest"], gpus, processor) if mine else None
+    engine = _engine(job, tokenizer, local_rank, plan["longest"], gpus, processor, prompts) if mine else None
     skip, writer = set(plan["skip"]), PartWriter(parts, attempt, rank)
     start, rows, tokens = time.time(), 0, 0
     try:
@@ -111,14 +111,21 @@ def _row(job, prompt, text: str) -> str:
     return row_text(prompt.fields, job.prompts.id_field, prompt.id, job.output_field, text)
 
 
-def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int, processor=None):
+def _engine(job, tokenizer, local_rank: int, longest: int, gpus: int, processor=None, prompts=()):
     import torch
 
     from finetune.infer import engines
 
     if job.engine == "vllm":
         return engines.VllmEngine(
-            job.source, tokenizer, job.sampling, job.tensor_parallel, job.dtype, longest, gpus > 0
+            job.source,
+            tokenizer,
+            job.sampling,
+            job.tensor_parallel,
+            job.dtype,
+            longest,
+            gpus > 0,
+            images_per_prompt=max((len(p.images) for p in prompts), default=0),
         )
     from transformers.utils import logging
 
