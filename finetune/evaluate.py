@@ -38,9 +38,10 @@ def validation_metrics(model, method, dataset, device, autocast, batch_rows: int
     return {"eval_loss": total / max(tokens, 1), **{f"eval_{k}": v / max(tokens, 1) for k, v in sums.items()}}
 
 
-def answer_loss(model, rows: list[dict], pad_id: int, batch_rows: int) -> float:
-    """Mean loss over the labelled tokens of `rows` (input_ids and labels), counted as SFT training counts them, on
-    the model's device (ft eval's loss on reference answers)."""
+def answer_loss(model, rows: list[dict], pad_id: int, batch_rows: int, pixels=None) -> float:
+    """Mean loss over the labelled tokens of `rows` (input_ids and labels; images with a vision-language model's
+    `pixels`, finetune.vision.Pixels), counted as SFT training counts them, on the model's device (ft eval's loss on
+    reference answers)."""
     import contextlib
 
     import datasets
@@ -49,5 +50,5 @@ def answer_loss(model, rows: list[dict], pad_id: int, batch_rows: int) -> float:
 
     dataset = datasets.Dataset.from_list(rows)
     return validation_loss(
-        model, SFT(pad_id, "sdpa", batch_rows), dataset, model.device, contextlib.nullcontext, batch_rows
+        model, SFT(pad_id, "sdpa", batch_rows, pixels=pixels), dataset, model.device, contextlib.nullcontext, batch_rows
     )
