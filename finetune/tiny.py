@@ -233,7 +233,6 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     """Save a randomly initialised tiny LLaVA (a 2-layer CLIP vision tower, a projector, a 2-layer Llama) with its
     processor (ft's tiny tokenizer with an image token, a CLIP image processor, a ChatML template with image parts) to
     out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor."""
-    import torch
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -258,37 +257,14 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
         num_additional_image_tokens=1,
     )
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch,
-            projection_dim=32,
-        ),
-        text_config=LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=None,
-        ),
+        vision_config=_vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
+        text_config=_text_config(LlamaConfig, tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    model.save_pretrained(str(out_dir))
-    processor.save_pretrained(str(out_dir))
-    return model, processor
+    return _saved(LlavaForConditionalGeneration, config, processor, out_dir, seed)
 
 
 def _image_template(marker: str) -> str:
@@ -297,6 +273,7 @@ def _image_template(marker: str) -> str:
 
 
 def _text_config(cls, tokenizer, **extra):
+    """The tiny vision-language models' language side: 2 layers of width 64, 4 heads (2 for keys and values)."""
     return cls(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -312,10 +289,33 @@ def _text_config(cls, tokenizer, **extra):
     )
 
 
+def _vision_config(cls, image_size: int, patch: int, layers: int = 1, **extra):
+    """The tiny vision-language models' tower: width 32, 2 heads, `layers` layers."""
+    return cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+        **extra,
+    )
+
+
+def _saved(model_class, config, processor, out_dir, seed: int):
+    """The model built from `config` (seeded), saved to out_dir with its processor."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return model, processor
+
+
 def build_gemma3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
     """A tiny Gemma 3 (a 1-layer SigLIP tower pooled to 4 image tokens, a 2-layer Gemma 3 text model with sliding
     and global layers) with its processor (image tokens attended bidirectionally: token_type_ids), saved to out_dir."""
-    import torch
     from transformers import (
         Gemma3Config,
         Gemma3ForConditionalGeneration,
@@ -341,30 +341,18 @@ def build_gemma3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, p
     ids = tokenizer.convert_tokens_to_ids
     config = Gemma3Config(
         text_config=_text_config(Gemma3TextConfig, tokenizer, head_dim=16, sliding_window=32),
-        vision_config=SiglipVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch,
-        ),
+        vision_config=_vision_config(SiglipVisionConfig, image_size, patch),
         mm_tokens_per_image=4,
         boi_token_index=ids(marks["boi_token"]),
         eoi_token_index=ids(marks["eoi_token"]),
         image_token_index=ids(marks["image_token"]),
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config)
-    model.save_pretrained(str(out_dir))
-    processor.save_pretrained(str(out_dir))
-    return model, processor
+    return _saved(Gemma3ForConditionalGeneration, config, processor, out_dir, seed)
 
 
 def build_idefics3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
     """A tiny Idefics3 (SmolVLM's architecture: a 1-layer SigLIP-style tower, pixel shuffle to 4 image tokens, a
     2-layer Llama) with its processor, saved to out_dir."""
-    import torch
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -386,23 +374,12 @@ def build_idefics3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32,
     )
     config = Idefics3Config(
         text_config=_text_config(LlamaConfig, tokenizer),
-        vision_config=Idefics3VisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=image_size,
-            patch_size=patch,
-        ),
+        vision_config=_vision_config(Idefics3VisionConfig, image_size, patch),
         scale_factor=2,
         image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(seed)
-    model = Idefics3ForConditionalGeneration(config)
-    model.save_pretrained(str(out_dir))
-    processor.save_pretrained(str(out_dir))
-    return model, processor
+    return _saved(Idefics3ForConditionalGeneration, config, processor, out_dir, seed)
 
 
 VLM_FAMILIES = {"llava": build_vlm, "gemma3": build_gemma3_vlm, "idefics3": build_idefics3_vlm}
