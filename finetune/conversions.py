@@ -44,14 +44,21 @@ class Stacked:
         return buf
 
 
-def sources(missing: dict[str, tuple[int, ...]], model_type: str, ckpt, prefix: str = "") -> dict[str, Any]:
-    """For each parameter name in `missing` (name -> shape) that the checkpoint holds under transformers' conversion
-    mapping of `model_type`: its checkpoint key (a renamed tensor) or a `Stacked` view (fused experts). `prefix`: the
-    model's base_model_prefix, which checkpoints may or may not carry."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
+def sources(missing: dict[str, tuple[int, ...]], net, ckpt, prefix: str = "") -> dict[str, Any]:
+    """For each parameter name in `missing` (name -> shape) that the checkpoint holds under the conversions
+    transformers applies to the model `net` while loading (get_model_conversion_mapping: its own and its sub-models',
+    each scoped to its part, as a vision-language model's language model and tower): its checkpoint key (a renamed
+    tensor, found by transformers' own rename_source_key) or a `Stacked` view (fused experts). `prefix`: the model's
+    base_model_prefix, which checkpoints may or may not carry."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    mapping = get_checkpoint_conversion_mapping(model_type) or []
+    mapping = get_model_conversion_mapping(net) or []
+    renamed = [r for r in mapping if isinstance(r, WeightRenaming)]
+    forward = {}  # model name -> checkpoint key, as from_pretrained renames each checkpoint key
+    for key in ckpt.entries:
+        name, _ = rename_source_key(key, renamed, [], prefix or None, missing)
+        forward.setdefault(name, key)
     renames = [
         (r.source_patterns[0].replace("\\.", "."), r.target_patterns[0])
         for r in mapping
@@ -61,7 +68,8 @@ def sources(missing: dict[str, tuple[int, ...]], model_type: str, ckpt, prefix: 
     converters = [c for c in mapping if isinstance(c, WeightConverter) and _stacks(c)]
     out: dict[str, Any] = {}
     for name, shape in missing.items():
-        key = _find(ckpt, name, renames, prefix)
+        key = forward.get(name) if forward.get(name) != name else None
+        key = key or _find(ckpt, name, renames, prefix)
         if key is not None:
             out[name] = key
             continue

@@ -516,21 +516,28 @@ def _converted(net, ckpt: Checkpoint, state: dict, keys: dict[int, str], prefix:
     missing = {name: tuple(t.shape) for name, t in state.items() if id(t) not in keys and not is_new_head(name)}
     if not missing:
         return
-    for name, source in sources(missing, net.config.model_type, ckpt, prefix).items():
+    for name, source in sources(missing, net, ckpt, prefix).items():
         if not isinstance(source, str):
             ckpt.stacked[name] = source
         keys[id(state[name])] = name if not isinstance(source, str) else source
 
 
 def init_buffers(net) -> None:
-    """Recompute the buffers that are not in checkpoints (rotary frequencies) after `to_empty` left them uninitialised,
-    with the model's own initialiser, as from_pretrained does (transformers modeling_utils._initialize_missing_keys);
-    the parameters are marked initialised so that it leaves them alone."""
+    """Recompute the buffers that are not in checkpoints (rotary frequencies, a vision tower's position ids) after
+    `to_empty` left them uninitialised, each with the initialiser of the (sub-)model that holds it (a vision-language
+    model's tower is a model of its own: CLIP's initialiser knows CLIP's buffers), as from_pretrained does
+    (transformers modeling_utils._initialize_missing_keys); the parameters are marked initialised so that it leaves
+    them alone."""
+    from transformers import PreTrainedModel
+
     for p in net.parameters():
         p._is_hf_initialized = True
+    models = {name: m for name, m in net.named_modules() if isinstance(m, PreTrainedModel)}
     owners = {name.rpartition(".")[0] for name, _ in net.named_non_persistent_buffers()}
     for name in sorted(owners):
-        net._init_weights(net.get_submodule(name))
+        parts = name.split(".") if name else []
+        nearest = next(".".join(parts[:i]) for i in range(len(parts), -1, -1) if ".".join(parts[:i]) in models)
+        models[nearest]._init_weights(net.get_submodule(name))
 
 
 def causal_lm(model):

@@ -386,6 +386,29 @@ def token_types(processor, input_ids) -> dict:
     return {names[0]: torch.tensor(types, dtype=torch.long, device=input_ids.device)}
 
 
+def mixed_rows_problem(plan, rows) -> str | None:
+    """Why the prepared `rows` cannot train under `plan`, or None: a vision-language model on several ranks of FSDP or
+    DeepSpeed, with rows that have images and rows that have none. A micro-batch without images skips the vision
+    side, so the ranks would disagree on the collectives of its sharded parameters or of its gradients (the run dies
+    at its first such step); DDP finds the unused parameters instead."""
+    import pyarrow.compute as pc
+
+    if not getattr(plan, "vision", False) or plan.world_size < 2 or plan.backend not in ("fsdp", "deepspeed"):
+        return None
+    if rows is None or "images" not in rows.column_names:
+        return None
+    counts = pc.list_value_length(rows.table.column("images")).fill_null(0)  # data/rows.py: an Arrow table
+    without = int(pc.sum(pc.equal(counts, 0)).as_py() or 0)
+    if without == 0 or without == len(rows):
+        return None
+    return (
+        f"{without} of the {len(rows)} prepared rows have no image; on {plan.world_size} ranks of {plan.backend} a "
+        "micro-batch without images skips the vision side, and the ranks' collectives would not match.\n    fix: "
+        "set distributed.backend: ddp (it finds the parameters a micro-batch leaves unused), or give every record "
+        "an image (or none)"
+    )
+
+
 def parts_of(model) -> tuple[list[str], list[str]]:
     """The module names of the vision tower(s) and of the projector(s) into the language model in a transformers
     vision-language model (a projector may sit inside its tower: Qwen2-VL's visual.merger)."""

@@ -109,6 +109,15 @@ class NodeRole:
         )
 
 
+def _check_rows(job_plan, prepared) -> None:
+    """What only the prepared rows tell about the plan, before any rank starts (finetune/vision.py)."""
+    from finetune.vision import mixed_rows_problem
+
+    why = mixed_rows_problem(job_plan, prepared.train)
+    if why is not None:
+        raise FtError(f"data: {why}")
+
+
 def run_train(
     config_path: str | os.PathLike,
     overrides: Iterable[str] = (),
@@ -150,6 +159,7 @@ def run_train(
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
+            _check_rows(job_plan, prepared)
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:

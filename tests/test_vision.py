@@ -451,12 +451,13 @@ def test_lora_adapts_the_language_model_only(tmp_path, vlm):
 def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weights(tmp_path, vlm):
     """DDP over 2 ranks (the projector trained, the tower frozen) gives the one-process losses and weights, with
     text-only records mixed in (a micro-batch of one without an image leaves the projector without a gradient), and a
-    run stopped at step 3 and resumed ends where the uninterrupted one does. FSDP2 makes the tower's blocks units."""
+    run stopped at step 3 and resumed ends where the uninterrupted one does. FSDP2 makes the tower's blocks units and
+    gives the same losses."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     from finetune.distributed.fsdp import decoder_layers
-    from tests.helpers import ft_train, losses, step_hook, train_here
+    from tests.helpers import ft_train, launch_here, losses, step_hook, train_here
 
     names = {type(m).__name__ for m in decoder_layers(AutoModelForImageTextToText.from_pretrained(vlm / "model"))}
     assert {"CLIPEncoderLayer", "LlamaDecoderLayer"} <= names
@@ -487,6 +488,20 @@ def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weight
     start = load_file(str(vlm / "model" / "model.safetensors"))
     projector = [k for k in one if "multi_modal_projector" in k]
     assert projector and any(not torch.equal(start[k], other[k]) for k in projector)
+    # FSDP2 refuses rows with and rows without images (a micro-batch without one skips the sharded tower: the ranks'
+    # collectives would differ), before any rank starts; on rows that all have images (each rank builds on the meta
+    # device and reads its shards of the checkpoint's renamed LLaVA tensors, the tower's position ids recomputed by
+    # CLIP's own initialiser) it gives the one-process losses
+    from finetune.errors import FtError
+
+    fsdp = [*sets, "--set", "distributed.backend=fsdp"]
+    with pytest.raises(FtError, match="(?s)8 of the 32 prepared rows have no image.*fix: set distributed.backend: ddp"):
+        launch_here(config, *fsdp, "--set", f"output.dir={tmp_path / 'refused'}")
+    only = ["--set", f"data.datasets=[{{path: {vlm / 'data' / 'train.jsonl'}, format: chat}}]"]
+    train_here(config, *sets, *only, "--set", f"output.dir={tmp_path / 'one-images'}")
+    launch_here(config, *fsdp, *only, "--set", f"output.dir={tmp_path / 'fsdp'}")
+    assert json.loads((tmp_path / "fsdp" / "plan.json").read_text())["loading"] == "meta"
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one-images"), rel=1e-4, abs=1e-5)
 
 
 # ---------------------------------------------------------------- preferences
