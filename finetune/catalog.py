@@ -326,10 +326,6 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
     when a config was found but lacks the keys that define the model's shape.
     """
     folder = Path(name).expanduser()
-    if name.lower() == "ft-tiny-vision" and not folder.exists():  # built offline on first use, read as a folder
-        from finetune.tiny import ensure_model
-
-        folder = ensure_model(name)
     if (folder / "config.json").is_file():
         facts = from_hf_config(_local_config(folder, trust_remote_code), name)
         processor = any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json"))

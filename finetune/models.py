@@ -52,6 +52,15 @@ def add_special_tokens(tokenizer, tokens: list[str]) -> list[str]:
     return new
 
 
+def facts(model: ModelSection):
+    """The model's facts (catalog.resolve: a local folder, the catalog, or the hub's config); ft-tiny-vision, which
+    the catalog does not describe, is read from the folder it is built into."""
+    from finetune.catalog import resolve
+
+    vision = model.name.lower() == "ft-tiny-vision" and not Path(model.name).exists()
+    return resolve(model_path(model) if vision else model.name, model.revision, model.trust_remote_code)
+
+
 def model_path(model: ModelSection) -> str:
     """Where the weights come from: ft-tiny and ft-tiny-vision are built once into ft's cache; anything else as
     written."""

@@ -350,15 +350,6 @@ class Pixels:
     def __init__(self, processor, dtype=None):
         self.processor, self.dtype = processor, dtype
 
-    @classmethod
-    def of(cls, context):
-        """The job's (finetune.methods.Context), or None where it trains no images."""
-        if not getattr(context.plan, "vision", False) or context.processor is None:
-            return None
-        from finetune.models import load_dtype, torch_dtype
-
-        return cls(context.processor, torch_dtype(load_dtype(context.model, context.plan)) if context.model else None)
-
     def __call__(self, paths: list[str]) -> dict:
         return pixel_inputs(self.processor, paths, self.dtype)
 

@@ -28,7 +28,8 @@ def model_facts(model) -> object:
     """Architecture facts for the config's model section (local folder, catalog, or hub)."""
     from pathlib import Path
 
-    from finetune.catalog import ModelNotFound, resolve
+    from finetune.catalog import ModelNotFound
+    from finetune.models import facts
 
     if model.name.startswith((".", "/", "~")) and not Path(model.name).expanduser().exists():
         raise FtError(
@@ -36,7 +37,7 @@ def model_facts(model) -> object:
             "safetensors weights, a hub id, or ft-tiny"
         )
     try:
-        return resolve(model.name, revision=model.revision, trust_remote_code=model.trust_remote_code)
+        return facts(model)
     except ModelNotFound as e:
         raise FtError(str(e)) from None
 

@@ -852,3 +852,39 @@ def test_images_given_by_url_or_data_uri_are_fetched_once_and_bad_ones_named(tmp
             assert "secret" not in str(e.value) and ref.split("?")[0].rsplit("/", 1)[1] in str(e.value)
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+def test_kto_on_judged_rows_whose_prompts_hold_images(tmp_path, vlm):
+    """KTO's rows and its mismatched pairs (a row's prompt with another row's completion, for the KL baseline) each
+    carry their prompt's images; a short LoRA run widens the margin between desirable and undesirable answers."""
+    from finetune.config.methods import KTOMethod
+    from finetune.data.preprocess import prepare
+    from finetune.methods.kto import KTO, STEP_KL
+    from finetune.vision import Pixels
+    from tests.helpers import metric_rows, train_here
+
+    records = [json.loads(line) for line in (vlm / "data" / "train.jsonl").read_text().splitlines()[:64]]
+    colours = ("red", "green", "blue", "yellow")
+    rows = []
+    for i, r in enumerate(records):
+        right = r["messages"][1]["content"]
+        answer = right if i % 2 else colours[(colours.index(right) + 1) % 4]
+        rows.append({"prompt": [r["messages"][0]], "completion": answer, "label": bool(i % 2)})
+    data = write_jsonl(rows, vlm / "data" / "judged.jsonl")
+    path = tmp_path / "kto.yaml"
+    path.write_text(f"""
+model: {{name: {vlm / "model"}}}
+data: {{datasets: [{{path: {data}, format: unpaired}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: kto, beta: 0.5}}
+adapter: {{type: lora, r: 8}}
+train: {{global_batch_size: 8, micro_batch_size: 4, lr: 5.0e-3, max_steps: 10, warmup_steps: 0}}
+output: {{dir: {tmp_path / "run"}, log_steps: 1}}
+""")
+    prepared = prepare(load(path))
+    method = KTO(KTOMethod(name="kto"), prepared.tokenizer.pad_token_id, 4, 64, None, pixels=Pixels(prepared.processor))
+    batch = method.micro_batches(prepared.train, list(range(4)))[0]
+    assert batch["pixel_values"].shape[0] == 4 and batch[STEP_KL].batches[0]["pixel_values"].shape[0] == 4
+    train_here(path)
+    margins = [r["rewards/margin"] for r in metric_rows(tmp_path / "run") if "rewards/margin" in r]
+    assert len(margins) == 10 and sum(margins[-3:]) / 3 > 0.3, margins

@@ -344,6 +344,7 @@ class KTOMethod(MethodSection):
     formats: ClassVar[frozenset[str]] = frozenset({"unpaired"})
     learning_rates: ClassVar[tuple[float, float]] = (5e-7, 5e-6)
     progress_metrics: ClassVar[tuple[str, ...]] = PREFERENCE_METRICS
+    images: ClassVar[bool] = True  # rows whose prompt holds images
 
     name: Literal["kto"]
     """Method name."""

@@ -87,7 +87,7 @@ _SHAPES = {
         "images": _PATHS,
     },
     "prompt_only": {"prompt": _MESSAGES, "extra": _TEXT, "images": _PATHS},
-    "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL},
+    "unpaired": {"prompt": _MESSAGES, "completion": _MESSAGES, "label": _BOOL, "images": _PATHS},
 }
 
 
@@ -265,11 +265,20 @@ def _unpaired(record: dict, spec: DatasetSpec) -> dict:
             f"'{names['label']}' must be true or false (JSON booleans: true for a desirable completion), got "
             f"{label!r}; write it as true/false without quotes"
         )
-    prompt = _with_system(_turns(_value(record, "prompt", spec), names["prompt"], "user"), _system(record, spec))
-    completion = _turns(_value(record, "completion", spec), names["completion"], "assistant")
+    slots: list = []  # the prompt's images (the completion judged is text)
+    prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user", slots)
+    prompt = _with_system(prompt, _system(record, spec))
+    answer_images: list = []
+    completion = _turns(_value(record, "completion", spec), names["completion"], "assistant", answer_images)
+    if any(s is not _IN_TEXT for s in answer_images):
+        raise RecordError(f"'{names['completion']}' holds an image; a row's images belong in its prompt")
     if not any(m["role"] == "assistant" for m in completion):
         raise RecordError(f"'{names['completion']}' has no assistant message to train on")
-    return {"prompt": prompt, "completion": completion, "label": label}
+    out = {"prompt": prompt, "completion": completion, "label": label}
+    images = _images(record, slots) if slots or record.get("images") else []
+    if images:
+        out["images"] = images  # optional: absent from a text row, null in the dataset
+    return out
 
 
 _NORMALIZERS = {

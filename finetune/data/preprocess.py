@@ -133,12 +133,11 @@ def training_tokenizer(config: Config) -> Tokens:
 
 def vision_language(config: Config) -> bool:
     """Whether the job trains a vision-language model through its processor (config/vision_checks.py)."""
-    from finetune.catalog import resolve
     from finetune.config.vision_checks import trains_images
+    from finetune.models import facts as model_facts
 
-    model = config.model
     try:
-        facts = resolve(model.name, model.revision, model.trust_remote_code)
+        facts = model_facts(config.model)
     except Exception:  # noqa: BLE001 - a model the catalog cannot describe is loaded (and refused) as a text model
         return False
     return trains_images(config, facts)
@@ -359,7 +358,7 @@ def _one(rec: dict, rules, tokenizer, jinja, skip_bad: bool, key: str, processor
             row["desirable"] = False
         if rules.format == "preference":
             row["margin"] = None
-        if processor is not None and rules.format in ("chat", "preference"):
+        if processor is not None and rules.format in ("chat", "preference", "unpaired"):
             row["images"] = []
     return {**row, "_status": status, "_origin": rec.get("_origin", "?")}
 

@@ -54,13 +54,13 @@ def tokenize_record(rec: dict, rules: Rules, tokenizer, jinja: str | None, proce
     status, as the whole one; otherwise the cut is widened (x4) until the whole record is used.
     prompt_only and preference records are never cut (prompts are truncated from the left).
     """
-    if processor is not None and rules.format in ("chat", "preference"):  # a vision-language model: rows list images
+    if processor is not None and rules.format in ("chat", "preference", "unpaired"):  # a vision-language model's rows
         return _with_images(rec, rules, processor, jinja)
     if rec.get("images"):
         raise DataError(
-            "this record has images, which this job cannot use: ft trains on images with method sft (chat records) "
-            "or dpo/orpo/simpo (preference pairs) on a vision-language model whose folder holds its processor "
-            "files; use such a model and method, or leave the images out"
+            "this record has images, which this job cannot use: ft trains on images with methods sft (chat records), "
+            "dpo, orpo, simpo (preference pairs) and kto (judged rows) on a vision-language model whose folder holds "
+            "its processor files; use such a model and method, or leave the images out"
         )
     budget = CHARS_PER_TOKEN * (rules.seq_len + MARGIN)
     for _ in range(16):  # 4**16 times the first budget is past any record a line can hold
@@ -81,6 +81,12 @@ def _with_images(rec: dict, rules: Rules, processor, jinja: str | None) -> dict:
     from finetune import vision
 
     images = list(rec.get("images") or [])
+    if rules.format == "unpaired":
+        if images:
+            ids, labels = vision.tokenize_pair_side(rec["prompt"], rec["completion"], images, processor, jinja)
+        else:
+            ids, labels = tokenize_continuation(rec["prompt"], rec["completion"], processor.tokenizer, jinja)
+        return {"input_ids": ids, "labels": labels, "desirable": bool(rec["label"]), "images": images}
     if rules.format == "preference":
         row = {"images": images, "margin": rec.get("margin")}
         for side in ("chosen", "rejected"):

@@ -134,3 +134,14 @@ def build(config, plan, prepared, attn: str, engine, device, runtime, autocast, 
         processor=getattr(prepared, "processor", None),
     )
     return method_class(config.method.name).create(config.method, context)
+
+
+def pixels(context: Context):
+    """What a method adds to a vision-language job's micro-batches (finetune.vision.Pixels: the images' pixel inputs in
+    the dtype the model loads in), or None where the job trains no images."""
+    if not getattr(context.plan, "vision", False) or context.processor is None:
+        return None
+    from finetune.models import load_dtype, torch_dtype
+    from finetune.vision import Pixels
+
+    return Pixels(context.processor, torch_dtype(load_dtype(context.model, context.plan)) if context.model else None)

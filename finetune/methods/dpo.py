@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.collate import collate
-from finetune.methods import Context, register
+from finetune.methods import Context, pixels, register
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
 
@@ -44,6 +44,8 @@ def pair_losses(
 class DPO:
     """Batches and loss for DPO; `reference` gives the reference log-probs of a micro-batch."""
 
+    images = None  # a vision-language model's pixels (finetune.vision.Pixels); subclasses that take no images keep it
+
     def __init__(
         self, section, pad_id: int, micro_batch_size: int, reference, head: LossHead | None = None, pixels=None
     ):
@@ -57,8 +59,6 @@ class DPO:
     @classmethod
     def create(cls, section, context: Context) -> DPO:
         """With the reference the plan chose; `precomputed` scores every row once, now, with the starting model."""
-        from finetune.vision import Pixels
-
         plan = context.plan
         method = cls(
             section,
@@ -66,7 +66,7 @@ class DPO:
             plan.micro_batch_size,
             reference_model(context),
             loss_head(plan, True),
-            Pixels.of(context),
+            pixels(context),
         )
         if context.plan.reference == "precomputed":
             c = context

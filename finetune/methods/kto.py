@@ -25,7 +25,7 @@ import torch
 
 from finetune.data.collate import IGNORE, collate, to_device
 from finetune.errors import FtError
-from finetune.methods import Context, register
+from finetune.methods import Context, pixels, register
 from finetune.methods.dpo import TABLE, Precomputed, precompute, reference_model, table_index, token_logps
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
@@ -47,7 +47,10 @@ def mismatched(rows: list[dict], seq_len: int, others: list[dict] | None = None)
         start, cut = _completion_start(row), _completion_start(other)
         ids = list(row["input_ids"][:start]) + list(other["input_ids"][cut:])
         labels = [IGNORE] * start + list(other["labels"][cut:])
-        out.append({"input_ids": ids[:seq_len], "labels": labels[:seq_len]})
+        # a vision-language model's row keeps its prompt's images (its image tokens are in the prompt, never cut: a
+        # row is at most seq_len long)
+        images = {"images": row["images"]} if row.get("images") else {}
+        out.append({"input_ids": ids[:seq_len], "labels": labels[:seq_len], **images})
     return out
 
 
@@ -75,7 +78,10 @@ def _mean(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _sequences(columns: dict) -> list[dict]:
-    return [{"input_ids": ids, "labels": lab} for ids, lab in zip(columns["input_ids"], columns["labels"])]
+    rows = [{"input_ids": ids, "labels": lab} for ids, lab in zip(columns["input_ids"], columns["labels"])]
+    for row, paths in zip(rows, columns.get("images") or ()):  # a vision-language model's rows
+        row["images"] = paths or []
+    return rows
 
 
 @register("kto")
@@ -94,9 +100,11 @@ class KTO:
         runtime=None,
         head=None,
         fixed_pairs: bool = False,
+        pixels=None,
     ):
         self.beta, self.weights = section.beta, (section.desirable_weight, section.undesirable_weight)
         self.pad_id, self.micro, self.seq_len = pad_id, micro_batch_size, seq_len
+        self.images = pixels  # rows whose prompt holds images (finetune.vision.Pixels)
         self.reference = self.kl_reference = reference
         self.runtime = runtime  # the KL baseline is averaged over ranks
         self.fixed_pairs = fixed_pairs
@@ -125,6 +133,7 @@ class KTO:
             context.runtime,
             loss_head(plan, True),
             fixed_pairs=precomputed,
+            pixels=pixels(context),
         )
         if precomputed:
             c = context
@@ -156,8 +165,8 @@ class KTO:
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         out, step, table = [], StepKL([], self.runtime), table_index(dataset, self.held_out)
         for part, seqs, kl, desirable in self._chunks(dataset, indices):
-            step.batches.append({**collate(kl, self.pad_id, "sdpa"), "rows": torch.tensor(part), TABLE: table})
-            batch = collate(seqs, self.pad_id, "sdpa")
+            step.batches.append({**self._collate(kl), "rows": torch.tensor(part), TABLE: table})
+            batch = self._collate(seqs)
             good = torch.tensor(desirable, dtype=torch.bool)
             batch.update(
                 {STEP_KL: step, DESIRABLE: good.nonzero().flatten(), UNDESIRABLE: (~good).nonzero().flatten()},
@@ -172,9 +181,16 @@ class KTO:
     def reference_batches(self, dataset, indices: list[int]) -> list[dict]:
         """What `precompute` scores: per micro-batch, its rows' sequences stacked over their mismatched pairs."""
         return [
-            {**collate(seqs + kl, self.pad_id, "sdpa"), "rows": torch.tensor(part)}
+            {**self._collate(seqs + kl), "rows": torch.tensor(part)}
             for part, seqs, kl, _ in self._chunks(dataset, indices)
         ]
+
+    def _collate(self, seqs: list[dict]) -> dict:
+        """The sequences as one batch, with their images' pixels on a vision-language model."""
+        batch = collate(seqs, self.pad_id, "sdpa")
+        if self.images is not None:
+            self.images.add(batch, [p for s in seqs for p in s.get("images") or ()])
+        return batch
 
     def tokens(self, batch: dict) -> int:
         return len(batch["rows"])  # the step's loss is a mean over rows

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from finetune.data.collate import collate
-from finetune.methods import Context, register
+from finetune.methods import Context, pixels, register
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import causal_lm_loss, trained_tokens
 
@@ -33,8 +33,6 @@ class SFT:
 
     @classmethod
     def create(cls, section, context: Context) -> SFT:
-        from finetune.vision import Pixels
-
         plan = context.plan
         head = loss_head(plan, False)
         return cls(
@@ -45,7 +43,7 @@ class SFT:
             head,
             plan.attention_masks,
             plan.sample_index,
-            Pixels.of(context),
+            pixels(context),
         )
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:

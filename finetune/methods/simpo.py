@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from finetune.methods import Context, register
+from finetune.methods import Context, pixels, register
 from finetune.methods.dpo import DPO
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
@@ -29,10 +29,8 @@ class ReferenceFree(DPO):
 
     @classmethod
     def create(cls, section, context: Context) -> ReferenceFree:
-        from finetune.vision import Pixels
-
         plan = context.plan
-        return cls(section, context.pad_id, plan.micro_batch_size, loss_head(plan, True), Pixels.of(context))
+        return cls(section, context.pad_id, plan.micro_batch_size, loss_head(plan, True), pixels(context))
 
     def mean_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Each answer's log-probability averaged over its trained tokens: (chosen, rejected), one per pair."""
