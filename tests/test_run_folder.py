@@ -71,6 +71,24 @@ def test_a_rank_without_a_plan_is_told_what_to_run(tmp_path):
     assert "config.yaml" in r.stderr or "plan.json" in r.stderr
 
 
+def test_a_rank_imports_neither_libraries_before_it_needs_them_nor_the_planner():
+    """Every rank of every job pays for what its start imports: `finetune.rank` alone loads no library (each comes with
+    the step that uses it), and reading plan.json back loads the Plan, not the planner and its search."""
+    code = (
+        "import sys\n"
+        "import finetune.rank\n"
+        "heavy = ('torch', 'transformers', 'pydantic', 'yaml', 'rich', 'typer', 'matplotlib', 'datasets', 'pandas',"
+        " 'peft', 'bitsandbytes', 'deepspeed')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "from finetune.plan.plan import Plan\n"
+        "planning = ('finetune.plan.planner', 'finetune.plan.search', 'finetune.hardware')\n"
+        "print(sorted(m for m in planning if m in sys.modules))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-2:] == ["[]", "[]"]
+
+
 # ---------------------------------------------------------------- device discipline that the CPU can check
 def test_rng_state_round_trips_through_weights_only_loading(tmp_path):
     import random
