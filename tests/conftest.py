@@ -109,6 +109,7 @@ LONGEST_FIRST = (
     "test_deepspeed.py",
     "test_tensor_parallel.py",
     "test_families.py",
+    "test_vision.py",
     "test_signals.py",
     "test_slurm.py",
     "test_gpu_first_contact.py",
