@@ -267,29 +267,30 @@ def _size_limit(image_processor, key: str):
 def tokenize_images(messages: list[dict], images: list[str], processor, jinja: str, train_on: str):
     """input_ids and labels of a conversation with images: the text's tokens and loss mask (data/masking.py), with
     each image marker expanded by the processor into the image's tokens, none of which is trained."""
-    from finetune.data.masking import IGNORE, tokenize_conversation
-    from finetune.templates import render
+    from finetune.data.masking import tokenize_conversation
 
     parts = to_parts(messages)
     ids, labels = tokenize_conversation(parts, processor.tokenizer, jinja, train_on)
-    full, text_positions = _expand(render(parts, processor.tokenizer, jinja), ids, images, processor)
-    out = [IGNORE] * len(full)
-    for k, position in enumerate(text_positions):
-        out[position] = labels[k]
-    return full, out
+    return _labelled(parts, ids, labels, images, processor, jinja)
 
 
 def tokenize_pair_side(prompt: list[dict], answer: list[dict], images: list[str], processor, jinja: str):
     """input_ids and labels of a preference pair's prompt (with its images) and one of its answers, only the answer's
     assistant turns trained (data/masking.py tokenize_continuation), each image marker expanded by the processor."""
-    from finetune.data.masking import IGNORE, tokenize_continuation
-    from finetune.templates import render
+    from finetune.data.masking import tokenize_continuation
 
     prompt_parts, answer_parts = to_parts(prompt), to_parts(answer)
     ids, labels = tokenize_continuation(prompt_parts, answer_parts, processor.tokenizer, jinja)
-    full, text_positions = _expand(
-        render(prompt_parts + answer_parts, processor.tokenizer, jinja), ids, images, processor
-    )
+    return _labelled(prompt_parts + answer_parts, ids, labels, images, processor, jinja)
+
+
+def _labelled(parts, ids: list[int], labels: list[int], images: list[str], processor, jinja: str):
+    """The conversation `parts` (tokenized as text into ids and labels) with its images expanded: each text token keeps
+    its label, each inserted one is never trained."""
+    from finetune.data.masking import IGNORE
+    from finetune.templates import render
+
+    full, text_positions = _expand(render(parts, processor.tokenizer, jinja), ids, images, processor)
     out = [IGNORE] * len(full)
     for k, position in enumerate(text_positions):
         out[position] = labels[k]
