@@ -171,6 +171,37 @@ def to_parts(messages: list[dict]) -> list[dict]:
     return out
 
 
+def for_template(messages: list[dict], processor, jinja: str) -> list[dict]:
+    """The messages as `jinja` renders them: content parts where it is the processor's (or its tokenizer's) own chat
+    template, which writes the family's image marker itself; text where it is another (a built-in, a file), each image
+    marker replaced by the one the processor expands (`image_marker`)."""
+    own = {getattr(processor, "chat_template", None), getattr(processor.tokenizer, "chat_template", None)} - {None}
+    if jinja in own:
+        return to_parts(messages)
+    marker = image_marker(processor)
+    return [{**m, "content": m["content"].replace(PLACEHOLDER, marker)} for m in messages]
+
+
+def image_marker(processor) -> str:
+    """The text that stands for one image before the processor expands it: what its own chat template writes for an
+    image part (Gemma 3's <start_of_image>, Qwen-VL's <|vision_start|><|image_pad|><|vision_end|>), else its
+    image_token."""
+    from finetune.templates import TemplateError, render
+
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if template:
+        parts = [{"type": "text", "text": "\x00"}, {"type": "image"}, {"type": "text", "text": "\x01"}]
+        try:
+            text = render([{"role": "user", "content": parts}], processor.tokenizer, template)
+        except TemplateError:
+            text = ""
+        if "\x00" in text and "\x01" in text:
+            marker = text.split("\x00", 1)[1].split("\x01", 1)[0]
+            if marker.strip():
+                return marker
+    return getattr(processor, "image_token", None) or PLACEHOLDER
+
+
 def count_placeholders(messages: list[dict]) -> int:
     return sum(m["content"].count(PLACEHOLDER) for m in messages)
 
@@ -269,7 +300,7 @@ def tokenize_images(messages: list[dict], images: list[str], processor, jinja: s
     each image marker expanded by the processor into the image's tokens, none of which is trained."""
     from finetune.data.masking import tokenize_conversation
 
-    parts = to_parts(messages)
+    parts = for_template(messages, processor, jinja)
     ids, labels = tokenize_conversation(parts, processor.tokenizer, jinja, train_on)
     return _labelled(parts, ids, labels, images, processor, jinja)
 
@@ -279,7 +310,7 @@ def tokenize_pair_side(prompt: list[dict], answer: list[dict], images: list[str]
     assistant turns trained (data/masking.py tokenize_continuation), each image marker expanded by the processor."""
     from finetune.data.masking import tokenize_continuation
 
-    prompt_parts, answer_parts = to_parts(prompt), to_parts(answer)
+    prompt_parts, answer_parts = for_template(prompt, processor, jinja), for_template(answer, processor, jinja)
     ids, labels = tokenize_continuation(prompt_parts, answer_parts, processor.tokenizer, jinja)
     return _labelled(prompt_parts + answer_parts, ids, labels, images, processor, jinja)
 
@@ -303,7 +334,7 @@ def tokenize_prompt(messages: list[dict], images: list[str], processor, jinja: s
     from finetune.data.masking import tokenize_prompt as text_prompt
     from finetune.templates import render
 
-    parts = to_parts(messages)
+    parts = for_template(messages, processor, jinja)
     ids = text_prompt(parts, processor.tokenizer, jinja)
     full, _ = _expand(render(parts, processor.tokenizer, jinja, add_generation_prompt=True), ids, images, processor)
     return full

@@ -888,3 +888,20 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1}}
     train_here(path)
     margins = [r["rewards/margin"] for r in metric_rows(tmp_path / "run") if "rewards/margin" in r]
     assert len(margins) == 10 and sum(margins[-3:]) / 3 > 0.3, margins
+
+
+def test_a_built_in_template_renders_image_records_with_the_processors_image_marker(tmp_path, vlm):
+    """data.template chatml (a template of strings, not content parts): each image becomes the text the processor's own
+    template writes for it, which the processor expands; the loss stays on the answer."""
+    from finetune.data.preprocess import prepare
+    from finetune.tiny import build_gemma3_vlm
+    from finetune.vision import image_marker
+
+    path = job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl")
+    prepared = prepare(load(path, overrides=["data.template=chatml"]))
+    tokenizer, row = prepared.tokenizer, prepared.train[0]
+    assert row["input_ids"].count(tokenizer.convert_tokens_to_ids("<image>")) == 16
+    trained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE])
+    assert trained.replace("<|im_end|>", "") in ("red", "green", "blue", "yellow")
+    _, gemma = build_gemma3_vlm(tmp_path / "gemma3")
+    assert image_marker(gemma).strip() == "<start_of_image>" and image_marker(prepared.processor) == "<image>"
