@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import textwrap
 from collections import Counter
@@ -9,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from finetune.errors import GC_YOUNG_OBJECTS
 from tests.helpers import LORA, built_across_sessions, built_once, make_examples, train_here, trained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])  # as in ft's processes: the tests train in-process too
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # pytest-xdist workers share the cores: threads that wait for a core
     # spin and burn it, so each worker (and what it starts) computes with its share of the cores
     workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])

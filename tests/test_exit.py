@@ -103,6 +103,22 @@ def test_idle_pool_workers_do_not_keep_the_process_alive(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "3"
 
 
+GC = """
+import gc
+from finetune.errors import exit_process
+exit_process(lambda: print(gc.get_threshold()[0]))
+"""
+
+
+def test_ft_processes_collect_garbage_less_often_than_python_by_default(tmp_path):
+    from finetune.errors import GC_YOUNG_OBJECTS
+
+    script = tmp_path / "gc_threshold.py"
+    script.write_text(GC)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and int(done.stdout) == GC_YOUNG_OBJECTS > 700
+
+
 @pytest.mark.slow
 def test_a_compiled_job_exits_by_itself_with_a_cold_compile_cache(tmp_path):
     """The quickstart's case: compile on and an empty inductor cache leave torch's compile workers idle at the end."""
