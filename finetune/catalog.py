@@ -28,6 +28,7 @@ from finetune.catalog_data import (
 )
 from finetune.catalog_facts import ModelFacts
 from finetune.catalog_layers import Linear
+from finetune.catalog_vision import folder_processor, vision_tower, with_processor
 
 __all__ = [
     "CATALOG",
@@ -143,6 +144,7 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
         vision_params=vision_params(cfg, core["hidden_size"]),
         projector_params=projector_params(cfg, core["hidden_size"]),
         vision_model_type=str(cfg.get("model_type") or "") if isinstance(cfg.get("vision_config"), dict) else "",
+        vision_tower=vision_tower(cfg),
     )
 
 
@@ -329,7 +331,10 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
     if (folder / "config.json").is_file():
         facts = from_hf_config(_local_config(folder, trust_remote_code), name)
         processor = any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json"))
-        return replace(facts, image_processor=facts.vision_params > 0 and processor)
+        tower = facts.vision_tower
+        if tower is not None:  # the folder's processor sizes its images, where it says how
+            tower = with_processor(tower, folder_processor(folder), "the model's preprocessor_config.json")
+        return replace(facts, image_processor=facts.vision_params > 0 and processor, vision_tower=tower)
     found = lookup(name)
     if found is not None:
         return found

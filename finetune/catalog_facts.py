@@ -22,6 +22,7 @@ from finetune.catalog_layers import (
     merged_linears,
     norm_params,
 )
+from finetune.catalog_vision import VisionTower
 
 MLP_KINDS = ("gated", "plain")
 NORM_KINDS = ("rms", "layer")
@@ -95,6 +96,7 @@ class ModelFacts:
     projector_params: int = 0  # the projector's part of vision_params
     image_processor: bool = False  # its processor files are known to exist (a hub model's always are)
     vision_model_type: str = ""  # a vision-language model's own model_type (llava, qwen2_vl...; model_type: its text's)
+    vision_tower: VisionTower | None = None  # its tower's shape and the processor's resolution (catalog_vision.py)
     source: str = ""  # where the catalog's values come from
     aliases: tuple[str, ...] = ()
 

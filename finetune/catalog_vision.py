@@ -1,0 +1,242 @@
+"""A vision-language model's vision tower and its images' sizes, as the planner needs them.
+
+Two numbers per image: the **patches** the tower runs over (its sequence: activations and compute) and the **image
+tokens** the language model sees after the projector merges or pools them (they sit inside data.seq_len). Both follow
+from the family's resolution rules (`image_geometry`):
+
+  fixed resolution   LLaVA (CLIP, SigLIP), Gemma 3, Mistral 3...: the tower's own image_size (its position table is
+                     that size, so the processor resizes to it): (image_size / patch)² patches, +1 class position for a
+                     CLIP tower; the language model sees those (LLaVA's "default" feature strategy drops the class
+                     one), or the family's fixed count (Gemma 3's mm_tokens_per_image, pooled)
+  tiles              Idefics3 / SmolVLM: an image resized to at most `longest_edge` a side is cut into tiles of
+                     `tile_edge`, plus one global view: up to ceil(longest_edge / tile_edge)² + 1 tiles, each
+                     (image_size / patch)² patches, pixel-shuffled by scale_factor² into image_seq_len tokens
+  dynamic            Qwen2-VL, Qwen2.5-VL (and any tower with spatial_merge_size and temporal_patch_size): the
+                     processor's smart_resize keeps at most max_pixels in multiples of (patch × merge) a side, so up
+                     to max_pixels / (patch × merge)² tokens, merge² patches each
+
+Where the processor's resolution is configurable (data.image max_pixels, `size`'s longest_edge), the plan takes the
+configured maximum, the worst case it must fit; else the model folder's preprocessor_config.json; else the family's
+processor defaults, as transformers' image processor classes declare them (PROCESSOR_DEFAULTS, each with its class;
+tests/test_vision_plan.py checks them against the installed transformers).
+
+This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+# The family's processor defaults where a model folder has no preprocessor_config.json (a catalog or hub model):
+# transformers 5.24's image processor class attributes.
+PROCESSOR_DEFAULTS: dict[str, dict[str, int]] = {
+    # Qwen2VLImageProcessor(Pil): size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, patch_size 14,
+    # merge_size 2; Qwen2.5-VL's processor is the same class
+    "qwen2_vl": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+    "qwen2_5_vl": {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280},
+    # Idefics3ImageProcessor(Pil) and SmolVLMImageProcessor(Pil): size = {"longest_edge": 4 * 364},
+    # max_image_size = {"longest_edge": 364}, do_image_splitting = True
+    "idefics3": {"longest_edge": 4 * 364, "tile_edge": 364, "splitting": 1},
+    "smolvlm": {"longest_edge": 4 * 364, "tile_edge": 364, "splitting": 1},
+}
+TILED = ("idefics3", "smolvlm")
+GATED_MLP = ("qwen2_5_vl",)  # towers whose MLP is gate/up/down (the others: fc1/fc2)
+CLS_TOWERS = ("clip_vision_model",)  # towers that add a class position to each image
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """A vision tower's shape, and the processor's resolution settings that size its images."""
+
+    family: str  # the vision-language model's model_type (llava, gemma3, idefics3, qwen2_vl...)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    image_size: int = 0  # the tower's fixed input side; 0: dynamic resolution
+    gated_mlp: bool = False
+    cls_token: bool = False  # one more position per image (CLIP)
+    keep_cls: bool = False  # the language model sees it too (LLaVA's vision_feature_select_strategy "full")
+    merge: int = 1  # patches merged per side into one token (Qwen: spatial_merge_size; Idefics3: scale_factor)
+    temporal_patch: int = 1  # frames a patch spans (Qwen-VL: an image is repeated to fill them)
+    tokens_per_image: int = 0  # a fixed count the projector pools each image to (Gemma 3); 0: from the patches
+    # the processor's resolution (preprocessor_config.json, else PROCESSOR_DEFAULTS); 0 where it does not apply
+    min_pixels: int = 0
+    max_pixels: int = 0
+    longest_edge: int = 0
+    tile_edge: int = 0
+    splitting: bool = False
+    processor_source: str = ""  # where those come from
+
+    @property
+    def dynamic(self) -> bool:
+        return self.image_size == 0
+
+    @property
+    def params(self) -> int:
+        """The encoder layers' parameters (attention 4h², MLP 2 or 3 h·I): what a patch is computed with."""
+        h, i = self.hidden_size, self.intermediate_size
+        return self.num_layers * (4 * h * h + (3 if self.gated_mlp else 2) * h * i)
+
+
+def _first(cfg: dict, keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
+
+def vision_tower(cfg: dict) -> VisionTower | None:
+    """The vision tower of a config.json dict (or a transformers config's `to_dict()`); None without a vision_config."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        return None
+    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0)  # Qwen2-VL: embed_dim (hidden_size: its output)
+    if h <= 0:
+        return None
+    family = str(cfg.get("model_type") or "")
+    dynamic = v.get("spatial_merge_size") is not None and v.get("temporal_patch_size") is not None
+    patch = int(v.get("patch_size") or 14)
+    heads = int(_first(v, ("num_attention_heads", "num_heads", "heads")) or max(1, h // 64))
+    tower = VisionTower(
+        family=family,
+        hidden_size=h,
+        num_layers=int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0),
+        num_heads=heads,
+        intermediate_size=int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h),
+        patch_size=patch,
+        image_size=0 if dynamic else int(v.get("image_size") or 224),
+        gated_mlp=family in GATED_MLP,
+        cls_token=str(v.get("model_type") or "") in CLS_TOWERS,
+        keep_cls=cfg.get("vision_feature_select_strategy") == "full",
+        merge=int((v.get("spatial_merge_size") if dynamic else cfg.get("scale_factor")) or 1),
+        temporal_patch=int(v.get("temporal_patch_size") or 1),
+        tokens_per_image=int(cfg.get("mm_tokens_per_image") or 0),
+    )
+    defaults = PROCESSOR_DEFAULTS.get(family)
+    if defaults:
+        owner = (
+            "Qwen2VLImageProcessor" if dynamic else f"{'SmolVLM' if family == 'smolvlm' else 'Idefics3'}ImageProcessor"
+        )
+        return with_processor(tower, defaults, f"{owner}'s defaults")
+    return tower
+
+
+def with_processor(tower: VisionTower, settings: dict, source: str) -> VisionTower:
+    """The tower with a processor's resolution settings (min/max_pixels, longest_edge, tile_edge, splitting)."""
+    known = {k: int(v) for k, v in settings.items() if k in _SETTINGS and v is not None}
+    if not known:
+        return tower
+    return replace(tower, **{k: bool(v) if k == "splitting" else v for k, v in known.items()}, processor_source=source)
+
+
+_SETTINGS = ("min_pixels", "max_pixels", "longest_edge", "tile_edge", "splitting")
+
+
+def processor_settings(saved: dict) -> dict:
+    """The resolution settings of a saved image processor (preprocessor_config.json, or processor_config.json's
+    image_processor): Qwen-VL's size {shortest_edge, longest_edge} in pixels (or min_pixels/max_pixels), Idefics3's
+    size {longest_edge} and max_image_size {longest_edge}, do_image_splitting."""
+    size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
+    out: dict[str, int] = {}
+    if "min_pixels" in saved or "max_pixels" in saved or "merge_size" in saved:  # counted in pixels
+        out["min_pixels"] = saved.get("min_pixels") or size.get("shortest_edge")
+        out["max_pixels"] = saved.get("max_pixels") or size.get("longest_edge")
+    elif isinstance(saved.get("max_image_size"), dict):
+        out["longest_edge"] = size.get("longest_edge")
+        out["tile_edge"] = saved["max_image_size"].get("longest_edge")
+        out["splitting"] = int(bool(saved.get("do_image_splitting", True)))
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def folder_processor(folder: Path) -> dict:
+    """A model folder's saved image-processor settings ({} where it has none)."""
+    for name, key in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        saved = saved.get(key, {}) if key else saved
+        if isinstance(saved, dict) and saved:
+            return processor_settings(saved)
+    return {}
+
+
+@dataclass(frozen=True)
+class ImageGeometry:
+    """One image at the largest the processor makes it: what the tower and the language model see of it."""
+
+    patches: int  # positions the tower runs over (all tiles; the class position included)
+    tokens: int  # image tokens the language model sees
+    tiles: int  # crops the tower encodes separately (1, or Idefics3's tiles and global view)
+    patches_per_tile: int  # the attention span of the tower (one tile's positions)
+    rule: str  # how, in words
+    source: str  # where the resolution comes from
+
+
+def image_geometry(tower: VisionTower, image=None) -> ImageGeometry:
+    """The patches and image tokens of the largest image the processor makes (see the module docstring); `image`:
+    data.image (its max_pixels, min_pixels and processor settings override the model's)."""
+    if tower.dynamic:
+        return _dynamic(tower, image)
+    if tower.family in TILED:
+        return _tiled(tower, image)
+    side = tower.image_size // tower.patch_size
+    grid = side * side
+    patches = grid + (1 if tower.cls_token else 0)
+    tokens = tower.tokens_per_image or grid + (1 if tower.cls_token and tower.keep_cls else 0)
+    rule = f"({tower.image_size}/{tower.patch_size})² = {grid} patches"
+    if tower.cls_token:
+        rule += " and the tower's class position" + (", all seen" if tower.keep_cls else ", which the projector drops")
+    rule += f", pooled to {tower.tokens_per_image} tokens" if tower.tokens_per_image else ""
+    return ImageGeometry(patches, tokens, 1, patches, rule, f"the tower's image_size {tower.image_size}")
+
+
+def _dynamic(tower: VisionTower, image) -> ImageGeometry:
+    configured = getattr(image, "max_pixels", None)
+    max_pixels = configured or tower.max_pixels or PROCESSOR_DEFAULTS["qwen2_vl"]["max_pixels"]
+    source = (
+        f"data.image.max_pixels {max_pixels:,}"
+        if configured
+        else f"max_pixels {max_pixels:,} ({tower.processor_source or 'Qwen2VLImageProcessor defaults'})"
+    )
+    factor = tower.patch_size * tower.merge
+    min_pixels = getattr(image, "min_pixels", None) or tower.min_pixels or factor * factor
+    blocks = max(max_pixels // (factor * factor), math.ceil(min_pixels / (factor * factor)), 1)
+    patches = blocks * tower.merge * tower.merge
+    rule = (
+        f"smart_resize: at most {max_pixels:,} pixels in {factor}-pixel blocks = {blocks} tokens of "
+        f"{tower.merge}×{tower.merge} patches of {tower.patch_size} px"
+    )
+    return ImageGeometry(patches, blocks, 1, patches, rule, source)
+
+
+def _tiled(tower: VisionTower, image) -> ImageGeometry:
+    size = (getattr(image, "processor", None) or {}).get("size") or {}
+    configured = size.get("longest_edge") if isinstance(size, dict) else None
+    settings = (getattr(image, "processor", None) or {}).get("do_image_splitting")
+    splitting = tower.splitting if settings is None else bool(settings)
+    edge = int(configured or tower.longest_edge or tower.image_size)
+    tile = tower.tile_edge or tower.image_size
+    side = tower.image_size // tower.patch_size
+    per_tile = side * side
+    tokens_per_tile = per_tile // (tower.merge * tower.merge)
+    n = math.ceil(edge / tile)
+    tiles = n * n + 1 if splitting and n > 1 else 1
+    source = (
+        f"data.image.processor size.longest_edge {edge}"
+        if configured
+        else f"longest_edge {edge}, tiles of {tile} ({tower.processor_source or 'the tower image_size'})"
+    )
+    rule = (
+        f"{tiles} tile{'s' if tiles > 1 else ''} ({n}×{n} and a global view)" if tiles > 1 else "1 tile"
+    ) + f" of ({tower.image_size}/{tower.patch_size})² = {per_tile} patches, {tokens_per_tile} tokens each"
+    return ImageGeometry(tiles * per_tile, tiles * tokens_per_tile, tiles, per_tile, rule, source)
