@@ -160,6 +160,7 @@ def run_train(
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
+            job_plan = _plan_for_images(job_plan, prepared, config, hardware, role, config_path, tokens)
             _check_rows(job_plan, prepared)
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
@@ -192,10 +193,26 @@ def run_train(
             return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
 
 
-def _plan_for_nodes(config, hardware, role: NodeRole, config_path):
+def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, config_path, tokens):
+    """The plan again where the prepared rows hold more images than it assumed (1, before the data was read), before
+    the run folder is written: the ranks still see one plan, sized for the data's images. data.image.per_sample, where
+    set, is kept: more images in a row than it says is an error naming it."""
+    most = int(prepared.summary.get("max_images_per_row") or 0)
+    if not job_plan.images_per_sample or most <= job_plan.images_per_sample:
+        return job_plan
+    if config.data.image.per_sample is not None:
+        raise FtError(
+            f"data.image.per_sample: {config.data.image.per_sample}, but a prepared row holds {most} images; the plan "
+            f"would size memory for fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it "
+            "(ft train then plans for the prepared rows' most)"
+        )
+    return _plan_for_nodes(config, hardware, role, config_path, tokens, images=most)[0]
+
+
+def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, images: int | None = None):
     """The plan of this job on the nodes `role` says it has, and the training tokenizer (data.preprocess.Tokens):
     the tokens it gains (a template's markers) are known before the data is prepared, so the plan trains the grown
-    embeddings."""
+    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample)."""
     from finetune.data.preprocess import training_tokenizer
     from finetune.plan import plan as make_plan
 
@@ -205,9 +222,9 @@ def _plan_for_nodes(config, hardware, role: NodeRole, config_path):
 
         hw = with_hardware(hw, nodes=role.nnodes)
     facts = model_facts(config.model)
-    tokens = training_tokenizer(config)
+    tokens = tokens or training_tokenizer(config)
     new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
-    job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens)
+    job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens, images_per_sample=images)
     if job_plan.nodes > 1 and role.master_addr is None:
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "

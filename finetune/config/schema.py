@@ -84,6 +84,9 @@ class ImageSection(Section):
     max_pixels: Bounded(int, ge=1, le=2**40) | None = None
     """Most pixels an image is resized to (fewer image tokens, less memory), for the same processors; unset: the
     processor's own."""
+    per_sample: Bounded(int, ge=1, le=4096) | None = None
+    """Images in one training sequence (a sample, or a packed row) that the plan sizes memory, step time and seq_len
+    for; unset: the most any prepared row holds where ft train has prepared the data, else 1."""
     processor: dict[str, Any] = {}
     """Other settings of the processor's image side, by its own names (e.g. `{size: {longest_edge: 1536}}` for
     SmolVLM/Idefics3, `{max_patches: 8}` where the processor has it); each must be one the processor takes."""

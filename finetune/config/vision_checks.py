@@ -9,6 +9,7 @@ for any model.
 
 from __future__ import annotations
 
+from finetune.catalog_vision import ImageGeometry, image_geometry
 from finetune.errors import Problem
 from finetune.vision import PACKABLE
 
@@ -28,9 +29,47 @@ def trains_images(config, facts) -> bool:
     return facts.vision_params > 0 and facts.image_processor and config.method.images
 
 
+def images_per_sample(config) -> int:
+    """Images in one training sequence the plan sizes for: data.image.per_sample (the planner sets it from the prepared
+    data where ft train has it), else 1."""
+    return config.data.image.per_sample or 1
+
+
+def geometry(config, facts) -> ImageGeometry | None:
+    """The patches and tokens of the largest image the job's processor makes (catalog_vision.py); None where the job
+    does not train on images or the tower's shape is unknown."""
+    if facts.vision_tower is None or not trains_images(config, facts):
+        return None
+    return image_geometry(facts.vision_tower, config.data.image)
+
+
+def seq_len_problem(config, facts) -> Problem | None:
+    """data.seq_len too short for the image tokens of the images per sample the plan assumes, plus one text token."""
+    g = geometry(config, facts)
+    if g is None:
+        return None
+    n, seq_len = images_per_sample(config), config.data.seq_len
+    if seq_len > n * g.tokens:
+        return None
+    fix = f"raise data.seq_len above {n * g.tokens}"
+    if facts.vision_tower.dynamic:
+        fix += " or lower data.image.max_pixels (fewer tokens per image)"
+    elif g.tiles > 1:
+        fix += " or lower data.image.processor size.longest_edge (fewer tiles per image)"
+    return Problem(
+        (("data", "seq_len"),),
+        f"{n} image{'s' if n > 1 else ''} per sample of up to {g.tokens} image tokens each ({g.rule}; {g.source}) "
+        f"leave no room for text in {seq_len} tokens",
+        fix,
+    )
+
+
 def vision_problems(config, facts) -> list[Problem]:
     """Every problem of the vision settings on this model, all at once."""
     out = []
+    overflow = seq_len_problem(config, facts)
+    if overflow is not None:
+        out.append(overflow)
     chosen = config.model.train_vision
     if chosen != "auto" and not trains_images(config, facts):
         if facts.vision_params == 0:

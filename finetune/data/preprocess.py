@@ -160,7 +160,8 @@ def fingerprint_parts(config: Config, tokenizer, jinja: str | None, processor=No
     from finetune.data.cache import file_digest
     from finetune.data.sources import resolve_files
 
-    data = config.data.model_dump(mode="json", exclude={"num_proc", "cache_dir"})
+    # not the images per sample the plan assumes (data.image.per_sample): it changes no row
+    data = config.data.model_dump(mode="json", exclude={"num_proc": True, "cache_dir": True, "image": {"per_sample"}})
     specs = list(config.data.datasets) + (
         [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []
     )
@@ -240,6 +241,8 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
         summary["packed_rows"] = len(train)
         summary["packing_efficiency"] = round(efficiency(train, data.seq_len, packed=True), 4)
         progress("packing", 1, 1)
+    if "images" in train.column_names:  # what the plan sizes the vision tower for (plan/vision.py)
+        summary["max_images_per_row"] = max((len(ps) for ps in train["images"][:]), default=0)
     summary["validation_samples"] = len(validation) if validation is not None else 0
     train.save_to_disk(str(out / "train"))
     if validation is not None:

@@ -8,7 +8,12 @@ The figures are orders of magnitude for ranking setups on one piece of hardware,
                   window; a linear-attention layer: its state update);
                   at 40% of the accelerator's dense half-precision peak (fp32: a quarter of it); per rank, the
                   decoder layers' share / tensor_parallel (the output head is whole), the tokens / context_parallel
-  recompute       the forward pass of each checkpointed layer again; the chunked loss recomputes the output head
+                  A vision-language model's text tokens are computed by its language model only; its tower runs
+                  over the micro-batch's image patches P (plan/memory.py): 2·N_v·P forward (N_v its encoder
+                  layers' parameters) plus bidirectional attention 4·span·h_v per patch and layer, ×3 when the
+                  tower trains (model.train_vision all), forward only when frozen
+  recompute       the forward pass of each checkpointed layer again (a trained tower's too); the chunked loss
+                  recomputes the output head
   quantization    4-bit / 8-bit bases dequantize every nn.Linear weight in forward and backward (fused MoE experts
                   stay 16-bit): memory-bound reads and writes of the weights at the memory bandwidth, per micro-batch
   eager scores    transformers' eager attention (the kernel the planner chooses where the class has no SDPA, or the
@@ -89,7 +94,8 @@ def accelerator_speed(hw: Hardware) -> tuple[float, float]:
 
 def forward_flops_per_token(m: ModelFacts, seq_len: int) -> float:
     """Forward FLOPs of one token: its active parameters' matmuls and its attention (see the module docstring)."""
-    matmul = 2 * (m.active_params - m.embedding_params)  # the embedding lookup is not a matmul (a tied head is)
+    # the embedding lookup is not a matmul (a tied head is); a text token never passes through a vision tower
+    matmul = 2 * (m.active_params - m.embedding_params - m.vision_params)
     if not m.lm_head_params:
         matmul += 2 * m.embedding_params
     return matmul + attention_flops_per_token(m, seq_len)
@@ -126,8 +132,13 @@ def step_seconds(
     recompute = forward * checkpointed_layers(m, s) / m.num_layers
     if s.loss == "chunked":
         recompute += 2 * t * m.hidden_size * m.vocab_size
+    tower = vision_forward_flops(m, s)
+    if s.tower_trains:  # its weights' and inputs' gradients: 2x its forward, whatever trains the language model
+        forward, backward = forward + tower, backward + 2 * tower
+        recompute += tower if s.gradient_checkpointing else 0
+    frozen_tower = 0 if s.tower_trains else tower  # forward only: nothing before it needs a gradient
     out = {
-        "compute": micro_batches * (forward + backward) / speed,
+        "compute": micro_batches * (forward + backward + frozen_tower) / speed,
         "recompute": micro_batches * recompute / speed,
         "launches": micro_batches * LAUNCH_SECONDS_PER_LAYER * m.num_layers,
         "communication": communication_seconds,
@@ -139,6 +150,17 @@ def step_seconds(
         out["quantization"] = micro_batches * 3 * quantized * 2.5 / bandwidth  # forward, backward, recompute-ish
     out["host transfers"] = host_seconds(m, s, micro_batches, out["compute"] / max(micro_batches, 1))
     return {k: v for k, v in out.items() if v}
+
+
+def vision_forward_flops(m: ModelFacts, s: Setup) -> float:
+    """The vision tower's forward FLOPs on one micro-batch's images: its encoder layers' matmuls on every patch, and
+    each patch's bidirectional attention over its image (or tile), scores and weighted values (see the docstring)."""
+    v = m.vision_tower
+    if v is None or not s.vision_patches:
+        return 0.0
+    patches = s.vision_patches * s.micro_batch_size * s.sequences_per_row
+    attention = v.num_layers * 4 * (s.vision_span or s.vision_patches) * v.hidden_size
+    return patches * (2 * v.params + attention)
 
 
 def eager_score_bytes(m: ModelFacts, s: Setup) -> float:

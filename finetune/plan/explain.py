@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
 from finetune.config.schema import Config
+from finetune.config.vision_checks import geometry, images_per_sample
 from finetune.hardware import Hardware
 from finetune.plan import parallel
 from finetune.plan.comm import Links
-from finetune.plan.memory import GiB, estimate
+from finetune.plan.memory import VISION, Estimate, GiB, estimate
 from finetune.plan.plan import Decision
 from finetune.plan.pricing import priced
 from finetune.plan.search import (
@@ -184,6 +185,41 @@ def record_headroom(fit: Fit, hw: Hardware, m: ModelFacts, out: list[Decision]) 
     else:
         why = f"fills {share:.0%} of the usable memory"
     out.append(Decision("memory_headroom", f"{(usable - used) / GiB:.1f} GiB", why))
+
+
+def record_vision(
+    config: Config, m: ModelFacts, est: Estimate, images_why: str, trained: str, out: list[Decision]
+) -> None:
+    """A vision-language job's images as planned, one line each: tokens and patches per image with their source, the
+    images per sample assumed, and the memory its tower takes (plan/memory.py's vision activations)."""
+    g = geometry(config, m)
+    if g is None:
+        return
+    n, seq_len = images_per_sample(config), config.data.seq_len
+    out.append(
+        Decision(
+            "image_tokens",
+            g.tokens,
+            f"per image, in data.seq_len: {g.rule} ({g.source}); {n} per sample take {n * g.tokens} of {seq_len}",
+        )
+    )
+    span = f", attending over {g.patches_per_tile} at a time" if g.tiles > 1 else ""
+    out.append(Decision("image_patches", g.patches, f"per image, what the vision tower runs over{span} ({g.source})"))
+    asked = config.data.image.per_sample is not None and images_why.startswith("as set")
+    out.append(Decision("images_per_sample", n, images_why, "config" if asked else "auto"))
+    how = (
+        "the tower trains: its layers' activations are saved for backward"
+        if trained == "all"
+        else "the tower is frozen: nothing is saved for backward, one layer's working set in flight"
+    )
+    gib = est.device.get(VISION, 0) / GiB
+    out.append(
+        Decision(
+            "vision_activations",
+            f"{gib:.2f} GiB",
+            f"per device, {how} (per micro-batch, {n} × {g.patches} patches per sequence)",
+        )
+    )
 
 
 def _choice(field: str, value, asked, reason: str) -> Decision:

@@ -37,6 +37,14 @@ activations    saved for backward, per token and layer (elements), averaged over
                recomputed activations. With activation offload only two layers' stored tensors are on the device
                (in flight); the rest wait in pinned host memory. A quantized base adds its largest linear
                dequantized to a for the matmul, one at a time. (plan/transients.py computes these and the logits.)
+vision         A vision-language model's tower over one micro-batch's images (plan/vision.py): P = micro_batch *
+activations    sequences per row * images per sample * patches per image (the largest image the processor makes:
+               catalog_vision.py), h_v, I_v, L_v the tower's width, MLP size and layers. Per patch and layer
+               attention 10*h_v (4h + 3q + 3kv, its heads spanning h_v) and MLP 2*I_v (gated 4*I_v), times a*P; eager
+               attention adds heads*span^2*(2a+4) per image or tile (span: its patches). The tower trained
+               (model.train_vision all): all L_v layers' (with checkpointing each layer's input a*P*h_v and one layer
+               recomputed); frozen (none, projector): nothing saved for backward, one layer's working set in flight.
+               Both add the tower's output for the projector, a*P*h_v.
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
@@ -115,6 +123,7 @@ from finetune.plan.transients import (  # noqa: F401
     targeted_linears,
     tokens_per_micro_batch,
     transient_bytes,
+    vision_activation_bytes,
 )
 
 GiB = 1024**3
@@ -140,7 +149,14 @@ ROLLOUT = "rollout engine (vLLM)"  # a colocated rollout engine's memory share (
 ROLLOUT_HOST = "rollout engine weights (asleep)"  # its weights in host RAM while it sleeps
 REWARD_MODEL = "reward model"  # GRPO: trained reward models, whole on every rank
 SCORING = "reward scoring"  # their forward pass: a phase of its own
-TRANSIENT = ("activations", "logits and loss", "generation (KV cache)", SCORING)  # freed between the steps' phases
+VISION = "vision activations"  # a vision-language model's tower on the micro-batch's images
+TRANSIENT = (
+    "activations",
+    VISION,
+    "logits and loss",
+    "generation (KV cache)",
+    SCORING,
+)  # freed between the steps' phases
 CONTEXT = "CUDA context"  # driver, kernels and library workspaces: outside torch's allocator
 QUANT_STATE = "4-bit quantization state (whole)"  # bitsandbytes' constants: never sharded (see _shard_and_offload)
 DS_BUCKET_BYTES = 2 * 500_000_000  # DeepSpeed's default reduce bucket: 5e8 half-precision elements
@@ -195,11 +211,13 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     device, host = _shard_and_offload(m, s, a, state)
     expert_parallel_bytes(m, s, a, device)
     acts, logits = transient_bytes(m, s, a)  # the loss and each layer's backward: the larger phase counts
+    vision = vision_activation_bytes(m, s, a)
     device[REWARD_MODEL] = sum(a * reward_model_params(f) for f, _ in s.reward_models)
     gen_peak, scoring = generation_bytes(m, s, a), scoring_bytes(s, a)
     engine = s.rollout_bytes / (1 + FRAGMENTATION) if s.accelerator else s.rollout_bytes  # no reserve counts on it
-    training = max(gen_peak, scoring, engine if s.rollout_sleeps else 0) <= acts + logits
+    training = max(gen_peak, scoring, engine if s.rollout_sleeps else 0) <= acts + vision + logits
     device["activations"] = acts if training else 0
+    device[VISION] = vision if training else 0
     device["logits and loss"] = logits if training else 0
     device["generation (KV cache)"] = 0 if training or scoring > gen_peak else gen_peak
     device[SCORING] = 0 if training or scoring <= gen_peak else scoring

@@ -147,6 +147,11 @@ class Plan:
     # image-text-to-text model; what of its vision side trains: none | projector | all
     vision: bool = False
     train_vision: str = "none"
+    # its images as planned (plan/explain.py record_vision): per image the image tokens the language model sees and the
+    # patches its tower runs over, the largest the processor makes; images in one sequence assumed (0: no images)
+    image_tokens: int = 0
+    image_patches: int = 0
+    images_per_sample: int = 0
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)

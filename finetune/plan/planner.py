@@ -18,7 +18,8 @@ from dataclasses import replace
 from finetune.catalog import ModelFacts
 from finetune.config.moe_checks import lora_dropout, moe_notes, moe_problems
 from finetune.config.schema import Config
-from finetune.config.vision_checks import train_vision, trains_images, vision_problems
+from finetune.config.vision_checks import geometry, train_vision, trains_images, vision_problems
+from finetune.config.vision_checks import images_per_sample as images_per_sample_of
 from finetune.errors import ConfigError
 from finetune.hardware import Hardware
 from finetune.model_class import for_facts
@@ -28,7 +29,7 @@ from finetune.plan.attention import choose_attention
 from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
-from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers
+from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers, record_vision
 from finetune.plan.launch import launch_command, needs_launcher
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
@@ -49,14 +50,18 @@ def plan(
     config_path: str = "config.yaml",
     new_tokens: int = 0,
     speeds: Links | None = None,
+    images_per_sample: int | None = None,
 ) -> Plan:
     """Compile `config` for `hardware`; raise PlanError when it cannot run there.
 
     new_tokens: tokens the data pipeline adds beyond data.add_special_tokens (a built-in template's
     markers missing from the vocabulary); the embeddings grow and are trained.
     speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
+    images_per_sample: the most images any prepared row holds (ft train, once the data is prepared), where
+    data.image.per_sample does not say.
     """
     speeds = speeds or links(hardware)
+    config, images_why = with_images(config, images_per_sample)
     # what peft, the loss and the data pipeline cannot do on this model, with the key and fix
     problems = moe_problems(config, model) + vision_problems(config, model)
     if problems:
@@ -104,6 +109,8 @@ def plan(
     vision, (trained_vision, why) = trains_images(config, model), train_vision(config, c.adapter)
     if vision:
         decisions.append(Decision("model.train_vision", trained_vision, why))
+        record_vision(config, model, fit.estimate, images_why, trained_vision, decisions)
+    shapes = geometry(config, model)
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     decisions.extend(attention_decisions)
     s = replace(s, expert_parallel=ep)
@@ -140,6 +147,9 @@ def plan(
         moe=model.is_moe,
         vision=vision,
         train_vision=trained_vision if vision else "none",
+        image_tokens=shapes.tokens if shapes else 0,
+        image_patches=shapes.patches if shapes else 0,
+        images_per_sample=images_per_sample_of(config) if shapes else 0,
         lora_dropout=lora_dropout(config.adapter, model, c.adapter),
         estimate=fit.estimate,
         device_capacity_bytes=device_capacity(hardware),
@@ -354,3 +364,18 @@ def _train_embeddings(config: Config) -> Config:
     a = config.adapter
     modules = list(dict.fromkeys([*a.modules_to_save, "embed_tokens", "lm_head"]))
     return config.model_copy(update={"adapter": a.model_copy(update={"modules_to_save": modules})})
+
+
+def with_images(config: Config, prepared: int | None) -> tuple[Config, str]:
+    """The config as planned for its images per sample (data.image.per_sample: as set, else the prepared rows' most),
+    and where that number comes from."""
+    image = config.data.image
+    if image.per_sample is not None:
+        return config, "as set in data.image.per_sample"
+    if prepared:
+        data = config.data.model_copy(update={"image": image.model_copy(update={"per_sample": prepared})})
+        return config.model_copy(update={"data": data}), "the most images any prepared row holds"
+    return config, (
+        "assumed: the data is not prepared yet (ft train plans again with the most images any prepared row holds; "
+        "data.image.per_sample sets it)"
+    )

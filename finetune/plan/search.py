@@ -309,18 +309,23 @@ def setup(
 
 
 def vision_split(config, m: ModelFacts | None, adapter: str) -> dict:
-    """Setup's vision_frozen/vision_trained: what of a vision-language model's vision side trains (model.train_vision,
-    config/vision_checks.py): the tower stays frozen unless `all`, the projector trains with `projector` or `all`."""
-    from finetune.config.vision_checks import train_vision, trains_images
+    """Setup's vision fields: what of a vision-language model's vision side trains (model.train_vision,
+    config/vision_checks.py: the tower stays frozen unless `all`, the projector trains with `projector` or `all`), and
+    the patches its tower runs over per sequence (the images per sample the plan assumes, each the largest the
+    processor makes)."""
+    from finetune.config.vision_checks import geometry, images_per_sample, train_vision, trains_images
 
     if m is None or not trains_images(config, m):
         return {}
     trained = train_vision(config, adapter)[0]
     tower, projector = m.vision_params - m.projector_params, m.projector_params
     parts = {"none": 0, "projector": projector, "all": tower + projector}[trained]
-    if adapter == "full":
-        return {"vision_frozen": tower + projector - parts}
-    return {"vision_trained": parts}
+    split = {"vision_frozen": tower + projector - parts} if adapter == "full" else {"vision_trained": parts}
+    g = geometry(config, m)
+    if g is None:
+        return split
+    patches = {"vision_patches": images_per_sample(config) * g.patches, "vision_span": g.patches_per_tile}
+    return {**split, **patches, "tower_trains": trained == "all"}
 
 
 def reward_models(method) -> tuple:

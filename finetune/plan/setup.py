@@ -41,6 +41,11 @@ class Setup:
     head: str = "lm"  # lm: next-token logits | score: one value per sequence (reward-model training)
     vision_frozen: int = 0  # a vision-language model's parameters that stay frozen under full fine-tuning
     vision_trained: int = 0  # its vision parameters trained in full next to an adapter (model.train_vision)
+    # its images (plan/vision.py): positions the tower runs over per sequence (images per sample × patches per image),
+    # the positions one of its attentions spans (an image or a tile), and whether the tower trains (train_vision all)
+    vision_patches: int = 0
+    vision_span: int = 0
+    tower_trains: bool = False
     # memory savers (plan.py): bf16 master weights/gradients/moments, chunked or fused loss, selective checkpointing,
     # activations in host memory, optimizer step in backward
     pure_bf16: bool = False
