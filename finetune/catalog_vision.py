@@ -46,6 +46,7 @@ PROCESSOR_DEFAULTS: dict[str, dict[str, int]] = {
 TILED = ("idefics3", "smolvlm")
 GATED_MLP = ("qwen2_5_vl",)  # towers whose MLP is gate/up/down (the others: fc1/fc2)
 CLS_TOWERS = ("clip_vision_model",)  # towers that add a class position to each image
+COMPOSITE_ACTIVATIONS = ("quick_gelu",)  # transformers' activations built of several ops (activations.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class VisionTower:
     patch_size: int
     image_size: int = 0  # the tower's fixed input side; 0: dynamic resolution
     gated_mlp: bool = False
+    # its MLP's activation is composed of several ops (transformers' quick_gelu: x * sigmoid(1.702 x)), which save a
+    # third I-wide tensor for backward (CLIP, Qwen2-VL); a fused GELU saves only its input
+    composite_activation: bool = False
     cls_token: bool = False  # one more position per image (CLIP)
     keep_cls: bool = False  # the language model sees it too (LLaVA's vision_feature_select_strategy "full")
     merge: int = 1  # patches merged per side into one token (Qwen: spatial_merge_size; Idefics3: scale_factor)
@@ -76,6 +80,12 @@ class VisionTower:
     @property
     def dynamic(self) -> bool:
         return self.image_size == 0
+
+    @property
+    def mlp_saved(self) -> int:
+        """I-wide tensors one MLP saves for backward per position: gated 4 (gate, up, activation, product), a composite
+        activation 3 (fc1's output, the sigmoid, fc2's input), else 2 (fc1's output, fc2's input)."""
+        return 4 if self.gated_mlp else 3 if self.composite_activation else 2
 
     @property
     def params(self) -> int:
@@ -112,6 +122,7 @@ def vision_tower(cfg: dict) -> VisionTower | None:
         patch_size=patch,
         image_size=0 if dynamic else int(v.get("image_size") or 224),
         gated_mlp=family in GATED_MLP,
+        composite_activation=str(v.get("hidden_act") or "") in COMPOSITE_ACTIVATIONS,
         cls_token=str(v.get("model_type") or "") in CLS_TOWERS,
         keep_cls=cfg.get("vision_feature_select_strategy") == "full",
         merge=int((v.get("spatial_merge_size") if dynamic else cfg.get("scale_factor")) or 1),

@@ -199,7 +199,8 @@ def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
 
 def vision_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     """A vision-language model's tower on one micro-batch's images (P positions: vision_patches per sequence): per
-    position and layer attention 10h (4h + 3q + 3kv, the tower's heads spanning h) and its MLP (2I; gated 4I), plus
+    position and layer attention 10h (4h + 3q + 3kv, the tower's heads spanning h) and its MLP (2I; 3I with a
+    composite activation such as quick_gelu; gated 4I), plus
     eager attention's scores and probabilities, heads × span² × (2a+4) per image or tile. Trained (train_vision all):
     every layer's, or with checkpointing each layer's input and one layer recomputed; frozen, nothing is saved for
     backward: one layer's working set in flight. Either way its output for the projector, a*P*h."""
@@ -207,7 +208,7 @@ def vision_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     if v is None or not s.vision_patches:
         return 0
     p = s.vision_patches * s.micro_batch_size * s.sequences_per_row
-    layer = a * p * (10 * v.hidden_size + (4 if v.gated_mlp else 2) * v.intermediate_size)
+    layer = a * p * (10 * v.hidden_size + v.mlp_saved * v.intermediate_size)
     if s.attention == "eager" and s.vision_span:
         layer += (p / s.vision_span) * v.num_heads * s.vision_span**2 * (2 * a + 4)
     output = a * p * v.hidden_size
