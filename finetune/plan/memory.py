@@ -37,15 +37,15 @@ activations    saved for backward, per token and layer (elements), averaged over
                recomputed activations. With activation offload only two layers' stored tensors are on the device
                (in flight); the rest wait in pinned host memory. A quantized base adds its largest linear
                dequantized to a for the matmul, one at a time. (plan/transients.py computes these and the logits.)
-vision         A vision-language model's tower over one micro-batch's images (plan/vision.py): P = micro_batch *
-activations    sequences per row * images per sample * patches per image (the largest image the processor makes:
-               catalog_vision.py), h_v, I_v, L_v the tower's width, MLP size and layers. Per patch and layer
-               attention 10*h_v (4h + 3q + 3kv, its heads spanning h_v) and MLP 2*I_v (3*I_v with quick_gelu, whose ops
-               save a third tensor; gated 4*I_v), times a*P; eager
+vision         A vision-language model's tower over one micro-batch's images: P = micro_batch * sequences per
+activations    row * images per sample * patches per image (the largest image the processor makes:
+               catalog_vision.py; images per sample: config/vision_checks.py), h_v, I_v, L_v the tower's width, MLP
+               size and layers. Per patch and layer attention 10*h_v (4h + 3q + 3kv, its heads spanning h_v) and
+               MLP 2*I_v (3*I_v with quick_gelu, whose ops save a third tensor; gated 4*I_v), times a*P; eager
                attention adds heads*span^2*(2a+4) per image or tile (span: its patches). The tower trained
-               (model.train_vision all): all L_v layers' (with checkpointing each layer's input a*P*h_v and one layer
-               recomputed); frozen (none, projector): nothing saved for backward, one layer's working set in flight.
-               Both add the tower's output for the projector, a*P*h_v.
+               (model.train_vision all): all L_v layers' (with checkpointing each layer's input a*P*h_v and one
+               layer recomputed); frozen (none, projector): nothing saved for backward, one layer's working set in
+               flight. Both add the tower's output for the projector, a*P*h_v.
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
