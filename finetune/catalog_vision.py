@@ -231,12 +231,13 @@ def _dynamic(tower: VisionTower, image) -> ImageGeometry:
 
 
 def _tiled(tower: VisionTower, image) -> ImageGeometry:
-    size = (getattr(image, "processor", None) or {}).get("size") or {}
+    asked = getattr(image, "processor", None) or {}  # data.image.processor, by the processor's own names
+    size, tiles_asked = asked.get("size") or {}, asked.get("max_image_size") or {}
     configured = size.get("longest_edge") if isinstance(size, dict) else None
-    settings = (getattr(image, "processor", None) or {}).get("do_image_splitting")
-    splitting = tower.splitting if settings is None else bool(settings)
+    splitting = tower.splitting if asked.get("do_image_splitting") is None else bool(asked["do_image_splitting"])
     edge = int(configured or tower.longest_edge or tower.image_size)
-    tile = tower.tile_edge or tower.image_size
+    tile = int((tiles_asked.get("longest_edge") if isinstance(tiles_asked, dict) else 0) or tower.tile_edge)
+    tile = tile or tower.image_size
     side = tower.image_size // tower.patch_size
     per_tile = side * side
     tokens_per_tile = per_tile // (tower.merge * tower.merge)
