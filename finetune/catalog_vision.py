@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 # The family's processor defaults where a model folder has no preprocessor_config.json (a catalog or hub model):
-# transformers 5.24's image processor class attributes.
+# transformers 5.25's image processor class attributes (tests/test_vision_plan.py checks the installed ones).
 PROCESSOR_DEFAULTS: dict[str, dict[str, int]] = {
     # Qwen2VLImageProcessor(Pil): size = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, patch_size 14,
     # merge_size 2; Qwen2.5-VL's processor is the same class
