@@ -77,7 +77,7 @@ class MergeReport:
 
 
 # ---------------------------------------------------------------- inputs
-def _resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
+def resolve_dtype(dtype: str, base: str, trust_remote_code: bool):
     """("bf16", torch.bfloat16) etc.; "auto" follows the base's config, fp32 when it says nothing."""
     import torch
 
@@ -171,7 +171,7 @@ def _save(model, tokenizer, tmp: Path, max_shard_size: str, processor=None) -> i
 
 
 # ---------------------------------------------------------------- the verb
-def _merged_model(
+def merged_model(
     base: str, where: str, src: AdapterSource, torch_dtype, tokenizer, check_inputs: int, trust_remote_code: bool
 ):
     """(merged model, max |logit diff| base+adapter vs merged, notes)."""
@@ -225,9 +225,9 @@ def merge_lora(
     _check_args(max_shard_size, check_inputs)
     out = Path(out_dir).expanduser()
     _check_out_dir(out, overwrite, [p for p in (src.adapter, src.run, Path(base_name)) if p is not None])
-    dtype_name, torch_dtype = _resolve_dtype(dtype, base_name, trust_remote_code)
+    dtype_name, torch_dtype = resolve_dtype(dtype, base_name, trust_remote_code)
     tokenizer, tok_from = find_tokenizer(list(src.tokenizer_dirs), base_name, trust_remote_code)
-    merged, diff, notes = _merged_model(base_name, where, src, torch_dtype, tokenizer, check_inputs, trust_remote_code)
+    merged, diff, notes = merged_model(base_name, where, src, torch_dtype, tokenizer, check_inputs, trust_remote_code)
     qlora = src.qlora
     if qlora:
         notes.append(
