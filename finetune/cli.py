@@ -290,6 +290,39 @@ def merge_lora(
     typer.echo(str(report))
 
 
+@app.command("export")
+def export(
+    source: Path = typer.Argument(..., help="A run folder, a model folder, or a peft adapter folder (with its base)."),
+    gguf: bool = typer.Option(False, "--gguf", help="Write a GGUF file for llama.cpp and an Ollama Modelfile."),
+    quant: str = typer.Option(
+        "f16",
+        "--quant",
+        "-q",
+        help="f32 | f16 | bf16, or a llama.cpp quantization: q8_0, q6_k, q5_k_m, q4_k_m, q4_0, ...",
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: RUN/gguf-QUANT)."),
+    base: str | None = typer.Option(
+        None, "--base", help="Base model of an adapter (default: the run's model.name or the adapter's base)."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the files a previous export wrote there."),
+    check: bool = typer.Option(
+        True, "--check/--no-check", help="Load the file with llama.cpp and compare tokens and logits with transformers."
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Allow the base model's own Python code."
+    ),
+) -> None:
+    """Export a trained model (an adapter merged into its base) as GGUF for llama.cpp and Ollama."""
+    if not gguf:
+        raise FtError("ft export needs a format: add --gguf (a GGUF file for llama.cpp, with an Ollama Modelfile)")
+    from finetune.export.gguf import export_gguf
+
+    report = export_gguf(
+        source, out, quant, base=base, overwrite=overwrite, check=check, trust_remote_code=trust_remote_code
+    )
+    typer.echo(str(report))
+
+
 def _takes(options):
     """Decorator: the command's leading parameters are the fields of the dataclass `options` (finetune.infer.commands),
     each a typer option with the field's default and the flags and help of its metadata (no flags: an argument); the

@@ -37,7 +37,8 @@ def test_validate_and_plan_do_not_import_heavy_libraries():
     code = (
         "import sys; from finetune.cli import app; from finetune.config import load; from finetune.workflow import "
         f"compile_plan;compile_plan({QUICKSTART!r}, hardware='8xH100-80GB'); load({QUICKSTART!r});"
-        "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules]; "
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes', 'gguf', 'llama_cpp') "
+        "if m in sys.modules]; "
         "print(heavy); assert not heavy"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)

@@ -7,6 +7,7 @@ A run folder (output.dir) holds:
     checkpoints/     step-NNNNNNNN/ folders (see checkpoint.py; each backend owns what is inside)
     final/           the trained adapter (peft format) or model, with the tokenizer
     consolidated/    what `ft consolidate` wrote from a checkpoint
+    gguf-KIND/       what `ft export RUN --gguf --quant KIND` wrote (the GGUF file, an Ollama Modelfile)
     metrics.jsonl, loss.png, README.md (model card), environment.json, launch.txt
     .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runlock.py)
     job.sbatch, slurm-*.out, job-k8s.yaml  what ft launch wrote and the scheduler's log (no run by themselves)
@@ -65,6 +66,7 @@ WRITTEN = (
     "checkpoints",
     "final",
     "consolidated",
+    "gguf-*",
     *TRACKERS,
     "nccl-traces",
     "rollout-server.log",
@@ -115,6 +117,10 @@ class RunFolder:
         if name not in TRACKERS:
             raise ValueError(f"{name!r} is not one of a run folder's tracker entries {TRACKERS}")
         return self.path / name
+
+    def gguf_dir(self, kind: str) -> Path:
+        """Where `ft export --gguf --quant KIND` writes by default."""
+        return self.path / f"gguf-{kind}"
 
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
