@@ -592,3 +592,80 @@ def crash_hook(folder, parts, rank: int, batches: int) -> str:
         "        os._exit(137)\n"
     )
     return f"{hook}:hook"
+
+
+# ---------------------------------------------------------------- tiny models of other families (GGUF export)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def qwen_style_tokenizer(vocab_size: int = 400):
+    """A byte-level BPE trained on ft's arithmetic chat text that splits text as Qwen 2's tokenizer does (its regex,
+    then bytes), with ChatML's tokens and template: a tokenizer of another family than ft-tiny's."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from finetune.templates import CHATML
+    from finetune.tiny import arithmetic_records
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    text = [f"{m['content']}\n" for r in arithmetic_records(2000, seed=3) for m in r["messages"]]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_family(folder: Path, kind: str, tokenizer=None, seed: int = 0, std: float = 0.1, **extra) -> Path:
+    """A tiny model of transformers family `kind` (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, ...) built
+    from its config class (2 layers, width 64, 4 heads of 16, 2 for keys and values), weights drawn with `std` (so
+    greedy completions differ from prompt to prompt), saved with `tokenizer` (default: ft's tiny one) to `folder`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.tiny import build_tokenizer
+
+    tok = tokenizer or build_tokenizer()
+    shape = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
+    if kind.startswith("gemma"):
+        shape["query_pre_attn_scalar"] = 16  # llama.cpp scales attention by head_dim (finetune/export/families.py)
+    config = AutoConfig.for_model(kind, **{**shape, **extra})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 or name.endswith("bias"):
+                p.normal_(0, std, generator=gen)
+            elif kind.startswith("gemma"):  # norms scale by 1 + weight: near 1 either way
+                p.normal_(0, 0.1, generator=gen)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
