@@ -31,7 +31,11 @@ PROMPTS = (
     [{"role": "user", "content": "how many questions about text data?"}],
 )
 NEW_TOKENS = 12
-Q8_TOLERANCE = 0.25  # max |logit difference| of a q8_0 file (measured ~0.03-0.08 on these models)
+# llama.cpp vs transformers on these models (random weights of std 0.1: logits of a few units), measured here:
+F16_TOLERANCE = 0.05  # max |logit difference| of an f16 file (measured 0.002-0.008; f32 files too: an f16 KV cache)
+Q8_TOLERANCE = 0.3  # of a q8_0 file (measured 0.06-0.16: llama.cpp also rounds activations to 8 bits)
+Q8_AGREEMENT = 0.9  # transformers' greedy tokens that llama.cpp ranks first too, teacher forced (measured 0.94-1.0);
+# greedy completions of 12 tokens, where one near-tie changes the rest, are whole on at least half the prompts
 
 
 def _hf(folder: Path):
@@ -69,23 +73,32 @@ def _greedy_cpp(llm, ids: list[int]) -> list[int]:
     return out
 
 
-def _compare(path: Path, model, tokenizer) -> tuple[list[bool], float]:
-    """(per prompt: same greedy completion, max |logit diff| over the prompts' positions)."""
+@dataclasses.dataclass
+class Compared:
+    same: list[bool]  # per prompt: llama.cpp's greedy completion equals transformers', token for token
+    diff: float  # max |logit difference| over the prompts' and transformers' completions' positions
+    agree: float  # fraction of those completions' tokens that llama.cpp also ranks first (teacher forced)
+
+
+def _compare(path: Path, model, tokenizer) -> Compared:
     llm = _llama(path)
     try:
-        same, diff = [], 0.0
+        same, diff, agree = [], 0.0, []
         for messages in PROMPTS:
             ids = _prompt_ids(tokenizer, messages)
             assert llm.tokenize(tokenizer.decode(ids).encode(), add_bos=True, special=True) == ids
-            same.append(_greedy_cpp(llm, ids) == _greedy_hf(model, ids))
+            ours = _greedy_hf(model, ids)
+            same.append(_greedy_cpp(llm, ids) == ours)
             llm.reset()
-            llm.eval(ids)
+            llm.eval(ids + ours)
             with torch.no_grad():
-                ours = model(input_ids=torch.tensor([ids])).logits[0]
-            diff = max(diff, float((torch.tensor(llm.scores[: len(ids)]) - ours).abs().max()))
+                logits = model(input_ids=torch.tensor([ids + ours])).logits[0]
+            theirs = torch.tensor(llm.scores[: len(ids) + len(ours)])
+            diff = max(diff, float((theirs - logits).abs().max()))
+            agree += (theirs[len(ids) - 1 : -1].argmax(-1) == torch.tensor(ours)).tolist()
     finally:
         llm.close()
-    return same, diff
+    return Compared(same, diff, sum(agree) / len(agree))
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +126,26 @@ def test_lora_run_f16_round_trip(lora_run):
     assert report.arch == "llama" and report.template == "chatml" and report.tokenizer.startswith("gpt2 (starcoder)")
     assert report.merge_logit_diff < 1e-4 and report.top_token_agreement == 1.0
     model, tokenizer = _hf(lora_run["merged"])
-    same, diff = _compare(report.path, model, tokenizer)
-    print(f"f16 llama: greedy same {same}, max |logit diff| {diff:.3g}, report {report.max_abs_logit_diff:.3g}")
-    assert all(same) and diff < 0.05
+    got = _compare(report.path, model, tokenizer)
+    print(f"f16 llama: {got}, report {report.max_abs_logit_diff:.3g}")
+    assert all(got.same) and got.diff < F16_TOLERANCE
     text = (report.modelfile).read_text()
     assert "FROM ./model-f16.gguf" in text and "<|im_start|>{{ .Role }}" in text
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert json.loads((report.path.parent / "ft_export.json").read_text())["kind"] == "f16"
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_full_fine_tuning_run(one_process, tmp_path):
+    """A fully fine-tuned run's final/ is exported as it is (no adapter), with the run's template."""
+    from finetune.export.gguf import export_gguf
+
+    report = export_gguf(one_process, tmp_path / "out", kind="f16")
+    assert report.template == "chatml" and report.top_token_agreement == 1.0
+    model, tokenizer = _hf(one_process / "final")
+    got = _compare(report.path, model, tokenizer)
+    assert all(got.same) and got.diff < F16_TOLERANCE
 
 
 @pytest.mark.slow
@@ -130,9 +156,9 @@ def test_q8_0_logits_close_and_q4_answers(lora_run, tmp_path):
     model, tokenizer = _hf(lora_run["merged"])
     q8 = export_gguf(lora_run["merged"], tmp_path / "q8", kind="q8_0")
     assert q8.tensor_types.get("Q8_0", 0) >= 4 * 7  # every matrix of the 4 layers
-    same, diff = _compare(q8.path, model, tokenizer)
-    print(f"q8_0 llama: greedy same {same}, max |logit diff| {diff:.3g}")
-    assert diff < Q8_TOLERANCE and sum(same) >= len(same) - 1
+    got = _compare(q8.path, model, tokenizer)
+    print(f"q8_0 llama: {got}")
+    assert got.diff < Q8_TOLERANCE and got.agree >= Q8_AGREEMENT and sum(got.same) >= len(got.same) / 2
     for kind in ("q4_k_m", "q4_0"):
         report = export_gguf(lora_run["merged"], tmp_path / kind, kind=kind, check=False)
         print(f"{kind}: tensor types {report.tensor_types}")
@@ -178,18 +204,19 @@ def test_other_families_f16_and_q8_0(kind, tmp_path):
     folder = tiny_family(tmp_path / "model", kind, tokenizer, **extra)
     model, tokenizer = _hf(folder)
     f16 = export_gguf(folder, tmp_path / "f16", kind="f16")
-    same, diff = _compare(f16.path, model, tokenizer)
+    f16_got = _compare(f16.path, model, tokenizer)
     q8 = export_gguf(folder, tmp_path / "q8", kind="q8_0", check=False)
-    q8_same, q8_diff = _compare(q8.path, model, tokenizer)
-    print(f"{kind}: f16 same {same} diff {diff:.3g}; q8_0 same {q8_same} diff {q8_diff:.3g}")
-    assert all(same) and diff < 0.05
-    assert q8_diff < Q8_TOLERANCE and sum(q8_same) >= len(q8_same) - 1
+    q8_got = _compare(q8.path, model, tokenizer)
+    print(f"{kind}: f16 {f16_got}; q8_0 {q8_got}")
+    assert all(f16_got.same) and f16_got.diff < F16_TOLERANCE
+    assert q8_got.diff < Q8_TOLERANCE and q8_got.agree >= Q8_AGREEMENT and sum(q8_got.same) >= len(q8_got.same) / 2
 
 
 @pytest.mark.slow
 @needs_llama_cpp
 def test_wrong_query_key_order_is_caught(lora_run, tmp_path):
-    """Written without the query/key reordering Llama needs, the file computes other logits: the check sees it."""
+    """Written without the query/key reordering Llama needs, the file computes other logits: the check sees it. (Even
+    an f32 file differs from transformers by ~1e-2: llama.cpp keeps its attention cache in f16.)"""
     from finetune.export import checks
     from finetune.export.families import family
     from finetune.export.gguf_file import write_gguf
@@ -210,7 +237,7 @@ def test_wrong_query_key_order_is_caught(lora_run, tmp_path):
     )
     right, wrong = (checks.check(w.path, model, tokenizer, None) for w in (good, bad))
     print(f"f32 max |logit diff|: right order {right.max_abs_logit_diff:.3g}, wrong {wrong.max_abs_logit_diff:.3g}")
-    assert right.max_abs_logit_diff < 1e-3 < 0.1 < wrong.max_abs_logit_diff
+    assert right.max_abs_logit_diff < 0.05 and wrong.max_abs_logit_diff > 1.0  # measured 0.007 and 4.1
 
 
 # ---------------------------------------------------------------- tokenizers and templates (no llama.cpp)
