@@ -25,9 +25,9 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 # llama-cpp-python (ft export --gguf, in [test]) is a source package: pip builds llama.cpp with cmake once, on every core,
 # and caches the wheel (later installs take seconds; pip reuses a cached wheel whatever CMAKE_ARGS say: `pip cache remove
-# llama_cpp_python` before building with other flags). ~11 CPU-minutes with the multimodal library, which ft never
-# loads (LLAVA_BUILD=OFF leaves it out). The CPU code is built for x86-64-v3 (AVX2, FMA, F16C), not -march=native: on
-# CPUs with AMX, a native build routes q8_0/q4_0 matrices to llama.cpp's AMX kernels, which crash on small models.
+# llama_cpp_python` before building with other flags). ~6.5 CPU-minutes without the multimodal library, which ft never
+# loads (LLAVA_BUILD=OFF). The CPU code is built for AVX2/FMA/F16C, not -march=native: on CPUs with AMX, a native build
+# repacks quantized matrices for llama.cpp's AMX kernels, which crashed on small q8_0 models here (docs/export.md).
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)}
 if [ "$(uname -m)" = x86_64 ]; then
   export CMAKE_ARGS=${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}
