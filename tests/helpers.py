@@ -669,3 +669,31 @@ def tiny_family(folder: Path, kind: str, tokenizer=None, seed: int = 0, std: flo
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+def sentencepiece_tokenizer(folder: Path, prefix_space: bool = False, vocab_size: int = 300):
+    """A sentencepiece BPE (byte fallback, digits split, ChatML's tokens) trained on ft's arithmetic chat text, loaded
+    by transformers as Llama's tokenizer (tokenizer.json), with ChatML as its template: the kind of tokenizer Llama 2,
+    Mistral and Gemma have. `prefix_space`: a space is put before the text (as Llama 2's; Gemma's puts none)."""
+    import json
+
+    import sentencepiece
+    from transformers import AutoTokenizer
+
+    from finetune.templates import CHATML
+    from finetune.tiny import arithmetic_records
+
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(m["content"] for r in arithmetic_records(2000, seed=3) for m in r["messages"]))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, split_digits=True, user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )  # fmt: skip
+    config = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config.update(add_bos_token=True, legacy=False, add_prefix_space=prefix_space)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = CHATML
+    return tokenizer

@@ -85,8 +85,9 @@ def _compare(path: Path, model, tokenizer) -> Compared:
     try:
         same, diff, agree = [], 0.0, []
         for messages in PROMPTS:
-            ids = _prompt_ids(tokenizer, messages)
-            assert llm.tokenize(tokenizer.decode(ids).encode(), add_bos=True, special=True) == ids
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text)["input_ids"]
+            assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids
             ours = _greedy_hf(model, ids)
             same.append(_greedy_cpp(llm, ids) == ours)
             llm.reset()
@@ -210,6 +211,32 @@ def test_other_families_f16_and_q8_0(kind, tmp_path):
     print(f"{kind}: f16 {f16_got}; q8_0 {q8_got}")
     assert all(f16_got.same) and f16_got.diff < F16_TOLERANCE
     assert q8_got.diff < Q8_TOLERANCE and q8_got.agree >= Q8_AGREEMENT and sum(q8_got.same) >= len(q8_got.same) / 2
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+def test_sentencepiece_tokenizer(tmp_path):
+    """A sentencepiece BPE (as Llama 2, Mistral and Gemma have) is written as llama.cpp's "llama" tokenizer: without a
+    prefix space (Gemma's way) llama.cpp tokenizes and answers as transformers. With one that transformers puts only
+    before the whole text, llama.cpp (which puts it after every special token too) would tokenize chat prompts
+    otherwise: the check refuses to publish that file."""
+    pytest.importorskip("sentencepiece")
+    from finetune.export.gguf import export_gguf
+    from tests.helpers import sentencepiece_tokenizer
+
+    tokenizer = sentencepiece_tokenizer(tmp_path / "spm")
+    folder = tiny_family(tmp_path / "model", "mistral", tokenizer, bos_token_id=tokenizer.bos_token_id)
+    report = export_gguf(folder, tmp_path / "out", kind="f16")
+    assert report.tokenizer.startswith("llama (default)") and report.template == "chatml"
+    model, tokenizer = _hf(folder)
+    got = _compare(report.path, model, tokenizer)
+    print(f"sentencepiece f16: {got}")
+    assert all(got.same) and got.diff < F16_TOLERANCE
+    prefixed = sentencepiece_tokenizer(tmp_path / "spm-prefix", prefix_space=True)
+    folder = tiny_family(tmp_path / "model-prefix", "mistral", prefixed, bos_token_id=prefixed.bos_token_id)
+    with pytest.raises(FtError, match="llama.cpp tokenizes text otherwise"):
+        export_gguf(folder, tmp_path / "out-prefix", kind="f16")
+    assert not (tmp_path / "out-prefix" / "model-f16.gguf").exists()
 
 
 @pytest.mark.slow

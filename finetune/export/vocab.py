@@ -4,14 +4,15 @@ Two kinds are written. A byte-level BPE (tokenizer.json with a BPE model, a Byte
 GPT-2, Llama 3, Qwen, ft's tiny tokenizer) becomes llama.cpp's "gpt2" model: the tokens as the tokenizer spells
 them, its merges, and the name of the pre-tokenizer llama.cpp splits text with, found by matching tokenizer.json's
 pre-tokenizer against gguf_families.yaml (a pre-tokenizer llama.cpp does not know is refused: it would split text
-otherwise). A sentencepiece tokenizer (tokenizer.model: Llama 2, Mistral, Gemma) becomes its "llama" model through
-the gguf package's SentencePieceVocab. The special tokens and merges come from the gguf package's SpecialVocab; what
+otherwise). A sentencepiece BPE (Llama 2, Mistral, Gemma: byte fallback, U+2581 for spaces) becomes its "llama" model,
+each piece scored by its merge order. The special tokens and merges come from the gguf package's SpecialVocab; what
 the tokenizer adds around a text (BOS, EOS) is measured on the tokenizer itself.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,25 +107,24 @@ def _byte_level(writer, tokenizer, rows: int, pre: str) -> None:
     writer.add_token_types(types)
 
 
-def _sentencepiece(writer, folder: Path, rows: int, tokenizer) -> int:
+def _sentencepiece(writer, tokenizer, rows: int) -> None:
+    """A sentencepiece BPE as transformers keeps it (tokenizer.json: pieces with U+2581 for spaces, <0xNN> byte
+    pieces) as llama.cpp's "llama" model. sentencepiece numbers a BPE's pieces in the order it merged them and llama.cpp
+    merges the pair whose result scores highest, so a piece scores minus its id."""
     import gguf
 
-    try:
-        vocab = gguf.SentencePieceVocab(folder)
-    except ImportError:
-        raise FtError(
-            f"{folder / 'tokenizer.model'}: reading a sentencepiece tokenizer needs the sentencepiece package.\n"
-            "    fix: pip install sentencepiece"
-        ) from None
-    tokens, scores, types = [], [], []
-    for text, score, kind in vocab.all_tokens():
-        tokens.append(text)
-        scores.append(score)
-        types.append(int(kind))
-    n = len(tokens)
-    tokens += [f"[PAD{i}]".encode() for i in range(n, rows)]
-    scores += [-1000.0] * (rows - n)
+    n = len(tokenizer)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(n)))
+    types = _token_types(tokenizer, n)
+    for i, token in enumerate(tokens):
+        if types[i] == int(gguf.TokenType.NORMAL) and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+            types[i] = int(gguf.TokenType.BYTE)
+    if tokenizer.unk_token_id is not None and tokenizer.unk_token_id < n:
+        types[tokenizer.unk_token_id] = int(gguf.TokenType.UNKNOWN)
+    scores = [-float(i) if kind == int(gguf.TokenType.NORMAL) else 0.0 for i, kind in enumerate(types)]
+    tokens += [f"[PAD{i}]" for i in range(n, rows)]
     types += [int(gguf.TokenType.UNUSED)] * (rows - n)
+    scores += [-float(rows)] * (rows - n)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -132,7 +132,6 @@ def _sentencepiece(writer, folder: Path, rows: int, tokenizer) -> int:
     writer.add_token_types(types)
     first = tokenizer.convert_ids_to_tokens(tokenizer("a", add_special_tokens=False)["input_ids"][:1])
     writer.add_add_space_prefix(bool(first) and first[0].startswith("\u2581"))
-    return n
 
 
 def write_vocab(writer, tokenizer, folder: Path, rows: int, chat_template: str, eot: str | None) -> VocabInfo:
@@ -147,8 +146,9 @@ def write_vocab(writer, tokenizer, folder: Path, rows: int, chat_template: str, 
         )
     spec = json.loads((folder / "tokenizer.json").read_text()) if (folder / "tokenizer.json").is_file() else {}
     bpe = spec.get("model", {})
-    if (folder / "tokenizer.model").is_file() and (bpe.get("byte_fallback") or bpe.get("type") != "BPE"):
-        model, pre, n = "llama", "default", _sentencepiece(writer, folder, rows, tokenizer)
+    if bpe.get("type") == "BPE" and bpe.get("byte_fallback"):
+        model, pre, n = "llama", "default", len(tokenizer)
+        _sentencepiece(writer, tokenizer, rows)
     elif (
         bpe.get("type") == "BPE"
         and not bpe.get("byte_fallback")
@@ -158,8 +158,9 @@ def write_vocab(writer, tokenizer, folder: Path, rows: int, chat_template: str, 
         _byte_level(writer, tokenizer, rows, pre)
     else:
         raise FtError(
-            f"{folder}: ft writes byte-level BPE tokenizers (tokenizer.json) and sentencepiece ones "
-            "(tokenizer.model) to GGUF; this one is neither.\n    fix: convert it with llama.cpp's own converter"
+            f"{folder}: ft writes byte-level BPE tokenizers and sentencepiece BPE ones (byte fallback) to GGUF; this "
+            f"one is a {bpe.get('type') or 'tokenizer without tokenizer.json'}.\n    fix: convert it with llama.cpp's "
+            "own converter"
         )
     special = gguf.SpecialVocab(folder, load_merges=model == "gpt2", n_vocab=rows)
     special.chat_template = None  # the job's template is written below, not the tokenizer's own
