@@ -654,8 +654,6 @@ def tiny_family(folder: Path, kind: str, tokenizer=None, seed: int = 0, std: flo
         eos_token_id=tok.eos_token_id,
         bos_token_id=None,
     )
-    if kind.startswith("gemma"):
-        shape["query_pre_attn_scalar"] = 16  # llama.cpp scales attention by head_dim (finetune/export/families.py)
     config = AutoConfig.for_model(kind, **{**shape, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

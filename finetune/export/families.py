@@ -2,12 +2,13 @@
 
 The table is data (gguf_families.yaml): per transformers model_type, llama.cpp's architecture and the few ways its
 tensors or hyper-parameters differ from transformers' (query/key row order for rotary embeddings, Gemma's norm
-offset, sliding windows, soft-capping). `family(config)` returns the row for a model's config, or an FtError naming
-what llama.cpp (or ft's writer) cannot take and what to do instead.
+offset, sliding windows, soft-capping, the attention scale llama.cpp fixes). `family(config)` returns the row for a
+model's config, or an FtError naming what llama.cpp (or ft's writer) cannot take and what to do instead.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -27,7 +28,7 @@ class Family:
     norm_offset: float
     sliding: str
     softcap: bool
-    scale: str
+    wide_scale: int
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,6 @@ def family(config, what: str) -> Family:
             "use llama.cpp's own converter (convert_hf_to_gguf.py) on the folder ft merge-lora writes, if llama.cpp "
             "supports the family",
         )
-    _check_scale(row, config, what)
     _check_rope(config, what)
     return row
 
@@ -103,15 +103,16 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _check_scale(row: Family, config, what: str) -> None:
+def query_factor(row: Family, config) -> float:
+    """What the queries are multiplied by so that llama.cpp's fixed attention scale gives transformers' scores:
+    sqrt(llama.cpp's divisor / transformers' query_pre_attn_scalar); 1 where the config has no such scalar."""
     scalar = getattr(config, "query_pre_attn_scalar", None)
-    if scalar is not None and row.scale == "head_dim" and int(scalar) != head_dim(config):
-        raise _refuse(
-            what,
-            f"its attention scores are scaled by query_pre_attn_scalar={scalar}, llama.cpp's {row.arch} scales them "
-            f"by head_dim={head_dim(config)}; the GGUF model would compute other outputs.",
-            "train a model whose query_pre_attn_scalar equals its head_dim (as the published Gemma models below 27B)",
-        )
+    if not scalar:
+        return 1.0
+    theirs = head_dim(config)
+    if row.wide_scale and config.num_hidden_layers == row.wide_scale:
+        theirs = config.hidden_size / config.num_attention_heads
+    return math.sqrt(theirs / scalar)
 
 
 def rope(config) -> dict:

@@ -3,7 +3,8 @@ tensors under the names gguf.TensorNameMap gives each architecture, the tokenize
 
 Tensors are written as llama.cpp's graph for the architecture expects them (gguf_families.yaml says where they
 differ from transformers): query and key rows reordered head by head where llama.cpp rotates adjacent pairs, 1 added
-to Gemma's norm weights, a tied output matrix left out (llama.cpp reuses the embeddings). Matrices are written in
+to Gemma's norm weights, queries scaled where transformers' query_pre_attn_scalar differs from the attention scale
+llama.cpp fixes (Gemma 2/3), a tied output matrix left out (llama.cpp reuses the embeddings). Matrices are written in
 the asked type (f32, f16 or bf16), vectors (norms, biases) in f32, as llama.cpp keeps them.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.errors import FtError
-from finetune.export.families import Family, head_dim, rope, sliding_rope_theta
+from finetune.export.families import Family, head_dim, query_factor, rope, sliding_rope_theta
 from finetune.export.vocab import VocabInfo, write_vocab
 
 FLOAT_TYPES = ("f32", "f16", "bf16")  # what is written here; the other kinds are quantized from one (quantize.py)
@@ -45,14 +46,18 @@ def _pairs(weight, heads: int):
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _tensor(name: str, t, row: Family, config):
-    """The tensor as llama.cpp's graph for the family expects it."""
+def _tensor(name: str, t, row: Family, config, queries: tuple[str, ...]):
+    """The tensor as llama.cpp's graph for the family expects it; `queries`: the name endings of the tensors that
+    scale the queries (the query norm where there is one, else the query projection)."""
     if row.rope_pairs and name.endswith(("q_proj.weight", "q_proj.bias")):
         t = _pairs(t, config.num_attention_heads)
     elif row.rope_pairs and name.endswith(("k_proj.weight", "k_proj.bias")):
         t = _pairs(t, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     if row.norm_offset and name.endswith("norm.weight"):
         t = t + row.norm_offset
+    factor = query_factor(row, config)
+    if factor != 1.0 and name.endswith(queries):  # linear up to llama.cpp's scale: rotary and softcap come after
+        t = t * factor
     return t
 
 
@@ -76,8 +81,11 @@ def _add_tensors(writer, model, row: Family, kind: str) -> int:
     config = model.config
     names = gguf.get_tensor_name_map(_arch(row), config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    state = model.state_dict()
+    normed = any(name.endswith("q_norm.weight") for name in state)  # a norm after the projection undoes its scale
+    queries = ("q_norm.weight",) if normed else ("q_proj.weight", "q_proj.bias")
     count = 0
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         if (tied and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq"):
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -86,7 +94,7 @@ def _add_tensors(writer, model, row: Family, kind: str) -> int:
                 f"the model's tensor {name} has no name in llama.cpp's {row.arch} architecture: the model differs "
                 "from the family ft writes.\n    fix: convert it with llama.cpp's own converter"
             )
-        data, raw = _array(_tensor(name, t.detach().cpu().float(), row, config), kind)
+        data, raw = _array(_tensor(name, t.detach().cpu().float(), row, config, queries), kind)
         writer.add_tensor(gguf_name, data, raw_dtype=raw)
         count += 1
     frequencies = _llama3_factors(config)
