@@ -138,6 +138,25 @@ def test_lora_run_f16_round_trip(lora_run):
 
 @pytest.mark.slow
 @needs_llama_cpp
+def test_qlora_run_is_dequantized(lora_run, tmp_path):
+    """A QLoRA run's adapter is merged into its base loaded unquantized (as ft merge-lora does): the file answers as
+    the merged transformers model."""
+    from finetune.export.gguf import export_gguf
+    from finetune.merge import merge_lora
+    from tests.helpers import job_text, write_job
+
+    config = write_job(tmp_path, job_text(tmp_path, adapter="qlora", steps=2))
+    train_here(config, "--set", f"model.name={lora_run['root'] / 'base'}")
+    report = export_gguf(tmp_path / "run", kind="f16")
+    assert any("dequantized" in note for note in report.notes)
+    merge_lora(tmp_path / "run", tmp_path / "merged")
+    model, tokenizer = _hf(tmp_path / "merged")
+    got = _compare(report.path, model, tokenizer)
+    assert all(got.same) and got.diff < F16_TOLERANCE
+
+
+@pytest.mark.slow
+@needs_llama_cpp
 def test_full_fine_tuning_run(one_process, tmp_path):
     """A fully fine-tuned run's final/ is exported as it is (no adapter), with the run's template."""
     from finetune.export.gguf import export_gguf
