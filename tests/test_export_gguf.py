@@ -33,6 +33,7 @@ PROMPTS = (
 NEW_TOKENS = 12
 # llama.cpp vs transformers on these models (random weights of std 0.1: logits of a few units), measured here:
 F16_TOLERANCE = 0.05  # max |logit difference| of an f16 file (measured 0.002-0.008; f32 files too: an f16 KV cache)
+BF16_TOLERANCE = 0.1  # of a bf16 file (measured 0.02-0.04: 8 bits of mantissa)
 Q8_TOLERANCE = 0.3  # of a q8_0 file (measured 0.06-0.16: llama.cpp also rounds activations to 8 bits)
 Q8_AGREEMENT = 0.9  # transformers' greedy tokens that llama.cpp ranks first too, teacher forced (measured 0.94-1.0);
 # greedy completions of 12 tokens, where one near-tie changes the rest, are whole on at least half the prompts
@@ -134,6 +135,10 @@ def test_lora_run_f16_round_trip(lora_run):
     assert "FROM ./model-f16.gguf" in text and "<|im_start|>{{ .Role }}" in text
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert json.loads((report.path.parent / "ft_export.json").read_text())["kind"] == "f16"
+    bf16 = export_gguf(lora_run["merged"], lora_run["root"] / "bf16", kind="bf16", check=False)
+    got = _compare(bf16.path, model, tokenizer)
+    print(f"bf16 llama: {got}")
+    assert bf16.tensor_types.get("BF16") == 4 * 7 + 1 and all(got.same) and got.diff < BF16_TOLERANCE
 
 
 @pytest.mark.slow
