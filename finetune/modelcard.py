@@ -12,6 +12,10 @@ from finetune.redaction import is_config, redact, redact_config
 def model_card(run: dict) -> str:
     """README.md for the final model, from {"config", "plan", "data", "metrics", "artifact"} (all optional),
     plus optional "name" (title), "run_dir" (for `ft merge-lora`) and "path" (where the weights are).
+    "artifact" is "adapter", "model", "reward model", "merged model" (an adapter merged into its base: `ft push
+    --merged`) or "gguf" (`ft push --gguf`). For a card on the hub (`ft push`), "hub_base" is the base model's hub id
+    for the front matter (None: the base is no hub model, and the front matter names none), "license" the base's
+    license and "datasets" the hub ids of the training data.
 
     "config" is best the job's `Config` itself: then the text its secret `${VAR}` references read from the
     environment is shown as the reference everywhere in the card, not only in the config (other values from the
@@ -29,16 +33,13 @@ def model_card(run: dict) -> str:
     method = (cfg.get("method") or {}).get("name") or plan.get("method") or "sft"
     title = run.get("name") or (cfg.get("output") or {}).get("run_name") or f"{base} fine-tuned with ft"
     kind = _ADAPTER_NAMES.get(adapter["type"], adapter["type"])
-    what = {"adapter": f"a {kind} adapter for", "reward model": "a reward model trained from"}.get(
-        artifact, "a fully fine-tuned"
-    )
-    front = {
-        "base_model": base,
-        "library_name": "peft" if artifact == "adapter" else "transformers",
-        "tags": ["ft", method]
-        + ([adapter["type"]] if artifact == "adapter" else [])
-        + (["reward-model"] if artifact == "reward model" else []),
-    }
+    what = {
+        "adapter": f"a {kind} adapter for",
+        "reward model": "a reward model trained from",
+        "merged model": f"a {kind} adapter merged into the weights of",
+        "gguf": "a GGUF export (llama.cpp, Ollama) of a fine-tune of",
+    }.get(artifact, "a fully fine-tuned")
+    front = _front_matter(run, base, artifact, method, adapter["type"])
     parts = [
         "---\n" + "".join(f"{k}: {json.dumps(v)}\n" for k, v in front.items()) + "---",
         f"# {title}",
@@ -53,6 +54,23 @@ def model_card(run: dict) -> str:
 
 
 _ADAPTER_NAMES = {"lora": "LoRA", "qlora": "QLoRA"}
+_LIBRARIES = {"adapter": "peft", "gguf": None}  # library_name in the front matter (default transformers)
+
+
+def _front_matter(run: dict, base: str, artifact: str, method: str, adapter: str) -> dict:
+    """The card's YAML front matter, the metadata the hub reads: base model, library, license, data sets, tags."""
+    front = {"base_model": run["hub_base"] if "hub_base" in run else base}
+    front["library_name"] = _LIBRARIES.get(artifact, "transformers")
+    front["license"] = run.get("license")
+    front["datasets"] = list(run.get("datasets") or [])
+    front["tags"] = (
+        ["ft", method]
+        + ([adapter] if artifact in ("adapter", "merged model") else [])
+        + (["reward-model"] if artifact == "reward model" else [])
+        + (["merged"] if artifact == "merged model" else [])
+        + (["gguf"] if artifact == "gguf" else [])
+    )
+    return {k: v for k, v in front.items() if v not in (None, "", [])}
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
@@ -73,10 +91,10 @@ def _model_rows(cfg: dict, plan: dict, adapter: dict, artifact: str, base: str) 
             "all weights"
             if artifact == "model" or adapter["type"] == "full"
             else f"{_ADAPTER_NAMES.get(adapter['type'], adapter['type'])} adapter"
-            + (" (merged into the weights here)" if artifact == "reward model" else ""),
+            + (" (merged into the weights here)" if artifact in ("reward model", "merged model") else ""),
         ),
     ]
-    if artifact == "adapter":
+    if artifact in ("adapter", "merged model"):
         targets = adapter.get("target_modules")
         rows += [
             ("rank r / alpha", f"{adapter.get('r', '?')} / {adapter.get('alpha', '?')}"),
@@ -209,7 +227,12 @@ def _usage(base: str, artifact: str, run: dict, data: dict) -> str:
             f'tokenizer = AutoTokenizer.from_pretrained("{path}")\n```\n\n'
             f"As the reward of a GRPO job: `rewards: [{{model: {path}}}]`"
         )
-    if artifact == "model":
+    if artifact == "gguf":
+        return (
+            "## Use\n\nThe `.gguf` files load in llama.cpp (`llama-cli -m FILE.gguf`); the `Modelfile` makes an Ollama "
+            "model of the file it names (`ollama create NAME -f Modelfile`, in a folder holding both)."
+        )
+    if artifact in ("model", "merged model"):
         return (
             "## Use\n\n```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
             f'model = AutoModelForCausalLM.from_pretrained("{path}", dtype="auto")\n'

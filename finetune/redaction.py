@@ -185,3 +185,21 @@ def _redact_text(text: str, hashes_allowed: bool) -> str:
     for pattern, replacement in _SECRET_VALUES:
         text = pattern.sub(replacement, text)
     return text if hashes_allowed else _HEX40.sub(REDACTED, text)
+
+
+def leaks(text: str, environ: dict[str, str] | None = None) -> list[str]:
+    """What in `text` must not leave the machine, named without the value: each secret-named variable of the environment
+    (SECRET_KEY or SECRET_VARIABLE: HF_TOKEN, WANDB_API_KEY, SSH_KEY, ...) whose value (8 characters or more) it holds,
+    and "a token, key or password" where it holds text `redact` hides (a token's shape, a password in a URL; a 40-hex
+    string, which is also a commit hash, only as a variable's value). [] when there is none."""
+    import os
+
+    env = os.environ if environ is None else environ
+    found = sorted(
+        name
+        for name, value in env.items()
+        if (SECRET_KEY.search(name) or SECRET_VARIABLE.search(name)) and len(value) >= 8 and value in text
+    )
+    if _redact_text(text, hashes_allowed=True) != text:
+        found.append("a token, key or password")
+    return found

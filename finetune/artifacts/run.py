@@ -7,7 +7,9 @@ A run folder (output.dir) holds:
     checkpoints/     step-NNNNNNNN/ folders (see checkpoint.py; each backend owns what is inside)
     final/           the trained adapter (peft format) or model, with the tokenizer
     consolidated/    what `ft consolidate` wrote from a checkpoint
-    gguf-KIND/       what `ft export RUN --gguf --quant KIND` wrote (the GGUF file, an Ollama Modelfile)
+    export/          what is made from final/ for other tools: gguf-KIND/ (`ft export RUN --gguf --quant KIND`: the
+                     GGUF file and an Ollama Modelfile), merged/ (the LoRA merged into its base that `ft push --merged`
+                     writes and uploads)
     metrics.jsonl, loss.png, README.md (model card), environment.json, launch.txt
     .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runlock.py)
     job.sbatch, slurm-*.out, job-k8s.yaml  what ft launch wrote and the scheduler's log (no run by themselves)
@@ -66,7 +68,7 @@ WRITTEN = (
     "checkpoints",
     "final",
     "consolidated",
-    "gguf-*",
+    "export",
     *TRACKERS,
     "nccl-traces",
     "rollout-server.log",
@@ -106,6 +108,7 @@ class RunFolder:
     deepspeed_path = _entry("deepspeed.json")
     resume_changes_path = _entry("resume-changes.jsonl")  # changes accepted by --allow-changes, a line per resume
     consolidated_dir = _entry("consolidated")
+    export_dir = _entry("export")  # what is made from final/ for other tools (the module docstring)
     nccl_traces_dir = _entry("nccl-traces")
     rollout_log_path = _entry("rollout-server.log")  # the rollout server ft train started (rollout/pool.py)
     rollout_server_path = _entry("rollout-server.json")  # its address, while it runs (the ranks read it)
@@ -119,8 +122,34 @@ class RunFolder:
         return self.path / name
 
     def gguf_dir(self, kind: str) -> Path:
-        """Where `ft export --gguf --quant KIND` writes by default."""
-        return self.path / f"gguf-{kind}"
+        """Where `ft export RUN --gguf --quant KIND` writes by default: the GGUF file and its Ollama Modelfile."""
+        return self.export_dir / f"gguf-{kind}"
+
+    @property
+    def gguf_exports(self) -> list[Path]:
+        """The folders `ft export --gguf` wrote, one per quantization kind (`ft push --gguf` uploads their files)."""
+        return sorted(p for p in self.export_dir.glob("gguf-*") if p.is_dir()) if self.export_dir.is_dir() else []
+
+    @property
+    def merged_export(self) -> Path:
+        """The LoRA adapter of final/ merged into its base, as `ft merge-lora` writes it (`ft push --merged`)."""
+        return self.export_dir / "merged"
+
+    def data_summary(self) -> dict:
+        """What the prepared data held (sources, samples, tokens), as data.json records it; {} when absent."""
+        try:
+            summary = json.loads(self.data_path.read_text()).get("summary")
+        except (OSError, ValueError, AttributeError):
+            return {}
+        return summary if isinstance(summary, dict) else {}
+
+    def result(self) -> dict:
+        """result.json: what the finished run reported (steps, losses, evaluations); {} when absent or damaged."""
+        try:
+            result = json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return result if isinstance(result, dict) else {}
 
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
