@@ -300,7 +300,7 @@ def export(
         "-q",
         help="f32 | f16 | bf16, or a llama.cpp quantization: q8_0, q6_k, q5_k_m, q4_k_m, q4_0, ...",
     ),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: RUN/gguf-QUANT)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: RUN/export/gguf-QUANT)."),
     base: str | None = typer.Option(
         None, "--base", help="Base model of an adapter (default: the run's model.name or the adapter's base)."
     ),
@@ -321,6 +321,33 @@ def export(
         source, out, quant, base=base, overwrite=overwrite, check=check, trust_remote_code=trust_remote_code
     )
     typer.echo(str(report))
+
+
+@app.command()
+def push(
+    run: Path = typer.Argument(..., help="A run folder (output.dir of ft train)."),
+    repo: str = typer.Option(..., "--repo", help="The hub repository, ORG/NAME (created when it does not exist)."),
+    adapter: bool = typer.Option(False, "--adapter", help="The LoRA adapter of final/ (the default for adapter runs)."),
+    merged: bool = typer.Option(
+        False, "--merged", help="The adapter merged into its base (RUN/export/merged, merged on first use, or --from)."
+    ),
+    gguf: bool = typer.Option(False, "--gguf", help="The .gguf files and Modelfile of `ft export RUN --gguf`."),
+    source: Path | None = typer.Option(None, "--from", help="With --merged: a folder ft merge-lora wrote."),
+    private: bool = typer.Option(False, "--private", help="Create the repository private (an existing one is kept)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be uploaded, ask the hub nothing."),
+) -> None:
+    """Upload a run's adapter, model, merged model or GGUF files to the Hugging Face Hub with ft's model card.
+    Without --adapter/--merged/--gguf: the adapter of a LoRA run, the model of a full fine-tune."""
+    from finetune.export.push import PushJob
+    from finetune.export.push import push as run_push
+
+    asked = [name for name, on in (("adapter", adapter), ("merged", merged), ("gguf", gguf)) if on]
+    if len(asked) > 1:
+        raise FtError(f"--{' and --'.join(asked)}: choose one of --adapter, --merged, --gguf")
+    job = PushJob(run, repo, asked[0] if asked else None, source, private, dry_run)
+    plan, url = run_push(job)
+    typer.echo("\n".join(plan.lines()))
+    typer.echo("dry run: nothing was uploaded" if dry_run else f"uploaded: {url}")
 
 
 def _takes(options):

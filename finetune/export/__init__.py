@@ -1,1 +1,2 @@
-"""What ft writes for other tools from a trained model: GGUF files for llama.cpp and Ollama (gguf.py)."""
+"""What ft makes of a trained run for other tools: GGUF files for llama.cpp and Ollama (gguf.py), pushes to the hub
+(push.py)."""
