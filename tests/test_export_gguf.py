@@ -124,7 +124,7 @@ def test_lora_run_f16_round_trip(lora_run):
     from finetune.export.gguf import export_gguf
 
     report = export_gguf(lora_run["run"], kind="f16")
-    assert report.path == lora_run["run"] / "gguf-f16" / "model-f16.gguf" and report.path.is_file()
+    assert report.path == lora_run["run"] / "export" / "gguf-f16" / "model-f16.gguf" and report.path.is_file()
     assert report.arch == "llama" and report.template == "chatml" and report.tokenizer.startswith("gpt2 (starcoder)")
     assert report.merge_logit_diff < 1e-4 and report.top_token_agreement == 1.0
     model, tokenizer = _hf(lora_run["merged"])

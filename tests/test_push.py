@@ -130,19 +130,23 @@ def test_a_full_run_pushes_its_model_and_refuses_adapter_and_merged(runs):
 def test_gguf_without_an_export_refuses_with_the_command(runs):
     with pytest.raises(FtError) as e:
         plan_push(PushJob(runs["full"], "me/tiny-gguf", "gguf"))
-    assert f"fix: ft export {runs['full']} --gguf" in str(e.value)
+    assert f"fix: ft export {runs['full']} --gguf [--quant KIND]" in str(e.value)
 
 
 def test_gguf_lists_the_gguf_files_and_the_modelfile(runs, tmp_path):
-    run = _copy(runs["full"], tmp_path)
-    gguf = run / "export" / "gguf"
-    gguf.mkdir(parents=True)
-    (gguf / "tiny-Q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
-    (gguf / "Modelfile").write_text("FROM ./tiny-Q8_0.gguf\n")
-    (gguf / "notes.txt").write_text("scratch")
+    run = Path(shutil.copytree(runs["full"], tmp_path / "run"))  # the other tests see the run unexported
+    gguf = run / "export" / "gguf-q8_0"
+    gguf.mkdir(parents=True, exist_ok=True)
+    (gguf / "model-q8_0.gguf").write_bytes(b"GGUF" + bytes(60))
+    (gguf / "Modelfile").write_text("FROM ./model-q8_0.gguf\n")
+    (gguf / "ft_export.json").write_text("{}")
+    (run / "export" / "merged").mkdir(exist_ok=True)
+    (run / "export" / "merged" / "config.json").write_text("{}")
+    (run / "export" / "notes.txt").write_text("scratch")
     plan = plan_push(PushJob(run, "me/tiny-gguf", "gguf"))
-    assert _listed(plan) == {"Modelfile": 22, "README.md": len(plan.card.encode()), "tiny-Q8_0.gguf": 64}
-    assert dict(plan.left_out) == {"notes.txt": "not a .gguf file or the Modelfile"}
+    listed = {"gguf-q8_0/Modelfile": 23, "README.md": len(plan.card.encode()), "gguf-q8_0/model-q8_0.gguf": 64}
+    assert _listed(plan) == listed
+    assert set(dict(plan.left_out)) == {"gguf-q8_0/ft_export.json", "merged/config.json", "notes.txt"}
     assert '"gguf"' in plan.card and "library_name" not in plan.card and "ollama create" in plan.card
 
 

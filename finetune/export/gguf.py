@@ -5,7 +5,7 @@ adapter is folded into its base by ft merge-lora's merge (a QLoRA base is loaded
 dequantized) and the merge is checked as there. The model is written with the gguf package (gguf_file.py: f32,
 f16 or bf16), quantized by llama.cpp where a quantized kind is asked (quantize.py), loaded back with llama.cpp and
 compared with transformers (checks.py), then published: OUT/model-KIND.gguf, OUT/Modelfile, OUT/ft_export.json,
-each written to a temporary file and renamed; nothing else in OUT is touched. OUT defaults to RUN/gguf-KIND.
+each written to a temporary file and renamed; nothing else in OUT is touched. OUT defaults to RUN/export/gguf-KIND.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ What goes up (`kind`), each with ft's model card as README.md (modelcard.py) in 
     model    final/ of a run that trained all weights (or a reward model); the default for those runs
     merged   the adapter merged into its base: the folder --from names (one `ft merge-lora` wrote), else
              RUN/export/merged, which `ft merge-lora` writes on first use and again whenever final/ is newer
-    gguf     RUN/export/gguf/: the .gguf files and the Modelfile that `ft export RUN --gguf` writes
+    gguf     RUN/export/gguf-KIND/: the .gguf file and the Modelfile `ft export RUN --gguf --quant KIND` writes, each
+             kind's folder as it is
 Files that only ft reads are left out (hidden files, locks, logs, ft's merge record with its local paths, optimizer and
 trainer states), and so is a file that holds a secret: the value of a secret-named variable of this environment
 (HF_TOKEN, WANDB_API_KEY, ...) or a token, key or password (redaction.leaks) stops the push before anything is sent.
@@ -211,13 +212,12 @@ def _folder(run: RunFolder, kind: str, source: Path | None, notes: list[str]) ->
     if kind in ("adapter", "model"):
         return run.final
     if kind == "gguf":
-        found = sorted(run.gguf_dir.glob("*.gguf")) if run.gguf_dir.is_dir() else []
-        if not found:
+        if not any(any(d.glob("*.gguf")) for d in run.gguf_exports):
             raise FtError(
-                f"--gguf: {run.gguf_dir} holds no .gguf file: the run has not been exported.\n    fix: ft export "
-                f"{run.path} --gguf"
+                f"--gguf: {run.export_dir} holds no gguf-KIND/ folder with a .gguf file: the run has not been "
+                f"exported.\n    fix: ft export {run.path} --gguf [--quant KIND]"
             )
-        return run.gguf_dir
+        return run.export_dir  # each kind's folder goes up as it is: its Modelfile names the .gguf beside it
     if source is not None:
         return _merged_folder(Path(source).expanduser())
     return _merged_here(run, notes)
@@ -237,7 +237,7 @@ def _merged_folder(folder: Path) -> Path:
 
 def _merged_here(run: RunFolder, notes: list[str]) -> Path:
     """RUN/export/merged, merged from final/ by `ft merge-lora` when missing or older than final/."""
-    out = run.merged_dir
+    out = run.merged_export
     written = out / "config.json"
     newest = max(p.stat().st_mtime for p in run.final.rglob("*") if p.is_file())
     if written.is_file() and written.stat().st_mtime >= newest:
@@ -265,8 +265,8 @@ def _files(folder: Path, kind: str) -> tuple[list[Upload], list[tuple[str, str]]
 
 
 def _left_out(rel: str, kind: str) -> str:
-    if kind == "gguf" and not (rel.endswith(".gguf") or rel == "Modelfile"):
-        return "not a .gguf file or the Modelfile"
+    if kind == "gguf" and not (fnmatch(rel, "gguf-*/*.gguf") or fnmatch(rel, "gguf-*/Modelfile")):
+        return "not a gguf-KIND/ folder's .gguf file or Modelfile"
     return next((why for pattern, why in LEFT_OUT if fnmatch(rel, pattern)), "")
 
 
