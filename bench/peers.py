@@ -18,13 +18,22 @@ the process's CPU time (the wall-clock figure grows on a busy machine, the CPU f
 the last file the tool wrote (ft: anything in its run folder) to the end of its process. Rounds run every
 tool in turn, so machine noise hits them alike; the table shows each round's ratios and then their medians.
 
+The job's shape is an option, each taking a comma-separated list; every combination is a job of its own with its
+own table: --vocab (rows of the embeddings and the head: 0 keeps the tokenizer's; more pads both), --layers, --width,
+--format (instruction: alpaca records through data.template alpaca, and the prompt written out by hand in the plain
+loop; chat: the same records as user/assistant messages through ChatML, written out by hand in the plain loop),
+--template (builtin: the built-in's name; file: the same Jinja in a file that data.template names), and --dropout
+(LoRA dropout, in both tools).
+
     python bench/peers.py [--rounds 3] [--steps 30] [--records 2000] [--warm-cache]
+    python bench/peers.py --vocab 512,4096,32768 --layers 4 --width 256 --format instruction,chat --template file
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -33,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 SEQ_LEN, MICRO, RANK, ALPHA, LR = 256, 4, 8, 16, 1.0e-4
@@ -74,6 +84,36 @@ def alpaca_prompt(record: dict) -> str:
     )
 
 
+def chat_messages(record: dict) -> list[dict]:
+    """The record as a conversation: the instruction (and its input) from the user, the output from the assistant."""
+    user = record["instruction"] + (f"\n\n{record['input']}" if record["input"] else "")
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
+
+
+def chatml_prompt(record: dict) -> str:
+    """ChatML up to the assistant's reply, written out by hand as a plain loop's author would."""
+    return f"<|im_start|>user\n{chat_messages(record)[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One job shape: the model's size and how the data reaches it."""
+
+    vocab: int = 0
+    layers: int = 6
+    width: int = 256
+    format: str = "instruction"  # instruction (alpaca) | chat (ChatML)
+    template: str = "builtin"  # builtin | file
+    dropout: float = 0.0
+
+    def title(self) -> str:
+        vocab = self.vocab or "the tokenizer's"
+        return (
+            f"vocabulary {vocab}, {self.layers} layers of width {self.width}, {self.format} records through "
+            f"{'a template file' if self.template == 'file' else 'the built-in template'}, LoRA dropout {self.dropout}"
+        )
+
+
 # ---------------------------------------------------------------- step stamps (both tools)
 def stamp(step: int) -> None:
     with open(os.environ[TIMELINE], "a") as f:
@@ -110,7 +150,7 @@ def plain_batches(rows: list[tuple[list[int], list[int]]], pad: int, packing: bo
             )
 
 
-def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str) -> None:
+def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str, chat: bool, dropout: float) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -120,14 +160,20 @@ def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str) 
     rows = []
     for line in Path(data).read_text().splitlines():
         record = json.loads(line)
-        prompt = tok(alpaca_prompt(record), add_special_tokens=False)["input_ids"]
-        reply = tok(record["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        if chat:
+            prompt = tok(chatml_prompt(record), add_special_tokens=False)["input_ids"]
+            reply = tok(record["output"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        else:
+            prompt = tok(alpaca_prompt(record), add_special_tokens=False)["input_ids"]
+            reply = tok(record["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         rows.append(((prompt + reply)[:SEQ_LEN], ([-100] * len(prompt) + reply)[:SEQ_LEN]))
     random.Random(0).shuffle(rows)
     batches = plain_batches(rows, tok.pad_token_id, packing)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=RANK, lora_alpha=ALPHA, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
     model = get_peft_model(model, lora)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     tokens = []
@@ -142,13 +188,20 @@ def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str) 
 
 
 # ---------------------------------------------------------------- one run of each tool (parent side)
-def ft_job(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path) -> Path:
+def ft_job(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path, shape: Shape) -> Path:
+    from finetune.templates import BUILTIN
+
     job = folder / "job.yaml"
+    name = "chatml" if shape.format == "chat" else "alpaca"
+    template = name
+    if shape.template == "file":
+        template = folder / f"{name}.jinja"
+        template.write_text(BUILTIN[name].jinja)
     job.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {data}, format: instruction}}], template: alpaca, seq_len: {SEQ_LEN},
+data: {{datasets: [{{path: {data}, format: {shape.format}}}], template: {template}, seq_len: {SEQ_LEN},
   packing: {str(packing).lower()}, cache_dir: {cache}}}
-adapter: {{type: lora, r: {RANK}, alpha: {ALPHA}, dropout: 0.0, target_modules: all-linear}}
+adapter: {{type: lora, r: {RANK}, alpha: {ALPHA}, dropout: {shape.dropout}, target_modules: all-linear}}
 train: {{global_batch_size: {MICRO}, micro_batch_size: {MICRO}, max_steps: {steps}, lr: {LR},
   gradient_checkpointing: false, precision: fp32}}
 output: {{dir: {folder / "run"}, log_steps: 1, save_steps: 0}}
@@ -185,20 +238,21 @@ def newest_write(folder: Path) -> float:
     return max(p.stat().st_mtime for p in folder.rglob("*") if p.is_file())
 
 
-def run_ft(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path) -> dict:
+def run_ft(folder: Path, model: Path, data: Path, packing: bool, steps: int, cache: Path, shape: Shape) -> dict:
     ft = Path(sys.executable).with_name("ft")
     command = [str(ft)] if ft.exists() else [sys.executable, "-m", "finetune"]
-    job = ft_job(folder, model, data, packing, steps, cache)
+    job = ft_job(folder, model, data, packing, steps, cache, shape)
     started, ended, stamps = child([*command, "train", str(job), "--hardware", "cpu"], folder)
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     tokens = {r["step"]: r["tokens"] for r in rows if "tokens" in r}
     return figures(started, stamps, tokens, ended, newest_write(folder / "run"))
 
 
-def run_plain(folder: Path, model: Path, data: Path, packing: bool, steps: int) -> dict:
+def run_plain(folder: Path, model: Path, data: Path, packing: bool, steps: int, shape: Shape) -> dict:
     out = folder / "tokens.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "plain", "--model", str(model)]
     command += ["--data", str(data), "--steps", str(steps), "--out", str(out)] + (["--packing"] if packing else [])
+    command += ["--format", shape.format, "--dropout", str(shape.dropout)]
     started, ended, stamps = child(command, folder)
     tokens = dict(enumerate(json.loads(out.read_text()), start=1))
     return figures(started, stamps, tokens, ended, out.stat().st_mtime)
@@ -241,43 +295,73 @@ def ratios(runs: dict[tuple[str, bool], dict]) -> dict[str, dict]:
     }
 
 
-def bench(args) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+def shapes(args) -> list[Shape]:
+    """Every combination of the shape options' values."""
+
+    def values(text: str, kind):
+        return [kind(v) for v in str(text).split(",") if v.strip()]
+
+    return [
+        Shape(vocab, layers, width, fmt, template, dropout)
+        for vocab, layers, width, fmt, template, dropout in itertools.product(
+            values(args.vocab, int),
+            values(args.layers, int),
+            values(args.width, int),
+            values(args.format, str),
+            values(args.template, str),
+            values(args.dropout, float),
+        )
+    ]
+
+
+def bench_shape(args, shape: Shape, tmp: Path, data: Path) -> None:
     from common import build_llama
 
-    with tempfile.TemporaryDirectory() as d:
-        tmp = Path(d)
-        params = build_llama(tmp / "model", hidden=256, layers=6, tied=False, max_positions=SEQ_LEN)
-        data = tmp / "alpaca.jsonl"
-        data.write_text("".join(json.dumps(r) + "\n" for r in alpaca_records(args.records)))
-        print(
-            f"model: {params / 1e6:.1f}M parameters; {args.records} alpaca records; micro-batch {MICRO}, seq_len "
-            f"{SEQ_LEN}, LoRA r {RANK} on all linear projections, fp32, 1 thread; {args.steps} steps per run",
-            flush=True,
-        )
-        for name, module in PEERS.items():
-            found = importlib.util.find_spec(module) is not None
-            print(f"{name}: {'installed, but not run by this script' if found else 'not installed'}")
-        results: dict[str, list[dict]] = {name: [] for name in TOOLS}
-        for k in range(args.rounds):
-            runs = {}
-            for packing in (False, True):
-                for name in TOOLS:
-                    folder = tmp / f"round{k}-{name}-{'packed' if packing else 'padded'}"
-                    folder.mkdir()
-                    if name == "plain":
-                        runs[(name, packing)] = run_plain(folder, tmp / "model", data, packing, args.steps)
-                    else:
-                        cache = tmp / ("cache" if args.warm_cache else f"cache{k}")
-                        runs[(name, packing)] = run_ft(folder, tmp / "model", data, packing, args.steps, cache)
-            for name, figures_ in ratios(runs).items():
-                results[name].append(figures_)
-            print(table(results, k), flush=True)
-        print(table(results, None))
-        print(
-            "ratios: real tokens per CPU-second over steps 2..N-1; startup: process start to its first step without "
-            "packing, wall-clock (the process's CPU seconds); exit: the last file written to the end of the process"
-        )
+    model = tmp / "model"
+    params = build_llama(
+        model, vocab=shape.vocab, hidden=shape.width, layers=shape.layers, tied=False, max_positions=SEQ_LEN
+    )
+    print(
+        f"\n## {shape.title()}\nmodel: {params / 1e6:.1f}M parameters; {args.records} records; micro-batch {MICRO}, "
+        f"seq_len {SEQ_LEN}, LoRA r {RANK} on all linear projections, fp32, 1 thread; {args.steps} steps per run",
+        flush=True,
+    )
+    results: dict[str, list[dict]] = {name: [] for name in TOOLS}
+    for k in range(args.rounds):
+        runs = {}
+        for packing in (False, True):
+            for name in TOOLS:
+                folder = tmp / f"round{k}-{name}-{'packed' if packing else 'padded'}"
+                folder.mkdir()
+                if name == "plain":
+                    runs[(name, packing)] = run_plain(folder, model, data, packing, args.steps, shape)
+                else:
+                    cache = tmp / ("cache" if args.warm_cache else f"cache{k}")
+                    runs[(name, packing)] = run_ft(folder, model, data, packing, args.steps, cache, shape)
+        for name, figures_ in ratios(runs).items():
+            results[name].append(figures_)
+        print(table(results, k), flush=True)
+    print(table(results, None), flush=True)
+
+
+def bench(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    for name, module in PEERS.items():
+        found = importlib.util.find_spec(module) is not None
+        print(f"{name}: {'installed, but not run by this script' if found else 'not installed'}")
+    for shape in shapes(args):
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            records = alpaca_records(args.records)
+            if shape.format == "chat":
+                records = [{"messages": chat_messages(r)} for r in records]
+            data = tmp / "records.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in records))
+            bench_shape(args, shape, tmp, data)
+    print(
+        "\nratios: real tokens per CPU-second over steps 2..N-1; startup: process start to its first step without "
+        "packing, wall-clock (the process's CPU seconds); exit: the last file written to the end of the process"
+    )
 
 
 def main() -> None:
@@ -286,13 +370,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--warm-cache", action="store_true", help="ft: one data cache for all rounds")
+    parser.add_argument("--vocab", default="0", help="rows of the embeddings and head (0: the tokenizer's), a list")
+    parser.add_argument("--layers", default="6", help="decoder layers, a list")
+    parser.add_argument("--width", default="256", help="hidden size, a list")
+    parser.add_argument("--format", default="instruction", help="instruction (alpaca) | chat (ChatML), a list")
+    parser.add_argument("--template", default="builtin", help="builtin | file (the same Jinja in a file), a list")
+    parser.add_argument("--dropout", default="0.0", help="LoRA dropout in both tools, a list")
     parser.add_argument("--child", choices=["plain"], help=argparse.SUPPRESS)
     for flag in ("--model", "--data", "--out"):
         parser.add_argument(flag, help=argparse.SUPPRESS)
     parser.add_argument("--packing", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        plain_child(args.model, args.data, args.steps, args.packing, args.out)
+        plain_child(
+            args.model, args.data, args.steps, args.packing, args.out, args.format == "chat", float(args.dropout)
+        )
     else:
         bench(args)
 

@@ -10,7 +10,6 @@ out_dir is always complete.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -191,11 +190,47 @@ def merged_model(
     return merged, diff, notes
 
 
+RECORD = "README.md"  # the merged folder's model card, which holds the merge's record (front matter key `ft_merge`)
+
+
 def _write_record(report: MergeReport, folder: Path) -> None:
+    """The merged folder's README.md: a model card whose front matter records the merge (base, adapter, dtype, the
+    logit check, notes). A card is a file every model folder may hold, so the folder stays what transformers and vLLM
+    load as it is, with no file of ft's own."""
     record = {k: (str(v) if isinstance(v, Path) else v) for k, v in report.__dict__.items()}
     record["max_abs_logit_diff"] = None if math.isnan(report.max_abs_logit_diff) else report.max_abs_logit_diff
     record["notes"] = list(report.notes)
-    (folder / "ft_merge.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_record(folder, record)
+
+
+def write_record(folder: Path, record: dict) -> None:
+    """Write (or rewrite) the merged folder's card with `record` as its `ft_merge` front matter."""
+    import yaml
+
+    from finetune.files import atomic_write_text
+
+    front = yaml.safe_dump({"library_name": "transformers", "tags": ["ft", "merged-lora"], "ft_merge": record})
+    diff = record.get("max_abs_logit_diff")
+    check = "not checked" if diff is None else f"max |logit(base+adapter) - logit(merged)| = {diff:.3g}"
+    body = (
+        f"# {Path(str(record.get('out_dir') or folder)).name}\n\nThe LoRA adapter `{record.get('adapter')}` merged "
+        f"into its base `{record.get('base')}` by `ft merge-lora` ({record.get('dtype')}). Check on seeded random "
+        f"inputs: {check}.\n" + "".join(f"\n- {n}" for n in record.get("notes") or []) + "\n"
+    )
+    atomic_write_text(folder / RECORD, f"---\n{front}---\n\n{body}")
+
+
+def read_record(folder: Path) -> dict:
+    """The merge's record from a merged folder's card ({} when the folder holds none)."""
+    import yaml
+
+    try:
+        text = (Path(folder) / RECORD).read_text(encoding="utf-8")
+        front = yaml.safe_load(text.split("---\n", 2)[1]) if text.startswith("---\n") else None
+    except (OSError, IndexError, yaml.YAMLError):
+        return {}
+    record = front.get("ft_merge") if isinstance(front, dict) else None
+    return record if isinstance(record, dict) else {}
 
 
 def _check_args(max_shard_size: str | int, check_inputs: int) -> None:

@@ -375,11 +375,9 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
 def merge_reward_adapter(model_section, final: Path, qlora: bool) -> None:
     """A reward model trained with an adapter: final/ becomes the base with the adapter merged in, a folder that
     transformers loads as AutoModelForSequenceClassification (and GRPO as a reward), as `ft merge-lora` would write
-    it (its ft_merge.json records the largest score difference of the merge). The adapter moves to final/adapter/."""
-    import json
-
-    from finetune.files import atomic_write_text
-    from finetune.merge import merge_lora
+    it (its card, final/README.md, records the largest score difference of the merge). The adapter moves to
+    final/adapter/."""
+    from finetune.merge import merge_lora, read_record, write_record
     from finetune.models import model_path
 
     adapter = final.with_name(final.name + ".adapter")
@@ -388,12 +386,11 @@ def merge_reward_adapter(model_section, final: Path, qlora: bool) -> None:
     final.rename(adapter)
     merge_lora(adapter, final, base=model_path(model_section), trust_remote_code=model_section.trust_remote_code)
     adapter.rename(final / "adapter")
-    record = final / "ft_merge.json"
-    report = json.loads(record.read_text())
+    report = read_record(final)
     report.update(adapter=str(final / "adapter"), tokenizer=str(final / "adapter"), qlora=qlora)
     if qlora:
         report["notes"] = [*report["notes"], "merged into the unquantized base; training saw the 4-bit base"]
-    atomic_write_text(record, json.dumps(report, indent=2) + "\n")
+    write_record(final, report)
 
 
 def _call_hooks(hooks, rank: int, step: int) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from finetune.errors import FtError
-from finetune.merge import MergeReport, merge_lora
+from finetune.merge import MergeReport, merge_lora, read_record
 
 TOKENS = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(123))
 
@@ -67,7 +67,19 @@ def test_merged_logits_equal_base_plus_adapter(tiny, tmp_path):
     assert not any("lora" in k for k in merged.state_dict())
     assert report.params == sum(p.numel() for p in merged.parameters())
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()  # from the base: the adapter folder has none
-    assert json.loads((tmp_path / "out" / "ft_merge.json").read_text())["max_abs_logit_diff"] < 1e-4
+    assert read_record(tmp_path / "out")["max_abs_logit_diff"] < 1e-4  # in the folder's card, README.md
+    # only what transformers writes for a model and its tokenizer, and the card: the folder loads as it is elsewhere
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert written <= {
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    }, written
     assert "max |logit" in str(report)
 
 

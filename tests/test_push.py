@@ -96,7 +96,7 @@ def test_merged_dry_run_merges_once_into_the_run_and_lists_a_plain_model(runs, t
     listed = set(_listed(plan))
     assert {"README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= listed
     assert "chat_template.jinja" in listed and not any("adapter" in p for p in listed)
-    assert "ft_merge.json" not in listed and "ft_merge.json" in dict(plan.left_out)
+    assert "README.md" in dict(plan.left_out) and "this machine's paths" in dict(plan.left_out)["README.md"]
     assert any(n.startswith("merge check") for n in plan.notes)
     again = plan_push(PushJob(run, "me/tiny-merged", "merged"))  # final/ unchanged: the merge is reused
     assert _listed(again) == _listed(plan) and any("wrote earlier" in n for n in again.notes)

@@ -13,6 +13,7 @@ import yaml
 
 from finetune.config.methods import RewardMethod
 from finetune.errors import DataError, FtError
+from finetune.merge import read_record
 from finetune.methods.reward import Reward, check_margins
 from finetune.tiny import answer_records, preference_records, prompt_records, write_jsonl
 from tests.helpers import REPO, JobText, metric_rows, train_here
@@ -230,7 +231,7 @@ def test_a_reward_model_learns_loads_as_a_sequence_classifier_and_grpo_raises_it
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
     assert json.loads((final / "adapter" / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
-    assert json.loads((final / "ft_merge.json").read_text())["max_abs_logit_diff"] < 1e-4
+    assert read_record(final)["max_abs_logit_diff"] < 1e-4
     assert "AutoModelForSequenceClassification" in (tmp_path / "rm" / "README.md").read_text()
     model = AutoModelForSequenceClassification.from_pretrained(str(final)).eval()
     tok = AutoTokenizer.from_pretrained(str(final))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from finetune.errors import FtError
+from finetune.merge import read_record
 from finetune.tiny import arithmetic_records, write_jsonl
 from tests.helpers import REPO, job_text, losses, setup_job, write_job
 
@@ -321,7 +322,7 @@ def test_lora_run_merges_into_a_model_with_the_same_logits(tmp_path):
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
-    report = json.loads((out / "ft_merge.json").read_text())
+    report = read_record(out)
     assert report["max_abs_logit_diff"] < 1e-4
     merged = AutoModelForCausalLM.from_pretrained(str(out))
     assert not any("lora" in n for n, _ in merged.named_parameters())

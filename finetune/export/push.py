@@ -37,7 +37,10 @@ WEIGHTS = (".safetensors", ".gguf", ".bin", ".pt", ".pth")  # not read for secre
 LEFT_OUT = (
     (".*", "hidden (ft's markers and temporary files)"),
     ("*/.*", "hidden (ft's markers and temporary files)"),
-    ("README.md", "the run's own card; the repository gets the one listed above"),
+    (
+        "README.md",
+        "the folder's own card (a merge's record, with this machine's paths); the repository gets the one above",
+    ),
     ("ft_merge.json", "ft's record of the merge, with this machine's paths"),
     ("*.lock", "a lock file"),
     ("*.log", "a log"),
