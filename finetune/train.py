@@ -142,10 +142,13 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel, plan.flash_upgrade)
-    if plan.process_group and device.type == "cpu":  # sharded CPU ranks allocate and free large buffers over and over
-        from finetune.distributed.hostmem import return_freed_memory
+    if device.type == "cpu":  # CPU training allocates and frees the same large buffers every step
+        from finetune.distributed.hostmem import keep_freed_memory, return_freed_memory
 
-        return_freed_memory()
+        if plan.process_group:  # ranks sharing a host hand freed buffers back: their peaks add up
+            return_freed_memory()
+        else:  # one process keeps them for the next step
+            keep_freed_memory()
     with activity(f"creating the model ({plan.loading})"):
         model = engine.create_model(engine.ModelSpec(config, plan, prepared.tokenizer, attn, device, deepspeed_config))
     model.train()

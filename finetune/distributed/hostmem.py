@@ -1,4 +1,5 @@
-"""Host memory of CPU ranks: give freed buffers back to the system.
+"""Host memory of CPU training processes: give freed buffers back to the system (sharded ranks), or keep them for
+the next step (one process alone: keep_freed_memory).
 
 glibc raises its mmap threshold after the first large free (up to 32 MiB), so the large buffers a sharded CPU rank
 allocates and frees again and again (a whole tensor per parameter while a model is built and partitioned; each
@@ -11,8 +12,11 @@ was 1.95x and 2.15x the model's bf16 size above a tiny-model run; with a fixed 1
 
 from __future__ import annotations
 
-M_MMAP_THRESHOLD = -3  # glibc malloc.h
+M_TRIM_THRESHOLD = -1  # glibc malloc.h
+M_MMAP_THRESHOLD = -3
 THRESHOLD = 1 << 20
+MMAP_MAX = 32 << 20  # the largest mmap threshold mallopt accepts on 64-bit glibc (HEAP_MAX_SIZE / 2)
+NEVER_TRIM = (1 << 31) - 1
 
 
 def return_freed_memory() -> bool:
@@ -23,6 +27,18 @@ def return_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
+
+
+def keep_freed_memory() -> bool:
+    """One CPU process training alone: keep what a step frees in the heap for the next step, which allocates the same
+    buffers again. At glibc's defaults the heap's free top is given back to the system after each step and faulted
+    in again (zeroed) by the next, ~8k page faults a step on bench/peers.py's job, 8% of its CPU time; buffers up to
+    32 MiB (the logits of a micro-batch) come from the heap instead of a fresh mapping. The process's peak is
+    unchanged: the heap keeps what the step already needed. True where it took effect (glibc)."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)) and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_MAX))
 
 
 def _glibc():
