@@ -76,16 +76,59 @@ def test_the_script_names_the_first_contact_checks():
     } <= files
 
 
+# One process per environment collects every selection in turn (pytest.main again and again: the test files and
+# their imports load once), in place of a new pytest process per selection.
+COLLECT = """
+import json, sys
+import pytest
+
+class Found:
+    def pytest_collection_finish(self, session):
+        self.ids = [item.nodeid for item in session.items]
+
+out = {}
+for file, k, marks in json.loads(sys.argv[1]):
+    found = Found()
+    found.ids = []
+    code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *marks, file, *(["-k", k] if k else [])],
+                       plugins=[found])
+    out[f"{file}|{k}"] = [int(code), found.ids]
+print("COLLECTED " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def collected() -> dict:
+    """{python: {"file|k": (pytest's exit code, the node ids collected)}}, or {python: reason} where it cannot run."""
+    import json
+
+    found = {}
+    for python in ("main", "vllm"):
+        chosen = [(f, k, ["-m", "gpu"] if "test_weight_transfer_versions" not in f else []) for f, k, p in SELECTIONS]
+        chosen = [c for c, (_, _, p) in zip(chosen, SELECTIONS) if p == python]
+        py = sys.executable
+        if python == "vllm":
+            if not VLLM_PY.exists():
+                found[python] = "no .venv-vllm"
+                continue
+            py = str(VLLM_PY)
+        r = subprocess.run(
+            [py, "-c", COLLECT, json.dumps(chosen)], capture_output=True, text=True, cwd=REPO, timeout=300
+        )
+        line = [s for s in r.stdout.splitlines() if s.startswith("COLLECTED ")]
+        if python == "vllm" and not line and "No module named" in r.stderr:
+            found[python] = "no pytest or vLLM in .venv-vllm"
+            continue
+        assert line, r.stdout[-2000:] + r.stderr[-2000:]
+        found[python] = json.loads(line[-1].removeprefix("COLLECTED "))
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("file,k,python", SELECTIONS, ids=[f"{f}-{k}" for f, k, _ in SELECTIONS])
-def test_every_selection_collects_a_test(file, k, python):
+def test_every_selection_collects_a_test(file, k, python, collected):
     assert (REPO / file).exists(), file
-    py = sys.executable
-    if python == "vllm":
-        if not VLLM_PY.exists() or subprocess.run([str(VLLM_PY), "-c", "import pytest, vllm"], timeout=300).returncode:
-            pytest.skip("no .venv-vllm with pytest and vLLM")
-        py = str(VLLM_PY)
-    marks = ["-m", "gpu"] if "test_weight_transfer_versions" not in file else []
-    cmd = [py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *marks, file]
-    r = subprocess.run(cmd + (["-k", k] if k else []), capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert r.returncode == 0 and re.search(r"^tests/\S+::", r.stdout, re.M), r.stdout[-2000:] + r.stderr[-2000:]
+    if isinstance(collected[python], str):
+        pytest.skip(collected[python])
+    code, ids = collected[python][f"{file}|{k}"]
+    assert code == 0 and ids and all(i.startswith(f"{file}::") for i in ids), (code, ids)
