@@ -151,7 +151,8 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
 def vision_params(cfg: dict, text_hidden: int) -> int:
     """A vision-language model's vision tower and projector, estimated from its vision_config (0 without one): per
     encoder layer attention (4h²) and MLP (2·h·i), the patch embedding (c·p²·h, times the frames a patch spans) and
-    the position table, and a two-layer projector into the language model (projector_params)."""
+    the position table, and a two-layer projector into the language model (projector_params). A tiled tower (Llama 3.2
+    Vision: max_num_tiles) adds its global layers, a class position, and position tables per aspect ratio and tile."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return 0
@@ -159,11 +160,16 @@ def vision_params(cfg: dict, text_hidden: int) -> int:
     if h <= 0:
         return 0
     layers = int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
+    layers += int(v.get("num_global_layers") or 0)
     inter = int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h)
     patch = int(v.get("patch_size") or 14)
     channels = int(v.get("num_channels") or v.get("in_chans") or v.get("in_channels") or 3)
     frames = int(v.get("temporal_patch_size") or 1)
     positions = (int(v.get("image_size") or 0) // patch) ** 2
+    tiles = int(v.get("max_num_tiles") or 0)
+    if tiles:  # a class position; per aspect ratio a table for each tile's positions, and one before and after
+        ratios = len(v.get("supported_aspect_ratios") or ()) + 1
+        positions = (positions + 1) * (1 + ratios * tiles) + 2 * ratios * tiles + 1
     return (
         layers * (4 * h * h + 2 * h * inter)
         + channels * patch * patch * frames * h
@@ -174,11 +180,13 @@ def vision_params(cfg: dict, text_hidden: int) -> int:
 
 def projector_params(cfg: dict, text_hidden: int) -> int:
     """The projector from the vision tower into the language model, estimated as two layers (0 without a vision
-    tower)."""
+    tower); one layer from vision_output_dim where the config names it (Llama 3.2 Vision)."""
     v = cfg.get("vision_config")
     h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0) if isinstance(v, dict) else 0
     if h <= 0:
         return 0
+    if v.get("vision_output_dim"):
+        return int(v["vision_output_dim"]) * text_hidden + text_hidden
     out = int(_first(v, ("out_hidden_size",)) or h)
     return out * text_hidden + text_hidden * text_hidden
 

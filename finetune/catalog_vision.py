@@ -14,6 +14,9 @@ from the family's resolution rules (`image_geometry`):
   dynamic            Qwen2-VL, Qwen2.5-VL (and any tower with spatial_merge_size and temporal_patch_size): the
                      processor's smart_resize keeps at most max_pixels in multiples of (patch × merge) a side, so up
                      to max_pixels / (patch × merge)² tokens, merge² patches each
+  cross-attention    Llama 3.2 Vision (a tower with max_num_tiles): an image is cut into up to max_image_tiles tiles
+                     of image_size, each (image_size / patch)² patches and a class position, padded to a multiple of
+                     8; the text holds one <|image|> token per image and reads the tiles through cross-attention layers
 
 Where the processor's resolution is configurable (data.image max_pixels, `size`'s longest_edge), the plan takes the
 configured maximum, the worst case it must fit; else the model folder's preprocessor_config.json; else the family's
@@ -45,7 +48,7 @@ PROCESSOR_DEFAULTS: dict[str, dict[str, int]] = {
 }
 TILED = ("idefics3", "smolvlm")
 GATED_MLP = ("qwen2_5_vl",)  # towers whose MLP is gate/up/down (the others: fc1/fc2)
-CLS_TOWERS = ("clip_vision_model",)  # towers that add a class position to each image
+CLS_TOWERS = ("clip_vision_model", "mllama_vision_model")  # towers that add a class position to each image
 COMPOSITE_ACTIVATIONS = ("quick_gelu",)  # transformers' activations built of several ops (activations.py)
 
 
@@ -69,9 +72,12 @@ class VisionTower:
     merge: int = 1  # patches merged per side into one token (Qwen: spatial_merge_size; Idefics3: scale_factor)
     temporal_patch: int = 1  # frames a patch spans (Qwen-VL: an image is repeated to fill them)
     tokens_per_image: int = 0  # a fixed count the projector pools each image to (Gemma 3); 0: from the patches
+    tiles: int = 0  # a tiled cross-attention tower's most tiles per image (Llama 3.2 Vision: max_num_tiles)
+    cross_attention_layers: int = 0  # the language model's layers that attend to the image tiles
     # the processor's resolution (preprocessor_config.json, else PROCESSOR_DEFAULTS); 0 where it does not apply
     min_pixels: int = 0
     max_pixels: int = 0
+    max_tiles: int = 0  # the processor's max_image_tiles (Llama 3.2 Vision)
     longest_edge: int = 0
     tile_edge: int = 0
     splitting: bool = False
@@ -112,11 +118,14 @@ def vision_tower(cfg: dict) -> VisionTower | None:
     family = str(cfg.get("model_type") or "")
     dynamic = v.get("spatial_merge_size") is not None and v.get("temporal_patch_size") is not None
     patch = int(v.get("patch_size") or 14)
-    heads = int(_first(v, ("num_attention_heads", "num_heads", "heads")) or max(1, h // 64))
+    heads = int(_first(v, ("num_attention_heads", "attention_heads", "num_heads", "heads")) or max(1, h // 64))
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    cross = len(text.get("cross_attention_layers") or ())
     tower = VisionTower(
         family=family,
         hidden_size=h,
-        num_layers=int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0),
+        num_layers=int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
+        + int(v.get("num_global_layers") or 0),
         num_heads=heads,
         intermediate_size=int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h),
         patch_size=patch,
@@ -127,7 +136,9 @@ def vision_tower(cfg: dict) -> VisionTower | None:
         keep_cls=cfg.get("vision_feature_select_strategy") == "full",
         merge=int((v.get("spatial_merge_size") if dynamic else cfg.get("scale_factor")) or 1),
         temporal_patch=int(v.get("temporal_patch_size") or 1),
-        tokens_per_image=int(cfg.get("mm_tokens_per_image") or 0),
+        tokens_per_image=1 if cross else int(cfg.get("mm_tokens_per_image") or 0),
+        tiles=int(v.get("max_num_tiles") or 0) if cross else 0,
+        cross_attention_layers=cross,
     )
     defaults = PROCESSOR_DEFAULTS.get(family)
     if defaults:
@@ -146,15 +157,17 @@ def with_processor(tower: VisionTower, settings: dict, source: str) -> VisionTow
     return replace(tower, **{k: bool(v) if k == "splitting" else v for k, v in known.items()}, processor_source=source)
 
 
-_SETTINGS = ("min_pixels", "max_pixels", "longest_edge", "tile_edge", "splitting")
+_SETTINGS = ("min_pixels", "max_pixels", "max_tiles", "longest_edge", "tile_edge", "splitting")
 
 
 def processor_settings(saved: dict) -> dict:
     """The resolution settings of a saved image processor (preprocessor_config.json, or processor_config.json's
     image_processor): Qwen-VL's size {shortest_edge, longest_edge} in pixels (or min_pixels/max_pixels), Idefics3's
-    size {longest_edge} and max_image_size {longest_edge}, do_image_splitting."""
+    size {longest_edge} and max_image_size {longest_edge}, do_image_splitting; Llama 3.2 Vision's max_image_tiles."""
     size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
     out: dict[str, int] = {}
+    if saved.get("max_image_tiles"):
+        out["max_tiles"] = saved["max_image_tiles"]
     if "min_pixels" in saved or "max_pixels" in saved or "merge_size" in saved:  # counted in pixels
         out["min_pixels"] = saved.get("min_pixels") or size.get("shortest_edge")
         out["max_pixels"] = saved.get("max_pixels") or size.get("longest_edge")
@@ -198,6 +211,8 @@ def image_geometry(tower: VisionTower, image=None) -> ImageGeometry:
     data.image (its max_pixels, min_pixels and processor settings override the model's)."""
     if tower.dynamic:
         return _dynamic(tower, image)
+    if tower.cross_attention_layers:
+        return _cross_attention(tower, image)
     if tower.family in TILED:
         return _tiled(tower, image)
     side = tower.image_size // tower.patch_size
@@ -252,3 +267,22 @@ def _tiled(tower: VisionTower, image) -> ImageGeometry:
         f"{tiles} tile{'s' if tiles > 1 else ''} ({n}×{n} and a global view)" if tiles > 1 else "1 tile"
     ) + f" of ({tower.image_size}/{tower.patch_size})² = {per_tile} patches, {tokens_per_tile} tokens each"
     return ImageGeometry(tiles * per_tile, tiles * tokens_per_tile, tiles, per_tile, rule, source)
+
+
+def _cross_attention(tower: VisionTower, image) -> ImageGeometry:
+    asked = getattr(image, "processor", None) or {}  # data.image.processor, by the processor's own names
+    configured = asked.get("max_image_tiles")
+    tiles = int(configured or tower.max_tiles or tower.tiles or 1)
+    side = tower.image_size // tower.patch_size
+    per_tile = -(-(side * side + 1) // 8) * 8  # the tower pads each tile's positions to a multiple of 8
+    source = (
+        f"data.image.processor max_image_tiles {tiles}"
+        if configured
+        else f"max_image_tiles {tiles} ({tower.processor_source or 'the tower max_num_tiles'})"
+    )
+    rule = (
+        f"up to {tiles} tile{'s' if tiles > 1 else ''} of ({tower.image_size}/{tower.patch_size})² = {side * side} "
+        f"patches and a class position (padded to {per_tile}); one image token in the text, the tiles read through "
+        f"{tower.cross_attention_layers} cross-attention layer{'s' if tower.cross_attention_layers > 1 else ''}"
+    )
+    return ImageGeometry(tiles * per_tile, 1, tiles, per_tile, rule, source)

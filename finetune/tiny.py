@@ -382,7 +382,77 @@ def build_idefics3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32,
     return _saved(Idefics3ForConditionalGeneration, config, processor, out_dir, seed)
 
 
-VLM_FAMILIES = {"llava": build_vlm, "gemma3": build_gemma3_vlm, "idefics3": build_idefics3_vlm}
+def build_mllama_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """A tiny Llama 3.2 Vision (mllama: a tiled tower of one local and one global layer, up to 2 tiles an image; a
+    3-layer language model whose middle layer cross-attends to the tiles) with its processor (one <|image|> token per
+    image, the cross_attention_mask), saved to out_dir."""
+    from transformers import (
+        MllamaConfig,
+        MllamaForConditionalGeneration,
+        MllamaImageProcessorPil,
+        MllamaProcessor,
+        MllamaTextConfig,
+        MllamaVisionConfig,
+        PreTrainedTokenizerFast,
+    )
+
+    marker, bos = "<|image|>", "<|begin_of_text|>"
+    base = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, marker, bos))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token, pad_token=base.pad_token, bos_token=bos
+    )
+    template = "{{ bos_token }}" + _image_template(marker)  # the processor adds nothing to a text that opens with it
+    tokenizer.chat_template = template
+    images = MllamaImageProcessorPil(size={"height": image_size, "width": image_size}, max_image_tiles=2)
+    processor = MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+    vision = MllamaVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_global_layers=1,
+        attention_heads=2,
+        image_size=image_size,
+        patch_size=patch,
+        max_num_tiles=2,
+        vision_output_dim=64,  # the last layer's output and one intermediate layer's, concatenated
+        intermediate_layers_indices=[0],
+        supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+    )
+    text = MllamaTextConfig(  # _text_config's shape, a third layer: the cross-attention one
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        cross_attention_layers=[1],
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    config = MllamaConfig(
+        vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(marker)
+    )
+    import torch
+
+    torch.manual_seed(seed)
+    model = MllamaForConditionalGeneration(config)
+    with torch.no_grad():  # transformers starts the cross-attention gates at 0, which hides the images from a new model
+        for name, param in model.named_parameters():
+            if "cross_attn_attn_gate" in name or "cross_attn_mlp_gate" in name:
+                param.fill_(1.0)
+    model.save_pretrained(str(out_dir))
+    processor.save_pretrained(str(out_dir))
+    return model, processor
+
+
+VLM_FAMILIES = {
+    "llava": build_vlm,
+    "gemma3": build_gemma3_vlm,
+    "idefics3": build_idefics3_vlm,
+    "mllama": build_mllama_vlm,
+}
 
 
 def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32, noise: bool = True) -> list[dict]:

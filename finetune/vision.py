@@ -10,8 +10,13 @@ Tokenizing (`tokenize_images`): the conversation is rendered with the processor'
 that the template writes the family's own image marker), tokenized as text with ft's loss mask (data/masking.py),
 then put through the processor, which expands each marker into the image's tokens by the family's resolution rules.
 The processor's token ids are the text's with tokens inserted; each text token keeps its label and every inserted
-token (the image's) is never trained. The pixels are computed again when a batch is made (`pixel_inputs`), from the
+token (the image's) is never trained. The pixels are computed again when a batch is made (`image_inputs`), from the
 same files, so the prepared data holds token ids and paths, not pixels.
+
+Most families put an image's tokens in the sequence, and a batch's images go to the tower as one list. Llama 3.2
+Vision (`cross_attention`) keeps one `<|image|>` token per image in the text and reads the image's tiles through
+cross-attention layers: its pixels are grouped per sequence, and each token sees the tiles of the images before it
+(transformers' own cross_attention_mask, built for the batch as its processor builds it).
 """
 
 from __future__ import annotations
@@ -375,23 +380,64 @@ def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
     return out
 
 
+def cross_attention(processor) -> bool:
+    """The model reads images through cross-attention layers (Llama 3.2 Vision): its processor returns a
+    cross_attention_mask beside pixels grouped per sequence."""
+    return "cross_attention_mask" in getattr(processor, "model_input_names", ())
+
+
+def image_inputs(processor, input_ids, images: list[list[str]], dtype=None) -> dict:
+    """What a batch of token rows (`input_ids`, a 2-D tensor) adds for the model's images: `images[i]` are row i's
+    image files, in the order of its image markers. Pixel inputs in `dtype`, each token's modality where the model
+    reads it (token_types) and, for a cross-attention family, the mask of the tiles each token attends to."""
+    if cross_attention(processor):
+        return _cross_attention_inputs(processor, input_ids, images, dtype) if any(images) else {}
+    out = pixel_inputs(processor, [p for row in images for p in row], dtype)
+    out.update(token_types(processor, input_ids))
+    return out
+
+
+def _cross_attention_inputs(processor, input_ids, images: list[list[str]], dtype=None) -> dict:
+    """Llama 3.2 Vision's inputs: the image processor's pixels, aspect ratios and tile counts of each row's images (a
+    row without images gets none), and the dense cross_attention_mask (batch, tokens, images, tiles) that
+    transformers' MllamaProcessor builds from the image tokens' places: each image is seen by the tokens from its
+    own image token on (to the next image's, or to the end for the last image or a run of images)."""
+    import torch
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    got = processor.image_processor(images=[load_images(row) for row in images], return_tensors="pt")
+    image_id = getattr(processor, "image_token_id", None)
+    if image_id is None:
+        image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    spans = [get_cross_attention_token_mask(row, image_id) for row in input_ids.tolist()]
+    mask = convert_sparse_cross_attention_mask_to_dense(
+        spans, got["num_tiles"], processor.image_processor.max_image_tiles, input_ids.shape[1]
+    )
+    out = {"cross_attention_mask": torch.from_numpy(mask).to(input_ids.device)}
+    for key, value in got.items():
+        if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
+            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    return out
+
+
 class Pixels:
-    """What a method adds to a micro-batch of a vision-language model's rows: the pixel inputs of their images
-    (`pixel_inputs`), in the dtype the tower is loaded in."""
+    """What a method adds to a micro-batch of a vision-language model's rows: the inputs of their images
+    (`image_inputs`), pixels in the dtype the tower is loaded in."""
 
     def __init__(self, processor, dtype=None):
         self.processor, self.dtype = processor, dtype
 
-    def __call__(self, paths: list[str]) -> dict:
-        return pixel_inputs(self.processor, paths, self.dtype)
-
-    def add(self, batch: dict, paths: list[str], packed: bool = False) -> dict:
-        """`batch` (collated rows) made a vision-language model's: the images' pixel inputs, each token's modality
-        where the model reads it (token_types), and, for right-padded rows, no position ids: the model places the
-        tokens itself (Qwen-VL's 3-D positions of image tokens; 0, 1, ... along each row for the others, as collate's).
-        `packed` rows keep theirs, restarting at each sample (families with 1-D positions only: PACKABLE)."""
-        batch.update(self(paths))
-        batch.update(token_types(self.processor, batch["input_ids"]))
+    def add(self, batch: dict, images: list[list[str]], packed: bool = False) -> dict:
+        """`batch` (collated rows; `images[i]` the image files of row i) made a vision-language model's: the images'
+        inputs (`image_inputs`) and, for right-padded rows, no position ids: the model places the tokens itself
+        (Qwen-VL's 3-D positions of image tokens; 0, 1, ... along each row for the others, as collate's). `packed`
+        rows keep theirs, restarting at each sample (families with 1-D positions only: PACKABLE)."""
+        if any(isinstance(row, str) for row in images):
+            raise TypeError("Pixels.add takes one list of image files per row of the batch")
+        batch.update(image_inputs(self.processor, batch["input_ids"], [list(row or ()) for row in images], self.dtype))
         if not packed:
             batch.pop("position_ids", None)
         return batch

@@ -297,7 +297,7 @@ def test_packed_samples_with_images_give_the_logits_each_gives_alone(tmp_path, v
     image_id = packed.tokenizer.convert_tokens_to_ids("<image>")
 
     def logits(row, is_packed):
-        batch = pixels.add(collate([row], pad, "sdpa"), list(row["images"]), packed=is_packed)
+        batch = pixels.add(collate([row], pad, "sdpa"), [list(row["images"])], packed=is_packed)
         with torch.no_grad():
             return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits[0]
 
@@ -695,12 +695,12 @@ def test_a_qwen2_vl_batch_places_image_tokens_with_the_models_own_3d_positions(t
     ]
     rows[0]["labels"] = rows[0]["labels"][: len(rows[0]["input_ids"])]
     pixels = Pixels(QwenStyleProcessor())
-    batch = pixels.add(collate(rows, 0, "sdpa"), paths)
+    batch = pixels.add(collate(rows, 0, "sdpa"), [r["images"] for r in rows])
     assert "position_ids" not in batch and batch["mm_token_type_ids"].sum() == 8
     with torch.no_grad():
         together = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits
         for i, row in enumerate(rows):
-            alone = pixels.add(collate([row], 0, "sdpa"), row["images"])
+            alone = pixels.add(collate([row], 0, "sdpa"), [row["images"]])
             want = model(**{k: alone[k] for k in MODEL_INPUTS if k in alone}).logits[0]
             torch.testing.assert_close(together[i, : len(row["input_ids"])], want, atol=1e-5, rtol=1e-5)
         flat = collate(rows, 0, "sdpa")  # 1-D positions: the model would skip its 3-D placement of the images
@@ -743,37 +743,6 @@ def test_other_families_train_on_images_and_answer_image_prompts(tmp_path, famil
     )
     result = generate(job_, processes=1, progress=False)
     assert result.rows == 5 and len(out.read_text().splitlines()) == 5
-
-
-def test_llama_vision_is_refused_where_it_would_train_on_images(tmp_path):
-    from dataclasses import replace
-
-    from finetune.catalog import from_hf_config
-    from finetune.config import loads
-    from finetune.config.vision_checks import vision_problems
-
-    facts = from_hf_config(
-        {
-            "model_type": "mllama",
-            "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64},
-            "text_config": {
-                "model_type": "mllama_text_model",
-                "vocab_size": 64,
-                "hidden_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "max_position_embeddings": 512,
-            },
-        },
-        "tiny-mllama",
-    )
-    facts = replace(facts, image_processor=True)
-    config = loads(
-        "model: {name: tiny-mllama}\ndata: {datasets: [{path: x.jsonl, format: chat}]}\noutput: {dir: run}\n",
-        environ={},
-    )
-    problems = vision_problems(config, facts)
-    assert len(problems) == 1 and "cross_attention_mask" in problems[0].message
 
 
 def test_the_planner_counts_only_the_vision_parameters_that_train():

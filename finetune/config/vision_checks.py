@@ -13,12 +13,6 @@ from finetune.catalog_vision import ImageGeometry, image_geometry
 from finetune.errors import Problem
 from finetune.vision import PACKABLE
 
-# vision-language families whose images ft cannot feed yet, and why (refused where they would train on images)
-NOT_YET = {
-    "mllama": "Llama 3.2 Vision reads images through cross-attention layers, masked per image tile by the processor's "
-    "cross_attention_mask, which ft does not build yet (without it every token would attend to every tile)",
-}
-
 _TRAIN_VISION = ("model", "train_vision")
 
 
@@ -86,15 +80,6 @@ def vision_problems(config, facts) -> list[Problem]:
             )
         )
     family = facts.vision_model_type or facts.model_type
-    if trains_images(config, facts) and family in NOT_YET:
-        out.append(
-            Problem(
-                (("model", "name"), ("method", "name")),
-                f"{family}: {NOT_YET[family]}",
-                "train its language side on text with a method that takes no images (or data without images), or "
-                "choose a family ft trains on images (LLaVA, Qwen-VL, Gemma 3, Idefics/SmolVLM, Mistral 3...)",
-            )
-        )
     if trains_images(config, facts) and config.data.packing and family not in PACKABLE:
         why = (
             "its image tokens take 3-D positions the model computes per row (M-RoPE), which a packed row would mix"

@@ -132,13 +132,12 @@ class TransformersEngine:
         torch.manual_seed(batch_seed(self.sampling.seed, number))
         if self.synced:
             extra["synced_gpus"] = True
-        paths = [p for row in images or () for p in row]
-        if paths:
-            from finetune.vision import pixel_inputs, token_types
+        if images and any(images):
+            from finetune.vision import image_inputs
 
             dtype = next(self.model.parameters()).dtype
-            extra.update({k: v.to(self.device) for k, v in pixel_inputs(self.processor, paths, dtype).items()})
-            extra.update(token_types(self.processor, input_ids))
+            got = image_inputs(self.processor, input_ids, [list(row or ()) for row in images], dtype)
+            extra.update({k: v.to(self.device) for k, v in got.items()})
         with torch.no_grad(), self.context() if self.context else contextlib.nullcontext():
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra

@@ -97,7 +97,7 @@ class DPO:
             ]
             batch = collate(chosen + rejected, self.pad_id, "sdpa")
             if self.images is not None:  # chosen rows then rejected rows, as stacked: each pair's images twice
-                paths = [p for ps in rows["images"][i : i + self.micro] for p in ps or ()]
+                paths = [ps or [] for ps in rows["images"][i : i + self.micro]]
                 self.images.add(batch, paths + paths)
             batch.update(
                 rows=torch.tensor(indices[i : i + self.micro]),

@@ -189,7 +189,7 @@ class KTO:
         """The sequences as one batch, with their images' pixels on a vision-language model."""
         batch = collate(seqs, self.pad_id, "sdpa")
         if self.images is not None:
-            self.images.add(batch, [p for s in seqs for p in s.get("images") or ()])
+            self.images.add(batch, [s.get("images") or [] for s in seqs])
         return batch
 
     def tokens(self, batch: dict) -> int:

@@ -55,7 +55,7 @@ class SFT:
             chunk = rows[i : i + self.micro]
             batch = collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index)
             if self.images is not None:  # the rows' images, in the order their tokens appear in the batch
-                self.images.add(batch, [p for r in chunk for p in r.get("images") or []], "seq_lens" in chunk[0])
+                self.images.add(batch, [r.get("images") or [] for r in chunk], "seq_lens" in chunk[0])
             out.append({**batch, "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
         return out
 

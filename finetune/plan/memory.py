@@ -45,7 +45,8 @@ activations    row * images per sample * patches per image (the largest image th
                attention adds heads*span^2*(2a+4) per image or tile (span: its patches). The tower trained
                (model.train_vision all): all L_v layers' (with checkpointing each layer's input a*P*h_v and one
                layer recomputed); frozen (none, projector): nothing saved for backward, one layer's working set in
-               flight. Both add the tower's output for the projector, a*P*h_v.
+               flight. Both add the tower's output for the projector, a*P*h_v; a cross-attention tower (Llama 3.2
+               Vision) also a*P*(h + 2*kv*C): the projected tiles and the keys and values of C cross layers.
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
                logits are fp32 already: the upcast is the same tensor); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.

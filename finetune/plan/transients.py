@@ -203,7 +203,9 @@ def vision_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     composite activation such as quick_gelu; gated 4I), plus
     eager attention's scores and probabilities, heads × span² × (2a+4) per image or tile. Trained (train_vision all):
     every layer's, or with checkpointing each layer's input and one layer recomputed; frozen, nothing is saved for
-    backward: one layer's working set in flight. Either way its output for the projector, a*P*h."""
+    backward: one layer's working set in flight. Either way its output for the projector, a*P*h; a cross-attention
+    tower's (Llama 3.2 Vision) also the projected tiles in the language model's width and each cross-attention
+    layer's keys and values of them, saved for the language model's backward."""
     v = m.vision_tower
     if v is None or not s.vision_patches:
         return 0
@@ -212,6 +214,8 @@ def vision_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     if s.attention == "eager" and s.vision_span:
         layer += (p / s.vision_span) * v.num_heads * s.vision_span**2 * (2 * a + 4)
     output = a * p * v.hidden_size
+    if v.cross_attention_layers:
+        output += a * p * (m.hidden_size + v.cross_attention_layers * 2 * m.num_kv_heads * m.head_dim)
     if not s.tower_trains:
         return layer + output
     if s.gradient_checkpointing:
