@@ -14,6 +14,11 @@ from the family's resolution rules (`image_geometry`):
   dynamic            Qwen2-VL, Qwen2.5-VL (and any tower with spatial_merge_size and temporal_patch_size): the
                      processor's smart_resize keeps at most max_pixels in multiples of (patch × merge) a side, so up
                      to max_pixels / (patch × merge)² tokens, merge² patches each
+  anyres             LLaVA-NeXT, LLaVA-OneVision (image_grid_pinpoints): the image is resized to the grid pinpoint
+                     that fits it best and cut into tiles of image_size, plus a base view: up to the base's tokens,
+                     each tile's, and one newline token per row of tile features, at the pinpoint whose shape the
+                     image has; OneVision (vision_aspect_ratio anyres_max_N) pools the tile features down to about
+                     N tiles' worth
   cross-attention    Llama 3.2 Vision (a tower with max_num_tiles): an image is cut into up to max_image_tiles tiles
                      of image_size, each (image_size / patch)² patches and a class position, padded to a multiple of
                      8; the text holds one <|image|> token per image and reads the tiles through cross-attention layers
@@ -73,6 +78,8 @@ class VisionTower:
     temporal_patch: int = 1  # frames a patch spans (Qwen-VL: an image is repeated to fill them)
     tokens_per_image: int = 0  # a fixed count the projector pools each image to (Gemma 3); 0: from the patches
     tiles: int = 0  # a tiled cross-attention tower's most tiles per image (Llama 3.2 Vision: max_num_tiles)
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()  # anyres: the (height, width) grids an image may be resized to
+    anyres_max: int = 0  # OneVision's vision_aspect_ratio anyres_max_N: tile features pooled to about N tiles
     cross_attention_layers: int = 0  # the language model's layers that attend to the image tiles
     # the processor's resolution (preprocessor_config.json, else PROCESSOR_DEFAULTS); 0 where it does not apply
     min_pixels: int = 0
@@ -121,6 +128,7 @@ def vision_tower(cfg: dict) -> VisionTower | None:
     heads = int(_first(v, ("num_attention_heads", "attention_heads", "num_heads", "heads")) or max(1, h // 64))
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     cross = len(text.get("cross_attention_layers") or ())
+    aspect = str(cfg.get("vision_aspect_ratio") or "")
     tower = VisionTower(
         family=family,
         hidden_size=h,
@@ -139,6 +147,8 @@ def vision_tower(cfg: dict) -> VisionTower | None:
         tokens_per_image=1 if cross else int(cfg.get("mm_tokens_per_image") or 0),
         tiles=int(v.get("max_num_tiles") or 0) if cross else 0,
         cross_attention_layers=cross,
+        grid_pinpoints=tuple((int(h), int(w)) for h, w in cfg.get("image_grid_pinpoints") or ()),
+        anyres_max=int(aspect.removeprefix("anyres_max_")) if aspect.startswith("anyres_max_") else 0,
     )
     defaults = PROCESSOR_DEFAULTS.get(family)
     if defaults:
@@ -213,6 +223,8 @@ def image_geometry(tower: VisionTower, image=None) -> ImageGeometry:
         return _dynamic(tower, image)
     if tower.cross_attention_layers:
         return _cross_attention(tower, image)
+    if tower.grid_pinpoints:
+        return _anyres(tower, image)
     if tower.family in TILED:
         return _tiled(tower, image)
     side = tower.image_size // tower.patch_size
@@ -286,3 +298,33 @@ def _cross_attention(tower: VisionTower, image) -> ImageGeometry:
         f"{tower.cross_attention_layers} cross-attention layer{'s' if tower.cross_attention_layers > 1 else ''}"
     )
     return ImageGeometry(tiles * per_tile, 1, tiles, per_tile, rule, source)
+
+
+def _anyres(tower: VisionTower, image) -> ImageGeometry:
+    """LLaVA-NeXT / OneVision: at each grid pinpoint (an image of that shape fills it, nothing is unpadded) the base
+    view's tokens, rows x cols tiles of side² features each, and a newline token per feature row; OneVision pools
+    the features above ~1.1 x anyres_max tiles' worth down by their ratio, as its processor counts them. The grids:
+    data.image.processor image_grid_pinpoints where set, else the model's."""
+    asked = (getattr(image, "processor", None) or {}).get("image_grid_pinpoints")
+    grids = tuple((int(h), int(w)) for h, w in asked) if asked else tower.grid_pinpoints
+    side = tower.image_size // tower.patch_size
+    per_tile = side * side + (1 if tower.cls_token else 0)
+    base = side * side + (1 if tower.cls_token and tower.keep_cls else 0)
+    tokens, tiles = base, 1
+    for height, width in grids:
+        rows, cols = max(1, height // tower.image_size), max(1, width // tower.image_size)
+        fh, fw = rows * side, cols * side
+        features, newlines = fh * fw, fh
+        if tower.anyres_max:
+            ratio = math.sqrt(fh * fw / (tower.anyres_max * side * side))
+            if ratio > 1.1:
+                features, newlines = int(fh // ratio) * int(fw // ratio), int(fh // ratio)
+        tokens, tiles = max(tokens, base + features + newlines), max(tiles, 1 + rows * cols)
+    largest = max(grids, key=lambda hw: hw[0] * hw[1])
+    rule = (
+        f"anyres: a base view and up to {tiles - 1} tiles of ({tower.image_size}/{tower.patch_size})² = {side * side} "
+        f"patches (grid pinpoints up to {largest[0]}x{largest[1]}), one newline token per feature row"
+        + (f", tile features pooled to about {tower.anyres_max} tiles' worth" if tower.anyres_max else "")
+    )
+    source = "data.image.processor image_grid_pinpoints" if asked else "the model's image_grid_pinpoints"
+    return ImageGeometry(tiles * per_tile, tokens, tiles, per_tile, rule, source)

@@ -267,6 +267,47 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     return _saved(LlavaForConditionalGeneration, config, processor, out_dir, seed)
 
 
+def build_llava_next_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+    """A tiny LLaVA-NeXT (anyres: each image resized to the best of three grid pinpoints and cut into tiles of
+    image_size beside a base view; build_vlm's tower and language model) with its processor, saved to out_dir."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    grids = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
+    tokenizer = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, IMAGE_TOKEN))
+    tokenizer.chat_template = VLM_TEMPLATE
+    images = LlavaNextImageProcessorPil(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+        image_grid_pinpoints=grids,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        chat_template=VLM_TEMPLATE,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,
+    )
+    config = LlavaNextConfig(
+        vision_config=_vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
+        text_config=_text_config(LlamaConfig, tokenizer),
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        image_grid_pinpoints=grids,
+        tie_word_embeddings=False,
+    )
+    return _saved(LlavaNextForConditionalGeneration, config, processor, out_dir, seed)
+
+
 def _image_template(marker: str) -> str:
     """VLM_TEMPLATE with another family's image marker."""
     return VLM_TEMPLATE.replace("'<image>'", f"'{marker}'")
@@ -451,6 +492,7 @@ VLM_FAMILIES = {
     "llava": build_vlm,
     "gemma3": build_gemma3_vlm,
     "idefics3": build_idefics3_vlm,
+    "llava_next": build_llava_next_vlm,
     "mllama": build_mllama_vlm,
 }
 

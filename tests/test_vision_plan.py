@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from finetune.catalog import from_hf_config
-from finetune.catalog_vision import PROCESSOR_DEFAULTS, image_geometry, processor_settings, with_processor
+from finetune.catalog_vision import (
+    PROCESSOR_DEFAULTS,
+    image_geometry,
+    processor_settings,
+    vision_tower,
+    with_processor,
+)
 from finetune.config import loads
 from finetune.config.schema import ImageSection
 from finetune.errors import ConfigError
@@ -149,6 +155,76 @@ def test_image_tokens_are_what_the_tiny_models_processor_inserts(tmp_path, famil
     soft = {"gemma3": "<image_soft_token>"}.get(family, "<image>")  # the token each image position takes
     image_id = processor.tokenizer.convert_tokens_to_ids(soft)
     assert image_geometry(facts.vision_tower).tokens == sum(1 for t in ids if int(t) == image_id)
+
+
+def test_llava_next_counts_the_most_tokens_its_processor_inserts_for_any_image(tmp_path):
+    """anyres: the image tokens LLaVA-NeXT's processor inserts vary with the image's shape and size (tiles of the best
+    grid pinpoint, unpadded, a newline per row); the plan counts the most any image gets (an image of the largest
+    pinpoint's shape) and the tower's patches of the base view and every tile."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from finetune.catalog import resolve
+    from finetune.tiny import build_llava_next_vlm
+
+    build_llava_next_vlm(tmp_path / "m")
+    facts = resolve(str(tmp_path / "m"))
+    processor = AutoProcessor.from_pretrained(str(tmp_path / "m"))
+    image_id = processor.tokenizer.convert_tokens_to_ids("<image>")
+    counts, crops = [], []
+    for size in [(32, 32), (64, 32), (32, 64), (64, 64), (100, 100), (20, 60), (500, 300), (33, 97)]:
+        out = processor(text=["look <image> here"], images=[Image.new("RGB", size, "red")], return_tensors="pt")
+        counts.append(sum(1 for t in out["input_ids"][0] if int(t) == image_id))
+        crops.append(out["pixel_values"].shape[1])
+    g = image_geometry(facts.vision_tower)
+    assert len(set(counts)) > 2 and g.tokens == max(counts) == 88, counts
+    assert g.tiles == max(crops) == 5 and g.patches == 5 * (16 + 1) and "anyres" in g.rule
+    # data.image.processor's grids replace the model's, for the plan as for the processor
+    grids = [[32, 64], [64, 32]]
+    processor.image_processor.image_grid_pinpoints = grids
+    counts = [
+        sum(1 for t in processor(text=["<image>"], images=[Image.new("RGB", s)])["input_ids"][0] if int(t) == image_id)
+        for s in [(32, 32), (64, 32), (32, 64), (64, 64), (20, 60)]
+    ]
+    small = image_geometry(facts.vision_tower, ImageSection(processor={"image_grid_pinpoints": grids}))
+    assert small.tokens == max(counts) == 56 and "data.image.processor" in small.source
+
+
+def test_llava_onevision_pools_its_tiles_as_its_processor_counts_them():
+    """OneVision (anyres_max_9) at its released shape: SigLIP 384/14 and grid pinpoints up to 6x6 tiles; the features
+    of a grid above ~1.1 x 9 tiles' worth are pooled down to it. The count is checked against transformers' own
+    LlavaOnevisionProcessor arithmetic (its _get_unpadded_features, called on the settings it reads)."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+    grids = [[384 * a, 384 * b] for a in range(1, 7) for b in range(1, 7)]
+    cfg = {
+        "model_type": "llava_onevision",
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 1152,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 16,
+            "intermediate_size": 4304,
+            "image_size": 384,
+            "patch_size": 14,
+        },
+        "image_grid_pinpoints": grids,
+        "vision_aspect_ratio": "anyres_max_9",
+        "vision_feature_select_strategy": "full",
+    }
+    tower = vision_tower(cfg)
+    g = image_geometry(tower)
+    side = 384 // 14
+    theirs = SimpleNamespace(vision_aspect_ratio="anyres_max_9")
+    want = max(
+        side * side + sum(LlavaOnevisionProcessor._get_unpadded_features(theirs, h, w, side, side, h // 384, w // 384))
+        for h, w in grids
+    )
+    # the most: a 5x2 grid (135 x 54 features, under the pooling threshold; 135 newlines), not 6x6 (pooled to 81x81)
+    assert g.tokens == want == 729 + 135 * 54 + 135
+    assert g.tiles == 37 and g.patches == 37 * 729
 
 
 # ---------------------------------------------------------------- the plan: memory, step time, seq_len, explanation

@@ -48,6 +48,8 @@ def seq_len_problem(config, facts) -> Problem | None:
     fix = f"raise data.seq_len above {n * g.tokens}"
     if facts.vision_tower.dynamic:
         fix += " or lower data.image.max_pixels (fewer tokens per image)"
+    elif facts.vision_tower.grid_pinpoints:
+        fix += " or give smaller grids in data.image.processor image_grid_pinpoints (fewer tiles per image)"
     elif g.tiles > 1:
         fix += " or lower data.image.processor size.longest_edge (fewer tiles per image)"
     return Problem(
