@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -196,7 +197,10 @@ def run_train(
 def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, config_path, tokens):
     """The plan again where the prepared rows hold more images than it assumed (1, before the data was read), before
     the run folder is written: the ranks still see one plan, sized for the data's images. data.image.per_sample, where
-    set, is kept: more images in a row than it says is an error naming it."""
+    set, is kept: more images in a row than it says is an error naming it. Where every row holds an image, the plan
+    says so (plan.image_free_rows: DDP needs no search for unused parameters)."""
+    if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
+        job_plan = dataclasses.replace(job_plan, image_free_rows=False)
     most = int(prepared.summary.get("max_images_per_row") or 0)
     if not job_plan.images_per_sample or most <= job_plan.images_per_sample:
         return job_plan
@@ -206,7 +210,8 @@ def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, confi
             f"would size memory for fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it "
             "(ft train then plans for the prepared rows' most)"
         )
-    return _plan_for_nodes(config, hardware, role, config_path, tokens, images=most)[0]
+    again = _plan_for_nodes(config, hardware, role, config_path, tokens, images=most)[0]
+    return dataclasses.replace(again, image_free_rows=job_plan.image_free_rows)
 
 
 def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, images: int | None = None):

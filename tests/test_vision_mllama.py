@@ -237,3 +237,28 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 0}}
         assert mask[:at].sum() == 0 and mask[at:, 0].any()  # each side sees its pair's image from its token on
     train_here(path)
     assert losses(tmp_path / "run")[0] == pytest.approx(0.6931, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_with_rows_without_images(tmp_path, mllama):
+    """DDP on 2 ranks with LoRA on the language model: a micro-batch of text-only rows skips the cross-attention
+    layer (its LoRA weights take no part), which the plan knows from the prepared rows (image_free_rows: DDP searches
+    for unused parameters), and the losses are one process's. Where every row has an image the plan says no search."""
+    from tests.helpers import launch_here, losses, train_here
+
+    records = image_records(16, tmp_path / "data", seed=5)
+    for r in records[4:]:  # most rows text only: micro-batches without an image on either rank
+        r["messages"][0]["content"] = "What colour is the square?"
+    write_jsonl(records, tmp_path / "data" / "mixed.jsonl")
+    write_jsonl(records[:4], tmp_path / "data" / "imaged.jsonl")
+    runs = {}
+    for name, data, hardware in (("one", "mixed", "cpu"), ("two", "mixed", "cpu:2"), ("imaged", "imaged", "cpu")):
+        path = tmp_path / f"{name}.yaml"
+        job(tmp_path, mllama / "model", tmp_path / "data" / f"{data}.jsonl", adapter="lora", steps=3)
+        text = (tmp_path / "job.yaml").read_text().replace(str(tmp_path / "run"), str(tmp_path / name))
+        path.write_text(text.replace("global_batch_size: 16", "global_batch_size: 8, micro_batch_size: 2"))
+        (train_here if hardware == "cpu" else launch_here)(path, hardware=hardware)
+        runs[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert runs["two"]["backend"] == "ddp" and runs["two"]["image_free_rows"] is True
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-5)
+    assert runs["imaged"]["image_free_rows"] is False

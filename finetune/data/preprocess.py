@@ -242,7 +242,9 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
         summary["packing_efficiency"] = round(efficiency(train, data.seq_len, packed=True), 4)
         progress("packing", 1, 1)
     if "images" in train.column_names:  # what the plan sizes the vision tower for (plan/vision.py)
-        summary["max_images_per_row"] = max((len(ps) for ps in train["images"][:]), default=0)
+        counts = [len(ps or ()) for ps in train["images"][:]]
+        summary["max_images_per_row"] = max(counts, default=0)
+        summary["rows_without_images"] = counts.count(0)  # DDP then searches for parameters a micro-batch leaves unused
     summary["validation_samples"] = len(validation) if validation is not None else 0
     train.save_to_disk(str(out / "train"))
     if validation is not None:

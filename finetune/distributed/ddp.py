@@ -19,9 +19,9 @@ import torch
 
 def wrap(model, device: torch.device, unused: bool = False):
     """The model wrapped in DDP (only trainable parameters are synchronised), its gradients views of the buckets.
-    `unused`: some trainable parameters may take no part in a forward (a vision-language model's projector when a
-    micro-batch has no image), which DDP then finds after each forward (a walk of the autograd graph); a frozen tower
-    is not synchronised at all and needs no search."""
+    `unused`: some trainable parameters may take no part in a forward (a vision-language model's projector or
+    cross-attention layers when a micro-batch has no image: plan.image_free_rows), which DDP then finds after each
+    forward (a walk of the autograd graph); a frozen tower is not synchronised at all and needs no search."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device.index] if device.type == "cuda" else None

@@ -233,8 +233,9 @@ def build(
     if plan.compile:  # in place, before DDP wraps the model; FSDP2's units are these layers (see finetune/compile.py)
         compile_layers(model)
     if plan.backend == "ddp":
-        # a vision-language model's trained projector (or tower) gets no gradient from a micro-batch without images
-        model = ddp.wrap(model, device, unused=plan.vision and plan.train_vision in ("projector", "all"))
+        # a vision-language model's trained vision side (projector, tower, cross-attention layers) gets no gradient from
+        # a micro-batch without images
+        model = ddp.wrap(model, device, unused=plan.vision and plan.image_free_rows)
     elif plan.backend == "fsdp":
         model = fsdp.wrap_planned(model, plan, device)
     optimizer = make_optimizer(model, plan, train)  # after sharding: FSDP2 parameters are DTensors

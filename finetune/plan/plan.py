@@ -152,6 +152,10 @@ class Plan:
     image_tokens: int = 0
     image_patches: int = 0
     images_per_sample: int = 0
+    # some training rows may hold no image (ft train sets it from the prepared rows): a micro-batch of them leaves the
+    # vision side's trained parameters (a projector, a cross-attention layer's) out of the forward, which DDP must
+    # then search for after each forward; where every row holds an image it needs no search
+    image_free_rows: bool = True
 
     def decision(self, field: str) -> Decision:
         return next(d for d in self.decisions if d.field == field)
