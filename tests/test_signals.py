@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, ft_train, job, job_text, launch_here, losses, setup_job, step_hook
+from tests.helpers import REPO, job, job_text, launch_here, losses, setup_job, step_hook
 
 STEPS = 24
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -93,6 +93,49 @@ def stopped_once(proc: subprocess.Popen, signame: str, run: Path) -> int:
     return state["step"]
 
 
+def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str, str]:
+    """`ft ARGS` as `ft_train` runs it (the CLI's entry, finetune.cli.main: its messages and exit code; one thread per
+    rank, `env` added), with this process as ft's process: no new interpreter imports torch for the launcher (seconds
+    a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it started are killed
+    (as ft_train's timeout ends its process) and the test fails."""
+    import signal
+    import threading
+
+    from finetune.cli import main
+    from finetune.errors import set_run_dir
+    from finetune.launch.stopping import children
+
+    expired = []
+
+    def kill_what_it_started():
+        expired.append(True)
+        for pid in children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    capfd.readouterr()  # what came before is not this command's
+    saved = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    timer = threading.Timer(timeout, kill_what_it_started)
+    timer.daemon = True
+    timer.start()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        timer.cancel()
+        os.environ.clear()
+        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
+        set_run_dir(None)  # the run's folder no longer receives this process's error logs
+    out, err = capfd.readouterr()
+    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
+    return code, out, err
+
+
 @pytest.fixture
 def no_leftovers(tmp_path):
     """Whatever a failed assertion leaves running of this test's runs is killed at the end."""
@@ -136,15 +179,17 @@ def test_ctrl_c_and_a_scheduler_sigterm_stop_a_two_process_run_once_and_resume_f
 
 @pytest.mark.slow
 @linux
-def test_a_signal_one_rank_alone_heard_stops_every_rank_for_that_signal(tmp_path, no_leftovers):
+def test_a_signal_one_rank_alone_heard_stops_every_rank_for_that_signal(tmp_path, no_leftovers, capfd):
     """The ranks agree after each step on the stop signal itself, not only on whether one came: a rank that has not
     heard it yet (its watchdog polls for the launcher's request) stops after the same step for the same reason."""
     from finetune import checkpoint
 
     config, run = job(tmp_path, "run", steps=6), tmp_path / "run"
-    r = ft_train(config, "--hardware", "cpu:2", env=step_hook(tmp_path, signal=(1, 2, "SIGINT")), timeout=240)
-    text = r.stdout + r.stderr
-    assert r.returncode == 128 + signal.SIGINT, text[-3000:]
+    code, out, err = ft_here(
+        capfd, "train", config, "--hardware", "cpu:2", env=step_hook(tmp_path, signal=(1, 2, "SIGINT")), timeout=240
+    )
+    text = out + err
+    assert code == 128 + signal.SIGINT, text[-3000:]
     assert "stopped by SIGINT after step 2 of 6" in text and "Traceback" not in text, text[-3000:]
     state = json.loads((checkpoint.latest(run) / "state.json").read_text())
     assert (state["step"], state["stopped_by"]) == (2, "SIGINT")
