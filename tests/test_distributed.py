@@ -11,7 +11,50 @@ import time
 import pytest
 
 from finetune.data.stream import Stream
-from tests.helpers import LORA, REPO, free_port, ft_train, job, launch_here, losses, step_hook
+from tests.helpers import LORA, REPO, free_port, job, launch_here, losses, step_hook
+
+
+def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str, str]:
+    """`ft ARGS` as `ft_train` runs it (the CLI's entry, finetune.cli.main: its messages and exit code; one thread per
+    rank, `env` added), with this process as ft's process: no new interpreter imports torch for the launcher (seconds
+    a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it started are killed
+    (as ft_train's timeout ends its process) and the test fails."""
+    import signal
+    import threading
+
+    from finetune.cli import main
+    from finetune.errors import set_run_dir
+    from finetune.launch.stopping import children
+
+    expired = []
+
+    def kill_what_it_started():
+        expired.append(True)
+        for pid in children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    capfd.readouterr()  # what came before is not this command's
+    saved = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    timer = threading.Timer(timeout, kill_what_it_started)
+    timer.daemon = True
+    timer.start()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        timer.cancel()
+        os.environ.clear()
+        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
+        set_run_dir(None)  # the run's folder no longer receives this process's error logs
+    out, err = capfd.readouterr()
+    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
+    return code, out, err
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -43,10 +86,10 @@ def test_two_process_ddp_matches_one_process_with_twice_the_accumulation(tmp_pat
     a, b = losses(one_process), losses(tmp_path / "two")
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
-    ranks_start_from_the_run_folder_alone(tmp_path, tmp_path / "two", b)
+    ranks_start_from_the_run_folder_alone(tmp_path, tmp_path / "two", b, capfd)
 
 
-def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> None:
+def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float], capfd) -> None:
     """launch.txt is what ran; ft plan of the saved config gives the saved plan; the same ranks started by hand from
     the folder reproduce the losses, without importing the CLI or calling the planner, the probe or the resolver."""
     launch = (run / "launch.txt").read_text()
@@ -56,15 +99,9 @@ def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> 
         and str(run) in launch
         and "--nproc-per-node=2" in launch
     )
-    again = subprocess.run(
-        [sys.executable, "-m", "finetune", "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
-    assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout) == json.loads((run / "plan.json").read_text())
+    code, out, err = ft_here(capfd, "plan", str(run / "config.yaml"), "--hardware", "cpu:2", "--json")
+    assert code == 0, err
+    assert json.loads(out) == json.loads((run / "plan.json").read_text())
     (run / "metrics.jsonl").unlink()
     ranks = subprocess.run(
         [
@@ -92,57 +129,57 @@ def ranks_start_from_the_run_folder_alone(tmp_path, run, first: list[float]) -> 
 
 
 @pytest.mark.slow
-def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capfd):
     start = time.time()
     fail = step_hook(tmp_path, fail=(1, 3))
-    r = ft_train(job(tmp_path, "fail", steps=50), "--hardware", "cpu:2", env=fail, timeout=240)
-    assert r.returncode != 0
-    assert "injected failure on rank 1 at step 3" in r.stderr + r.stdout
-    assert "a rank exited with code" in r.stderr
+    code, out, err = ft_here(
+        capfd, "train", job(tmp_path, "fail", steps=50), "--hardware", "cpu:2", env=fail, timeout=240
+    )
+    assert code != 0
+    assert "injected failure on rank 1 at step 3" in err + out
+    assert "a rank exited with code" in err
     assert time.time() - start < 240
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_train_together(tmp_path, one_process):
+def test_two_nodes_on_loopback_train_together(tmp_path, one_process, capfd):
     config, port = job(tmp_path, "nodes"), str(free_port())
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "finetune",
-                "train",
-                config,
-                "--hardware",
-                "2x1xcpu",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(r),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-            ],
+
+    def node(r: int) -> list[str]:
+        return ["train", config, "--hardware", "2x1xcpu", "--nnodes", "2", "--node-rank", str(r)] + [
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+        ]
+
+    # node 1 in a process of its own (to files: a full pipe would stall it while node 0 runs), node 0 in this one
+    with open(tmp_path / "node1.out", "w") as out, open(tmp_path / "node1.err", "w") as err:
+        other = subprocess.Popen(
+            [sys.executable, "-m", "finetune", *node(1)],
             cwd=REPO,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stdout=out,
+            stderr=err,
             text=True,
         )
-        for r in (0, 1)
-    ]
-    outs = [n.communicate(timeout=300) for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "--node-rank=1" in outs[1][1] and "--master-addr=127.0.0.1" in outs[0][1]
-    assert all("gloo (ft's own collectives between nodes) uses lo" in err for _, err in outs)  # launch/netif.py
+    try:
+        code, _, err0 = ft_here(capfd, *node(0))
+        other.wait(timeout=300)
+    finally:
+        if other.poll() is None:
+            other.kill()
+    err1 = (tmp_path / "node1.err").read_text()
+    assert [code, other.returncode] == [0, 0], err0[-2000:] + err1[-2000:]
+    assert "--node-rank=1" in err1 and "--master-addr=127.0.0.1" in err0
+    assert all("gloo (ft's own collectives between nodes) uses lo" in err for err in (err0, err1))  # launch/netif.py
     plan = json.loads((tmp_path / "nodes" / "plan.json").read_text())
     assert (plan["nodes"], plan["world_size"], plan["backend"]) == (2, 2, "ddp")
     assert losses(tmp_path / "nodes") == pytest.approx(losses(one_process), rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.slow
-def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process):
+def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process, capfd):
     fsdp = job(tmp_path, "fsdp")
     sharded = [
         "--hardware",
@@ -158,9 +195,9 @@ def test_fsdp_matches_one_process_and_resumes_after_a_stop(tmp_path, one_process
         "--set",  # each layer's recomputed forward gathers its inner units (fsdp.pieces) again
         "train.gradient_checkpointing=true",
     ]
-    stopped = ft_train(fsdp, *sharded, env=step_hook(tmp_path, stop_at=4))
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert "Resume with: ft train CONFIG --resume" in stopped.stderr
+    code, _, stderr = ft_here(capfd, "train", fsdp, *sharded, env=step_hook(tmp_path, stop_at=4))
+    assert code == 143, stderr[-3000:]
+    assert "Resume with: ft train CONFIG --resume" in stderr
     ckpt = tmp_path / "fsdp" / "checkpoints" / "step-00000004"
     assert (ckpt / "dcp").is_dir() and (ckpt / "rng-1.pt").exists()  # sharded: every rank wrote its part
     assert json.loads((ckpt / "state.json").read_text())["format"] == "dcp"  # the engine's format, recorded
@@ -201,9 +238,11 @@ def test_lora_adapter_saved_from_fsdp_reloads_with_the_right_weights(tmp_path, o
 
 
 @pytest.mark.slow
-def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_activity(tmp_path):
+def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_activity(tmp_path, capfd):
     start = time.time()
-    r = ft_train(
+    code, stdout, stderr = ft_here(
+        capfd,
+        "train",
         job(tmp_path, "hang", steps=20),
         "--hardware",
         "cpu:2",
@@ -212,8 +251,8 @@ def test_a_rank_that_stops_responding_times_out_with_a_message_naming_rank_and_a
         env=step_hook(tmp_path, hang=(1, 3, 9)),
         timeout=240,
     )
-    out = " ".join((r.stderr + r.stdout).split())  # messages are wrapped to the terminal's width
-    assert r.returncode == 134, out[-3000:]  # retryable: a scheduler restarts the job, which resumes
+    out = " ".join((stderr + stdout).split())  # messages are wrapped to the terminal's width
+    assert code == 134, out[-3000:]  # retryable: a scheduler restarts the job, which resumes
     assert (
         "rank 0 waited 0.1 min for the other ranks during step 3 of 20: summing the step's trained tokens over ranks"
         in out
