@@ -78,6 +78,49 @@ def ft_train(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
+def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str, str]:
+    """`ft ARGS` as `ft_train` runs it (the CLI's entry, finetune.cli.main: its messages and exit code; one thread per
+    rank, `env` added), with this process as ft's process: no new interpreter imports torch for the launcher (seconds
+    a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it started are killed
+    (as ft_train's timeout ends its process) and the test fails."""
+    import signal
+    import threading
+
+    from finetune.cli import main
+    from finetune.errors import set_run_dir
+    from finetune.launch.stopping import children
+
+    expired = []
+
+    def kill_what_it_started():
+        expired.append(True)
+        for pid in children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    capfd.readouterr()  # what came before is not this command's
+    saved = dict(os.environ)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    timer = threading.Timer(timeout, kill_what_it_started)
+    timer.daemon = True
+    timer.start()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        timer.cancel()
+        os.environ.clear()
+        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
+        set_run_dir(None)  # the run's folder no longer receives this process's error logs
+    out, err = capfd.readouterr()
+    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
+    return code, out, err
+
+
 def train_here(config, *args: str, hardware: str = "cpu", resume: bool = False) -> dict:
     """`ft train CONFIG --hardware cpu [--set K=V ...] [--resume]` in this process with one thread, as `ft_train`'s
     process: for one-process runs whose results (not the CLI's output) a test checks, without a new interpreter's

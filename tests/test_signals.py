@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, job, job_text, launch_here, losses, setup_job, step_hook
+from tests.helpers import REPO, ft_here, job, job_text, launch_here, losses, setup_job, step_hook
 
 STEPS = 24
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds processes through /proc")
@@ -91,49 +91,6 @@ def stopped_once(proc: subprocess.Popen, signame: str, run: Path) -> int:
     )
     assert len(losses(run)) == state["step"] < STEPS  # stopped after the step it logged last, before the end
     return state["step"]
-
-
-def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str, str]:
-    """`ft ARGS` as `ft_train` runs it (the CLI's entry, finetune.cli.main: its messages and exit code; one thread per
-    rank, `env` added), with this process as ft's process: no new interpreter imports torch for the launcher (seconds
-    a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it started are killed
-    (as ft_train's timeout ends its process) and the test fails."""
-    import signal
-    import threading
-
-    from finetune.cli import main
-    from finetune.errors import set_run_dir
-    from finetune.launch.stopping import children
-
-    expired = []
-
-    def kill_what_it_started():
-        expired.append(True)
-        for pid in children(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-    capfd.readouterr()  # what came before is not this command's
-    saved = dict(os.environ)
-    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    timer = threading.Timer(timeout, kill_what_it_started)
-    timer.daemon = True
-    timer.start()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        timer.cancel()
-        os.environ.clear()
-        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
-        set_run_dir(None)  # the run's folder no longer receives this process's error logs
-    out, err = capfd.readouterr()
-    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
-    return code, out, err
 
 
 @pytest.fixture
