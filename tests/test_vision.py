@@ -76,12 +76,6 @@ def accuracy(folder, data) -> float:
     return sum(a.strip() == t for a, t in zip(answers(folder, data), truth)) / len(truth)
 
 
-def ft(*args, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "finetune", *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=timeout
-    )
-
-
 def generated(path) -> list[str]:
     return [json.loads(line)["completion"] for line in path.read_text().splitlines()]
 
@@ -112,7 +106,7 @@ def test_parts_and_the_llava_layout_read_into_the_same_record(tmp_path, vlm):
     assert normalize(text, spec)["images"] == []  # no images column: the marker is text
 
 
-def test_bad_images_are_named_with_file_and_line(tmp_path):
+def test_bad_images_are_named_with_file_and_line(tmp_path, vlm):
     from PIL import Image
 
     (tmp_path / "ok.png").write_bytes(b"")
@@ -128,8 +122,7 @@ def test_bad_images_are_named_with_file_and_line(tmp_path):
         "cut.png": "cannot be decoded",
         "bomb.png": "decompression bomb",
     }
-    model = tmp_path / "model"
-    build_vlm(model)
+    model = vlm / "model"
 
     def refusal(data) -> str:  # what ft preprocess says, in this process (one case below runs the command itself)
         from finetune.data.preprocess import prepare
@@ -219,8 +212,12 @@ def test_a_text_model_refuses_image_records_and_plans_refuse_packing_where_posit
     with pytest.raises(ConfigError, match=r"model\.train_vision.*no vision tower"):
         plan(text, parse("cpu"), model_facts(text.model))
     write_jsonl(image_records(4, tmp_path), tmp_path / "images.jsonl")
-    r = preprocess(job(tmp_path, "ft-tiny", tmp_path / "images.jsonl"))
-    assert r.returncode != 0 and f"{tmp_path / 'images.jsonl'}:1" in r.stderr and "vision-language model" in r.stderr
+    from finetune.errors import FtError
+    from finetune.workflow import run_preprocess
+
+    with pytest.raises(FtError) as e:  # what ft preprocess runs, in this process
+        run_preprocess(job(tmp_path, "ft-tiny", tmp_path / "images.jsonl"))
+    assert f"{tmp_path / 'images.jsonl'}:1" in str(e.value) and "vision-language model" in str(e.value)
 
 
 def test_a_4bit_base_leaves_every_vision_module_unquantized():
@@ -359,28 +356,30 @@ def test_prompts_with_images_are_read_expanded_and_refused_where_they_cannot_run
 
 # ---------------------------------------------------------------- training
 @pytest.mark.slow
-def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):
+def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm, capsys):
     """From 0 (the random model) to >= 90% held-out accuracy in 60 steps on CPU; the tower stays as it was, the
     projector (model.train_vision auto: projector under full fine-tuning) and the language model change; final/
     loads with AutoModelForImageTextToText + AutoProcessor."""
     from safetensors.torch import load_file
 
-    from tests.helpers import ft_train
+    from finetune.infer.commands import EvalOptions, GenerateOptions, run_eval, run_generate
+    from tests.helpers import train_here
 
     test = vlm / "data" / "test.jsonl"
     assert accuracy(vlm / "model", test) < 0.5
-    r = ft_train(job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl"), "--hardware", "cpu")
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl"))
     plan = json.loads((tmp_path / "run-full" / "plan.json").read_text())
     assert plan["vision"] and plan["train_vision"] == "projector"
     final = tmp_path / "run-full" / "final"
     oracle = answers(final, test)
     truth = [json.loads(line)["messages"][1]["content"] for line in test.read_text().splitlines()]
     assert sum(a.strip() == t for a, t in zip(oracle, truth)) / len(truth) >= 0.9
-    # ft eval and ft generate read the images of the prompts and give the model's own answers, in input order
-    r = ft("eval", tmp_path / "run-full", "--data", test, "--max-new-tokens", 8, "--json", "-b", 7, "-m", "exact_match")
-    assert r.returncode == 0, r.stderr[-3000:]
-    trained = json.loads(r.stdout)["metrics"]
+    # ft eval and ft generate (their commands, in this process) read the images of the prompts and give the model's
+    # own answers, in input order
+    capsys.readouterr()
+    options = dict(max_new_tokens=8, as_json=True, batch_size=7, metrics=["exact_match"], quiet=True)
+    run_eval(EvalOptions(str(tmp_path / "run-full"), data=str(test), **options))
+    trained = json.loads(capsys.readouterr().out)["metrics"]
     assert trained["exact_match"] >= 0.9
     # the answers' loss with their images (--metric loss), in this process: far below the untrained model's
     from finetune.artifacts import resolve
@@ -391,8 +390,7 @@ def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):
         return evaluate(EvalJob(resolve(str(source)), PromptSpec(str(test)), loss=True), progress=False).metrics["loss"]
 
     assert loss(tmp_path / "run-full") < loss(vlm / "model") / 3
-    r = ft("generate", tmp_path / "run-full", "-p", test, "-o", tmp_path / "out.jsonl", "--max-new-tokens", 8)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_generate(GenerateOptions(str(tmp_path / "run-full"), str(test), tmp_path / "out.jsonl", max_new_tokens=8))
     assert [a.strip() for a in generated(tmp_path / "out.jsonl")] == [a.strip() for a in oracle]
     before, after = load_file(str(vlm / "model" / "model.safetensors")), load_file(str(final / "model.safetensors"))
     tower = [k for k in before if "vision_tower" in k]
@@ -405,12 +403,11 @@ def test_full_fine_tuning_learns_what_only_the_images_answer(tmp_path, vlm):
 def test_lora_adapts_the_language_model_only(tmp_path, vlm):
     from safetensors.torch import load_file
 
-    from tests.helpers import ft_train
+    from finetune.infer.commands import GenerateOptions, run_generate
+    from finetune.merge import merge_lora
+    from tests.helpers import train_here
 
-    r = ft_train(
-        job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl", adapter="lora", steps=4), "--hardware", "cpu"
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_here(job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl", adapter="lora", steps=4))
     names = list(load_file(str(tmp_path / "run-lora" / "final" / "adapter_model.safetensors")))
     assert names and all("language_model" in n for n in names)
     assert (tmp_path / "run-lora" / "final" / "processor_config.json").is_file()
@@ -422,8 +419,7 @@ def test_lora_adapts_the_language_model_only(tmp_path, vlm):
     from finetune.vision import load_images
 
     merged = tmp_path / "merged"
-    r = ft("merge-lora", tmp_path / "run-lora", "--out", merged)
-    assert r.returncode == 0, r.stderr[-3000:]
+    merge_lora(tmp_path / "run-lora", merged)  # ft merge-lora, in this process
     processor = AutoProcessor.from_pretrained(str(merged))
     record = json.loads((vlm / "data" / "test.jsonl").read_text().splitlines()[0])
     text = processor.apply_chat_template(
@@ -442,13 +438,12 @@ def test_lora_adapts_the_language_model_only(tmp_path, vlm):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     test = vlm / "data" / "test.jsonl"
     for source, out in ((tmp_path / "run-lora", "run.jsonl"), (merged, "merged.jsonl")):
-        r = ft("generate", source, "-p", test, "-o", tmp_path / out, "--max-new-tokens", 4)
-        assert r.returncode == 0, r.stderr[-3000:]
+        run_generate(GenerateOptions(str(source), str(test), tmp_path / out, max_new_tokens=4))
     assert generated(tmp_path / "run.jsonl") == generated(tmp_path / "merged.jsonl")
 
 
 @pytest.mark.slow
-def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weights(tmp_path, vlm):
+def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weights(tmp_path, vlm, monkeypatch):
     """DDP over 2 ranks (the projector trained, the tower frozen) gives the one-process losses and weights, with
     text-only records mixed in (a micro-batch of one without an image leaves the projector without a gradient), and a
     run stopped at step 3 and resumed ends where the uninterrupted one does. FSDP2 makes the tower's blocks units and
@@ -457,7 +452,8 @@ def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weight
     from transformers import AutoModelForImageTextToText
 
     from finetune.distributed.fsdp import decoder_layers
-    from tests.helpers import ft_train, launch_here, losses, step_hook, train_here
+    from finetune.errors import Stopped
+    from tests.helpers import launch_here, losses, step_hook, train_here
 
     names = {type(m).__name__ for m in decoder_layers(AutoModelForImageTextToText.from_pretrained(vlm / "model"))}
     assert {"CLIPEncoderLayer", "LlamaDecoderLayer"} <= names
@@ -471,11 +467,14 @@ def test_two_processes_train_as_one_and_a_stopped_run_resumes_to_the_same_weight
     sets = ["--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=1", "--set", "output.save_steps=3"]
     sets += ["--set", "output.log_steps=1"]
     train_here(config, *sets, "--set", f"output.dir={tmp_path / 'one'}")
-    two = [*sets, "--set", f"output.dir={tmp_path / 'two'}", "--hardware", "cpu:2"]
-    stopped = ft_train(config, *two, env=step_hook(tmp_path, stop_at=3))
-    assert stopped.returncode == 143, stopped.stderr[-3000:]
-    resumed = ft_train(config, *two, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    two = [*sets, "--set", f"output.dir={tmp_path / 'two'}"]  # ft train --hardware cpu:2, this process the launcher
+    with monkeypatch.context() as hooked:  # the hook (FT_STEP_HOOK, which the ranks inherit) stopping after step 3
+        for name, value in step_hook(tmp_path, stop_at=3).items():
+            hooked.setenv(name, value)
+        with pytest.raises(Stopped) as stopped:
+            launch_here(config, *two)
+    assert stopped.value.exit_code == 143, str(stopped.value)
+    launch_here(config, *two, resume=True)
     plan = json.loads((tmp_path / "two" / "plan.json").read_text())
     assert (plan["backend"], plan["world_size"], plan["train_vision"]) == ("ddp", 2, "projector")
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
