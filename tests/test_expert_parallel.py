@@ -242,7 +242,7 @@ def test_lora_on_the_routed_experts_is_refused_on_the_rank():
 
 
 # ---------------------------------------------------------------- on gloo ranks
-def _torchrun(args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
         + [f"--master-port={free_port()}", *args],
@@ -254,24 +254,9 @@ def _torchrun(args: list[str], timeout: int = 400) -> subprocess.CompletedProces
     )
 
 
-@pytest.mark.slow
-def test_each_family_split_over_two_ranks_computes_what_one_process_does(tmp_path):
-    """The mean of the ranks' losses and every gradient (made whole) equal the whole model's; each rank holds 2 of the
-    4 experts of each layer."""
-    r = _torchrun([str(REPO / "tests" / "scripts" / "ep_probe.py"), str(tmp_path), *FAMILIES])
-    assert r.returncode == 0, r.stderr[-3000:]
-    for rank in (0, 1):
-        report = json.loads((tmp_path / f"probe-rank{rank}.json").read_text())
-        assert sorted(report) == sorted(FAMILIES)
-        for kind, case in report.items():
-            assert case["loss"][1] == pytest.approx(case["loss"][0], rel=1e-6), kind
-            assert max(case["grad_errors"].values()) < 1e-5, kind
-            assert case["local_experts"] and all(shape[0] == 2 for shape in case["local_experts"].values()), kind
-
-
-def _ep_run(tmp_path, config_path, *sets: str, resume_from=None) -> Path:
-    """The job planned for FSDP2 on 2 CPU processes with distributed.expert_parallel: 2, its ranks started from the
-    run folder (plan.json) as ft train starts them."""
+def _ep_folder(tmp_path, config_path, *sets: str) -> Path:
+    """The job planned for FSDP2 on 2 CPU processes with distributed.expert_parallel: 2, and its run folder written
+    (plan.json) as ft train writes it before it starts the ranks."""
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.hardware import parse
@@ -283,11 +268,46 @@ def _ep_run(tmp_path, config_path, *sets: str, resume_from=None) -> Path:
     p = make_plan(config, parse("cpu:2"), model_facts(config.model))
     assert (p.backend, p.world_size, p.expert_parallel) == ("fsdp", 2, 2)
     run.mkdir(exist_ok=True)
-    if resume_from is None:
-        write_run_folder(run, config, p, prepare(config), ["(test)"])
-    r = _torchrun(["-m", "finetune.rank", str(run)] + (["--resume-from", str(resume_from)] if resume_from else []))
-    assert r.returncode == 0, r.stderr[-4000:]
+    write_run_folder(run, config, p, prepare(config), ["(test)"])
     return run
+
+
+@pytest.fixture(scope="module")
+def ep_runs(tmp_path_factory, moe):
+    """One torchrun of 2 ranks (tests/scripts/ep_probe.py) for every 2-rank job of this file, one after another: each
+    family's split against its whole model; the Qwen3-MoE full fine-tuning job from its run folder as ft train starts
+    it (6 steps, a checkpoint at step 3), then a copy of that folder resumed from its step-3 checkpoint; the LoRA job
+    on the attention. The same full and LoRA jobs in one process (this one)."""
+    root = tmp_path_factory.mktemp("ep")
+    out = {"probe": root / "probe"}
+    out["probe"].mkdir()
+    runs = []
+    for name, sets in (("full", []), ("lora", [ATTENTION_LORA, "train.lr=0.02"])):
+        folder = root / name
+        folder.mkdir()
+        job = _job(folder, moe["qwen3_moe"], moe["data"], "one")
+        train_here(job, *[a for s in sets for a in ("--set", s)])
+        out[name] = {"one": folder / "one", "ep": _ep_folder(folder, job, *sets)}
+        runs.append(f"run={out[name]['ep']}")
+    out["full"]["resumed"] = root / "full" / "ep-resumed"  # the step-3 checkpoint's copy, resumed
+    step3 = out["full"]["ep"] / "checkpoints" / "step-00000003"
+    runs.insert(1, f"run={out['full']['resumed']}@resume={step3}")
+    r = _torchrun([str(REPO / "tests" / "scripts" / "ep_probe.py"), str(out["probe"]), *FAMILIES, *runs])
+    assert r.returncode == 0, r.stderr[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_each_family_split_over_two_ranks_computes_what_one_process_does(ep_runs):
+    """The mean of the ranks' losses and every gradient (made whole) equal the whole model's; each rank holds 2 of the
+    4 experts of each layer."""
+    for rank in (0, 1):
+        report = json.loads((ep_runs["probe"] / f"probe-rank{rank}.json").read_text())
+        assert sorted(report) == sorted(FAMILIES)
+        for kind, case in report.items():
+            assert case["loss"][1] == pytest.approx(case["loss"][0], rel=1e-6), kind
+            assert max(case["grad_errors"].values()) < 1e-5, kind
+            assert case["local_experts"] and all(shape[0] == 2 for shape in case["local_experts"].values()), kind
 
 
 def _logits(folder, lora_base=None):
@@ -303,22 +323,20 @@ def _logits(folder, lora_base=None):
 
 
 @pytest.mark.slow
-def test_full_fine_tuning_with_split_experts_matches_one_process_and_resumes(tmp_path, moe):
+def test_full_fine_tuning_with_split_experts_matches_one_process_and_resumes(tmp_path, ep_runs):
     """Qwen3-MoE, experts split over 2 ranks: per-step losses and gradient norms equal one process's (2 micro-batches
     per rank and step); each rank's DCP checkpoint holds its own experts; final/ reloads in one process with one
     process's logits, the step-3 checkpoint consolidates to one process's, and a run resumed from it continues with
     the uninterrupted run's losses."""
-    job = _job(tmp_path, moe["qwen3_moe"], moe["data"], "one")
-    train_here(job)
-    run = _ep_run(tmp_path, job)
-    one, two = metric_rows(tmp_path / "one"), metric_rows(run)
-    a, b = losses(tmp_path / "one"), losses(run)
+    one_dir, run = ep_runs["full"]["one"], ep_runs["full"]["ep"]
+    one, two = metric_rows(one_dir), metric_rows(run)
+    a, b = losses(one_dir), losses(run)
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     assert [r["grad_norm"] for r in two if "grad_norm" in r] == pytest.approx(
         [r["grad_norm"] for r in one if "grad_norm" in r], rel=1e-4
     )
-    assert torch.allclose(_logits(run / "final"), _logits(tmp_path / "one" / "final"), atol=1e-5)
+    assert torch.allclose(_logits(run / "final"), _logits(one_dir / "final"), atol=1e-5)
     import torch.distributed.checkpoint as dcp
 
     saved = dcp.FileSystemReader(str(run / "checkpoints" / "step-00000003" / "dcp")).read_metadata()
@@ -327,26 +345,22 @@ def test_full_fine_tuning_with_split_experts_matches_one_process_and_resumes(tmp
     from finetune.consolidate import consolidate
 
     mine = consolidate(run, step=3, out=tmp_path / "c-ep")
-    theirs = consolidate(tmp_path / "one", step=3, out=tmp_path / "c-one")
+    theirs = consolidate(one_dir, step=3, out=tmp_path / "c-one")
     assert torch.allclose(_logits(mine), _logits(theirs), atol=1e-5)
-    _ep_run(tmp_path, job, resume_from=run / "checkpoints" / "step-00000003")
-    assert losses(run) == pytest.approx(b, rel=1e-5)  # steps 4-6 again, from the checkpoint
+    # steps 4-6 again, from the checkpoint (in a copy of the run folder taken after the run)
+    assert losses(ep_runs["full"]["resumed"]) == pytest.approx(b, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_lora_on_the_attention_with_split_frozen_experts_matches_one_process(tmp_path, moe):
+def test_lora_on_the_attention_with_split_frozen_experts_matches_one_process(ep_runs, moe):
     """LoRA on the attention projections, the frozen experts split over 2 ranks: losses equal one process's and the
     saved adapter reloads on the base in one process with one process's logits."""
-    job = _job(tmp_path, moe["qwen3_moe"], moe["data"], "one")
-    train_here(job, "--set", ATTENTION_LORA, "--set", "train.lr=0.02")
-    run = _ep_run(tmp_path, job, ATTENTION_LORA, "train.lr=0.02")
-    a, b = losses(tmp_path / "one"), losses(run)
+    one_dir, run = ep_runs["lora"]["one"], ep_runs["lora"]["ep"]
+    a, b = losses(one_dir), losses(run)
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert b == pytest.approx(a, rel=1e-5, abs=1e-6)
     base = moe["qwen3_moe"]
-    assert torch.allclose(
-        _logits(run / "final", lora_base=base), _logits(tmp_path / "one" / "final", lora_base=base), atol=1e-5
-    )
+    assert torch.allclose(_logits(run / "final", lora_base=base), _logits(one_dir / "final", lora_base=base), atol=1e-5)
 
 
 # ---------------------------------------------------------------- two GPUs (NCCL)

@@ -2,7 +2,9 @@
 family whole in this process, and a copy wrapped by finetune/distributed/fsdp.py with its routed experts split over the
 ranks (distributed/ep.py, FSDP2 for the rest). Each rank runs the split copy on its own rows; the mean of the ranks'
 losses and every gradient (made whole) must equal the whole model's on all the rows. Writes OUT/probe-rank{R}.json.
-Usage: ep_probe.py OUT FAMILY..."""
+Then each run folder named (run=RUN_DIR[@resume=CHECKPOINT]) is trained in turn in the same ranks, as
+`python -m finetune.rank` trains it (probe_common.train_run_folders): one launch for every job of the test file.
+Usage: ep_probe.py OUT [FAMILY...] [run=RUN_DIR[@resume=CHECKPOINT]...]"""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import RUN, train_run_folders  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 FAMILIES = {
@@ -73,12 +78,15 @@ def compare(kind: str, rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    out, kinds = Path(sys.argv[1]), sys.argv[2:]
+    out = Path(sys.argv[1])
+    kinds = [a for a in sys.argv[2:] if not a.startswith(RUN)]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    report = {kind: compare(kind, rank, world) for kind in kinds}
-    (out / f"probe-rank{rank}.json").write_text(json.dumps(report))
+    if kinds:
+        report = {kind: compare(kind, rank, world) for kind in kinds}
+        (out / f"probe-rank{rank}.json").write_text(json.dumps(report))
     dist.barrier()
+    train_run_folders([a for a in sys.argv[2:] if a.startswith(RUN)])
 
 
 if __name__ == "__main__":
