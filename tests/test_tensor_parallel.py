@@ -111,26 +111,10 @@ def test_ranks_of_one_block_share_their_rows_and_are_consecutive():
 
 
 # ---------------------------------------------------------------- on gloo ranks
-@pytest.mark.slow
-def test_each_family_split_over_two_ranks_computes_what_one_process_does(tmp_path):
-    """Logits, loss and every gradient (made whole), with and without LoRA, for the catalog's families."""
-    families = ["Llama", "Qwen2", "Mistral", "Gemma", "Gemma2"]
-    r = _torchrun(2, [str(REPO / "tests" / "scripts" / "tp_probe.py"), str(tmp_path), *families])
-    assert r.returncode == 0, r.stderr[-3000:]
-    for rank in (0, 1):
-        report = json.loads((tmp_path / f"probe-rank{rank}.json").read_text())
-        assert sorted(report) == sorted(f"{k}-{m}" for k in families for m in ("full", "lora"))
-        for name, case in report.items():
-            assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-6), name
-            assert case["logits"] < 1e-5, name
-            assert case["grad_errors"] and max(case["grad_errors"].values()) < 1e-5, name
-            assert case["same_trainable"], name  # the norms of a LoRA job stay frozen once split
-            assert case["sharded"], name
-            if name.endswith("lora"):  # every adapter matrix has its gradient
-                assert sum(".lora_" in n for n in case["grad_errors"]) == 2 * 7 * 2, name
+FAMILIES = ["Llama", "Qwen2", "Mistral", "Gemma", "Gemma2"]
 
 
-def _torchrun(processes: int, args: list[str], timeout: int = 400) -> subprocess.CompletedProcess:
+def _torchrun(processes: int, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -149,9 +133,10 @@ def _torchrun(processes: int, args: list[str], timeout: int = 400) -> subprocess
     )
 
 
-def _tp_run(tmp_path, name: str, world: int, tp_degree: int, *overrides: str, resume_from=None, config_path=None):
+def _tp_folder(tmp_path, name: str, world: int, tp_degree: int, *overrides: str, config_path=None):
     """The tiny job (tests/helpers.py `job`) planned for FSDP2 on `world` CPU processes with
-    distributed.tensor_parallel set, then its ranks started from the run folder (plan.json), as ft train starts them."""
+    distributed.tensor_parallel set, and its run folder written (plan.json) as ft train writes it before it starts
+    the ranks."""
     from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.hardware import parse
@@ -164,12 +149,65 @@ def _tp_run(tmp_path, name: str, world: int, tp_degree: int, *overrides: str, re
     assert (p.backend, p.world_size, p.tensor_parallel, p.data_parallel) == ("fsdp", world, tp_degree, world // 2)
     run = tmp_path / name
     run.mkdir(exist_ok=True)
-    if resume_from is None:
-        write_run_folder(run, config, p, prepare(config), ["(test)"])
-    cmd = ["-m", "finetune.rank", str(run)] + (["--resume-from", str(resume_from)] if resume_from else [])
-    r = _torchrun(world, cmd)
-    assert r.returncode == 0, r.stderr[-4000:]
+    write_run_folder(run, config, p, prepare(config), ["(test)"])
     return run
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """Every multi-process job of this file in two torchrun launches. 2 ranks (tests/scripts/tp_probe.py): each
+    family split against its whole model, then from their run folders, as ft train starts them, one after another:
+    full fine-tuning (tp 2, a checkpoint at step 3), a copy of that folder resumed from its step-3 checkpoint, LoRA,
+    DPO with a precomputed reference. 4 ranks (python -m finetune.rank): full fine-tuning on dp 2 x tp 2. DPO also in
+    one process (this one)."""
+    from finetune.tiny import preference_records, write_jsonl
+
+    root = tmp_path_factory.mktemp("tp")
+    probe = root / "probe"
+    probe.mkdir()
+    full = {
+        world: _tp_folder(root / f"world{world}", "tp", world, 2, "--set", "output.save_steps=3") for world in (2, 4)
+    }
+    lora = _tp_folder(root / "lora", "tp-lora", 2, 2, *LORA)
+    dpo_dir = root / "dpo"
+    dpo_dir.mkdir()
+    data = write_jsonl(preference_records(32, seed=3), dpo_dir / "pairs.jsonl")
+    config = dpo_dir / "dpo.yaml"
+    config.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, cache_dir: {dpo_dir / "cache"}}}
+method: {{name: dpo, reference: precomputed, beta: 0.5}}
+adapter: {{type: full}}
+train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: 3, lr: 1.0e-3, warmup_steps: 1}}
+output: {{dir: {dpo_dir / "one"}, log_steps: 1, save_steps: 0}}
+""")
+    train_here(config)
+    dpo = _tp_folder(dpo_dir, "dpo-tp", 2, 2, "--set", f"output.dir={dpo_dir / 'dpo-tp'}", config_path=config)
+    resumed = root / "world2" / "tp-resumed"
+    step3 = full[2] / "checkpoints" / "step-00000003"
+    runs = [f"run={full[2]}", f"run={resumed}@resume={step3}", f"run={lora}", f"run={dpo}"]
+    r = _torchrun(2, [str(REPO / "tests" / "scripts" / "tp_probe.py"), str(probe), *FAMILIES, *runs])
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = _torchrun(4, ["-m", "finetune.rank", str(full[4])])
+    assert r.returncode == 0, r.stderr[-4000:]
+    return {"probe": probe, "full": full, "resumed": resumed, "lora": lora, "dpo": dpo, "dpo_one": dpo_dir / "one"}
+
+
+@pytest.mark.slow
+def test_each_family_split_over_two_ranks_computes_what_one_process_does(tp_runs):
+    """Logits, loss and every gradient (made whole), with and without LoRA, for the catalog's families."""
+    families = FAMILIES
+    for rank in (0, 1):
+        report = json.loads((tp_runs["probe"] / f"probe-rank{rank}.json").read_text())
+        assert sorted(report) == sorted(f"{k}-{m}" for k in families for m in ("full", "lora"))
+        for name, case in report.items():
+            assert case["loss"][0] == pytest.approx(case["loss"][1], rel=1e-6), name
+            assert case["logits"] < 1e-5, name
+            assert case["grad_errors"] and max(case["grad_errors"].values()) < 1e-5, name
+            assert case["same_trainable"], name  # the norms of a LoRA job stay frozen once split
+            assert case["sharded"], name
+            if name.endswith("lora"):  # every adapter matrix has its gradient
+                assert sum(".lora_" in n for n in case["grad_errors"]) == 2 * 7 * 2, name
 
 
 def _logits(folder, lora_base=None):
@@ -189,11 +227,11 @@ def _logits(folder, lora_base=None):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])  # tp 2 alone, and dp 2 × tp 2
-def test_full_fine_tuning_over_tp_matches_one_process_and_resumes(tmp_path, one_process, world):
+def test_full_fine_tuning_over_tp_matches_one_process_and_resumes(tmp_path, one_process, tp_runs, world):
     """Per-step losses (6 steps, 2 micro-batches per rank and step) equal one process's; the final model reloads in
     one process with one process's logits; (tp 2) the checkpoint of step 3 consolidates in one process to one
     process's, and a run resumed from it continues with the uninterrupted run's losses."""
-    run = _tp_run(tmp_path, "tp", world, 2, "--set", "output.save_steps=3")
+    run = tp_runs["full"][world]
     plan = json.loads((run / "plan.json").read_text())
     assert (plan["backend"], plan["world_size"], plan["tensor_parallel"]) == ("fsdp", world, 2)
     a, b = losses(one_process), losses(run)
@@ -218,17 +256,16 @@ def test_full_fine_tuning_over_tp_matches_one_process_and_resumes(tmp_path, one_
     mine = consolidate(run, step=3, out=tmp_path / "c-tp")
     theirs = consolidate(one_process, step=3, out=tmp_path / "c-one")
     assert torch.allclose(_logits(mine), _logits(theirs), atol=1e-4)
-    checkpoint = run / "checkpoints" / "step-00000003"
-    _tp_run(tmp_path, "tp", world, 2, "--set", "output.save_steps=3", resume_from=checkpoint)
-    assert losses(run) == pytest.approx(b, rel=1e-5)  # steps 4-6 again, from the checkpoint
+    # steps 4-6 again, from the checkpoint (in a copy of the run folder taken after the run)
+    assert losses(tp_runs["resumed"]) == pytest.approx(b, rel=1e-5)
 
 
 @pytest.mark.slow
-def test_lora_over_tp_matches_one_process(tmp_path, one_process_lora):
+def test_lora_over_tp_matches_one_process(one_process_lora, tp_runs):
     """LoRA (adapter matrices split with their projections): losses equal one process's, and the saved adapter
     reloads on the base in one process with one process's logits. (The 2-D mesh, dp 2 x tp 2, is the full fine-tuning
     test's: LoRA adds nothing to the data-parallel side of it.)"""
-    run = _tp_run(tmp_path, "tp-lora", 2, 2, *LORA)
+    run = tp_runs["lora"]
     a, b = losses(one_process_lora), losses(run)
     assert len(a) == len(b) == 6 and a[-1] < a[0]
     assert b == pytest.approx(a, rel=1e-4, abs=1e-5)
@@ -242,23 +279,9 @@ def test_lora_over_tp_matches_one_process(tmp_path, one_process_lora):
 
 
 @pytest.mark.slow
-def test_dpo_with_a_precomputed_reference_over_tp_matches_one_process(tmp_path):
+def test_dpo_with_a_precomputed_reference_over_tp_matches_one_process(tp_runs):
     """The ranks of a tp group score the same reference rows (each row counted once in the summed table) and train on
     the same pairs: losses equal one process's."""
-    from finetune.tiny import preference_records, write_jsonl
-
-    data = write_jsonl(preference_records(32, seed=3), tmp_path / "pairs.jsonl")
-    config = tmp_path / "dpo.yaml"
-    config.write_text(f"""
-model: {{name: ft-tiny}}
-data: {{datasets: [{{path: {data}, format: preference}}], seq_len: 48, cache_dir: {tmp_path / "cache"}}}
-method: {{name: dpo, reference: precomputed, beta: 0.5}}
-adapter: {{type: full}}
-train: {{global_batch_size: 8, micro_batch_size: 4, max_steps: 3, lr: 1.0e-3, warmup_steps: 1}}
-output: {{dir: {tmp_path / "one"}, log_steps: 1, save_steps: 0}}
-""")
-    train_here(config)
-    run = _tp_run(tmp_path, "dpo-tp", 2, 2, "--set", f"output.dir={tmp_path / 'dpo-tp'}", config_path=config)
-    a, b = losses(tmp_path / "one"), losses(run)
+    a, b = losses(tp_runs["dpo_one"]), losses(tp_runs["dpo"])
     assert len(a) == len(b) == 3 and a[0] != a[-1]
     assert b == pytest.approx(a, rel=1e-4, abs=1e-5)

@@ -1,6 +1,9 @@
 """One rank of the tensor-parallel probe (tests/test_tensor_parallel.py): a tiny model of each family, whole in this
 process and split over the ranks by finetune/distributed/tp.py, with and without LoRA; the split one's logits, loss
-and every gradient (made whole) must equal the whole one's. Writes OUT/probe-rank{R}.json."""
+and every gradient (made whole) must equal the whole one's. Writes OUT/probe-rank{R}.json. Then each run folder named
+(run=RUN_DIR[@resume=CHECKPOINT]) is trained in turn in the same ranks, as `python -m finetune.rank` trains it
+(probe_common.train_run_folders): one launch for the test file's jobs of this world size.
+Usage: tp_probe.py OUT [FAMILY...] [run=RUN_DIR[@resume=CHECKPOINT]...]"""
 
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_common import RUN, train_run_folders  # noqa: E402
 
 
 def tiny(kind: str):
@@ -69,17 +75,20 @@ def compare(kind: str, lora: bool, tp_mesh) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    kinds = [a for a in sys.argv[2:] if not a.startswith(RUN)]
     dist.init_process_group("gloo")
     from finetune.distributed import mesh
 
-    grid = mesh.device_mesh("cpu", dist.get_world_size(), dist.get_world_size(), 1)
-    report = {
-        f"{kind}-{'lora' if lora else 'full'}": compare(kind, lora, grid[mesh.TP])
-        for kind in sys.argv[2:]
-        for lora in (False, True)
-    }
-    (out / f"probe-rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    if kinds:
+        grid = mesh.device_mesh("cpu", dist.get_world_size(), dist.get_world_size(), 1)
+        report = {
+            f"{kind}-{'lora' if lora else 'full'}": compare(kind, lora, grid[mesh.TP])
+            for kind in kinds
+            for lora in (False, True)
+        }
+        (out / f"probe-rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.barrier()
+    train_run_folders([a for a in sys.argv[2:] if a.startswith(RUN)])
 
 
 if __name__ == "__main__":
