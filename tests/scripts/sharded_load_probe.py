@@ -1,12 +1,16 @@
 """Jobs built by train.setup on this rank, reporting peak memory and (optionally) their whole weights.
 
-python tests/scripts/sharded_load_probe.py HARDWARE OUT CONFIG [CONFIG ...] [--weights] [--no-step] [--generation=MODE]
+python tests/scripts/sharded_load_probe.py HARDWARE OUT CONFIG[@weights] [CONFIG ...] [--weights] [--no-step]
+  [--generation=MODE] [--fresh-peak]
 (under torchrun for several ranks). Each job runs in turn in the same process; each rank prints one line
-`PROBE {json}` per job: its peak resident memory (VmHWM) before and after building the job (meaningful for
-the first job only: the peak never goes down), the loss of one training step, and what its reference
-model's parameters are; the same report goes to OUT/probe-<job>-rank<rank>.json. With --weights, rank 0 writes
-OUT/weights-<i>.pt for job i: every parameter
-gathered whole, and the logits of a fixed input, to compare with a one-process run of the same job.
+`PROBE {json}` per job: its peak resident memory (VmHWM) before and after building the job and after its step
+(the peak never goes down: a job after a larger one shows that one's peak, unless --fresh-peak), the loss of one
+training step, and what its reference model's parameters are; the same report goes to OUT/probe-<job>-rank<rank>.json.
+With --weights (every job) or @weights (that job), rank 0 writes OUT/weights-<i>.pt for job i: every parameter
+gathered whole, and the logits of a fixed input, to compare with a one-process run of the same job. --fresh-peak:
+before each job what the last one left is freed and the peak mark reset to the memory in use (/proc/self/clear_refs;
+buffers of 1 MiB and more go back to the system, distributed/hostmem.py), so that each job's figures are its own, as
+first in a fresh process.
 """
 
 import dataclasses
@@ -44,6 +48,7 @@ def run_job(
     weights: bool = False,
     step: bool = True,
     generation: str | None = None,
+    fresh_peak: bool = False,
 ) -> dict:
     """Build one job as a rank of `hardware` would, optionally gather its weights, take one step; returns the report."""
     config = load(config_path)
@@ -52,6 +57,12 @@ def run_job(
     job_plan = plan(config, parse(hardware), model_facts(config.model), new_tokens=added)
     if generation:
         job_plan = dataclasses.replace(job_plan, generation=generation)
+    if fresh_peak:
+        from finetune.distributed.hostmem import return_freed_memory
+
+        gc.collect()
+        return_freed_memory()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from the memory in use now
     before = peak_rss()
     job = setup(config, job_plan, prepared)
     loaded = peak_rss()
@@ -86,12 +97,12 @@ def main() -> None:
     from finetune.distributed.runtime import launched
 
     hardware, out = sys.argv[1], Path(sys.argv[2])
-    configs = [a for a in sys.argv[3:] if not a.startswith("--")]
+    configs = [a.split("@") for a in sys.argv[3:] if not a.startswith("--")]
     generation = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--generation=")), None)
-    for i, config_path in enumerate(configs):
-        report = run_job(
-            config_path, hardware, out, i, "--weights" in sys.argv, "--no-step" not in sys.argv, generation
-        )
+    for i, (config_path, *options) in enumerate(configs):
+        weights = "--weights" in sys.argv or "weights" in options
+        step, fresh = "--no-step" not in sys.argv, "--fresh-peak" in sys.argv
+        report = run_job(config_path, hardware, out, i, weights, step, generation, fresh)
         (out / f"probe-{i}-rank{report['rank']}.json").write_text(json.dumps(report))
         print("PROBE " + json.dumps(report), flush=True)
     if launched() and torch.distributed.is_initialized():
