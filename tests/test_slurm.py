@@ -99,52 +99,68 @@ def fake_slurm(tmp_path) -> dict:
     }
 
 
+def ft_here(capfd, *args: str, env=None, cwd=None, timeout: float = 300) -> tuple[int, str, str]:
+    """`ft ARGS` as a new process runs it (the CLI's entry, finetune.cli.main: its messages and exit code; `env`
+    added, in the folder `cwd`), with this process as ft's process: no new interpreter imports for it. Its exit
+    code, stdout and stderr. After `timeout` s the processes it started are killed and the test fails."""
+    import signal
+    import threading
+
+    from finetune.cli import main
+    from finetune.errors import set_run_dir
+    from finetune.launch.stopping import children
+
+    expired = []
+
+    def kill_what_it_started():
+        expired.append(True)
+        for pid in children(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    capfd.readouterr()  # what came before is not this command's
+    saved, here = dict(os.environ), os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
+    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
+    timer = threading.Timer(timeout, kill_what_it_started)
+    timer.daemon = True
+    timer.start()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        timer.cancel()
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
+        set_run_dir(None)  # the run's folder no longer receives this process's error logs
+    out, err = capfd.readouterr()
+    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
+    return code, out, err
+
+
 @pytest.mark.slow
-def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port_from_the_job_id(tmp_path):
+def test_the_script_asks_for_whole_nodes_a_warning_ahead_of_the_limit_and_a_port_from_the_job_id(tmp_path, capfd):
     script = tmp_path / "job.sbatch"
     (tmp_path / "data" / "sft").mkdir(parents=True)
     (tmp_path / "data" / "sft" / "part-0.jsonl").write_text('{"messages": []}\n')  # ft launch checks the data paths
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "finetune",
-            "launch",
-            str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"),
-            "--slurm",
-            "--hardware",
-            "2x8xA100-40GB",
-            "--out",
-            str(script),
-            "--partition",
-            "gpu",
-        ],
-        capture_output=True,
-        text=True,
+    example = str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml")
+    code, _, err = ft_here(
+        capfd,
+        *["launch", example, "--slurm", "--hardware", "2x8xA100-40GB", "--out", str(script), "--partition", "gpu"],
         cwd=tmp_path,  # where the job's data/sft/*.jsonl are, and its run folder goes
-        env={**os.environ, "HF_TOKEN": "hf_secretvalue123"},
-        timeout=300,
+        env={"HF_TOKEN": "hf_secretvalue123"},
     )
-    assert r.returncode == 0, r.stderr
+    assert code == 0, err
     text = script.read_text()
-    plan = json.loads(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "finetune",
-                "plan",
-                str(REPO / "examples/yaml/mistral-7b-zero3-2x8xa100.yaml"),
-                "--hardware",
-                "2x8xA100-40GB",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=300,
-        ).stdout
-    )
+    code, out, err = ft_here(capfd, "plan", example, "--hardware", "2x8xA100-40GB", "--json", cwd=REPO)
+    assert code == 0, err
+    plan = json.loads(out)
     stop = plan["cluster"]["stop_seconds"]
     assert stop >= 180
     for needle in (
@@ -188,7 +204,7 @@ def slurm_port() -> str:
 
 
 @pytest.mark.slow
-def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate_refuses(tmp_path, monkeypatch):
+def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate_refuses(tmp_path, monkeypatch, capfd):
     import re
 
     from finetune.resume import resume_point
@@ -214,13 +230,11 @@ def test_ft_launch_makes_the_folder_of_the_jobs_log_and_refuses_what_ft_validate
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path(config).read_text().replace(str(tmp_path / "d.jsonl"), str(tmp_path / "missing.jsonl")))
     said = [
-        subprocess.run(
-            [sys.executable, "-m", "finetune", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300
-        )
+        ft_here(capfd, *args, cwd=tmp_path)
         for args in (["validate", str(bad)], ["launch", str(bad), "--slurm", "--hardware", "cpu", "-o", "bad.sbatch"])
     ]
-    assert [r.returncode for r in said] == [2, 2], said[1].stderr
-    assert said[1].stderr == said[0].stderr and "data.datasets[0].path: data file not found" in said[0].stderr
+    assert [code for code, _, _ in said] == [2, 2], said[1][2]
+    assert said[1][2] == said[0][2] and "data.datasets[0].path: data file not found" in said[0][2]
     assert not (tmp_path / "bad.sbatch").exists() and not (tmp_path / "unused").exists()
 
 
@@ -385,22 +399,20 @@ def test_a_rank_that_makes_no_progress_explains_where_before_the_timeout():
 
 @pytest.mark.slow
 @linux
-def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_path, one_process):
+def test_ft_launch_generate_writes_a_one_node_script_that_runs_ft_generate(tmp_path, one_process, capfd):
     from finetune.tiny import arithmetic_records, write_jsonl
 
     prompts = write_jsonl(arithmetic_records(6, seed=3), tmp_path / "prompts.jsonl")
     out, script = tmp_path / "gen" / "out.jsonl", tmp_path / "gen.sbatch"
     args = [str(one_process), "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "4", "--quiet"]
-    launch = [sys.executable, "-m", "finetune", "launch", "generate", "--slurm", "--hardware", "cpu", "-o", str(script)]
-    r = subprocess.run([*launch, "--", *args], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert r.returncode == 0, r.stderr
+    launch = ["launch", "generate", "--slurm", "--hardware", "cpu", "-o", str(script)]
+    code, _, err = ft_here(capfd, *launch, "--", *args, cwd=REPO)
+    assert code == 0, err
     text = script.read_text()
     assert "#SBATCH --nodes=1" in text and "#SBATCH --exclusive" in text and "--gpus-per-node" not in text
     assert f"#SBATCH --output={out.parent}/slurm-%j.out" in text
-    bad = subprocess.run(
-        [*launch, "--", str(one_process), "--prompts", str(prompts)], capture_output=True, text=True, timeout=300
-    )
-    assert bad.returncode != 0 and "--out" in bad.stderr and "Traceback" not in bad.stderr
+    code, _, err = ft_here(capfd, *launch, "--", str(one_process), "--prompts", str(prompts))
+    assert code != 0 and "--out" in err and "Traceback" not in err
     env = {**os.environ, **fake_slurm(tmp_path), "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node1"}
     ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr[-3000:]
