@@ -78,11 +78,11 @@ def ft_train(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
     )
 
 
-def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str, str]:
+def ft_here(capfd, *args: str, env=None, cwd=None, timeout: float = 300) -> tuple[int, str, str]:
     """`ft ARGS` as `ft_train` runs it (the CLI's entry, finetune.cli.main: its messages and exit code; one thread per
-    rank, `env` added), with this process as ft's process: no new interpreter imports torch for the launcher (seconds
-    a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it started are killed
-    (as ft_train's timeout ends its process) and the test fails."""
+    rank, `env` added, in the folder `cwd`), with this process as ft's process: no new interpreter imports torch for
+    the launcher (seconds a run). Its exit code, stdout and stderr (the ranks' too). After `timeout` s the processes it
+    started are killed (as ft_train's timeout ends its process) and the test fails."""
     import signal
     import threading
 
@@ -101,7 +101,9 @@ def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str
                 pass
 
     capfd.readouterr()  # what came before is not this command's
-    saved = dict(os.environ)
+    saved, here = dict(os.environ), os.getcwd()
+    if cwd is not None:
+        os.chdir(cwd)
     os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
     timer = threading.Timer(timeout, kill_what_it_started)
     timer.daemon = True
@@ -113,6 +115,7 @@ def ft_here(capfd, *args: str, env=None, timeout: float = 300) -> tuple[int, str
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         timer.cancel()
+        os.chdir(here)
         os.environ.clear()
         os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
         set_run_dir(None)  # the run's folder no longer receives this process's error logs

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from finetune.errors import FtError
-from tests.helpers import REPO, free_port, job, job_text, losses, setup_job, step_hook
+from tests.helpers import REPO, free_port, ft_here, job, job_text, losses, setup_job, step_hook
 
 linux = pytest.mark.skipif(not Path("/proc").is_dir(), reason="the fake srun finds processes through /proc")
 
@@ -97,51 +97,6 @@ def fake_slurm(tmp_path) -> dict:
         "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
         "OMP_NUM_THREADS": "1",
     }
-
-
-def ft_here(capfd, *args: str, env=None, cwd=None, timeout: float = 300) -> tuple[int, str, str]:
-    """`ft ARGS` as a new process runs it (the CLI's entry, finetune.cli.main: its messages and exit code; `env`
-    added, in the folder `cwd`), with this process as ft's process: no new interpreter imports for it. Its exit
-    code, stdout and stderr. After `timeout` s the processes it started are killed and the test fails."""
-    import signal
-    import threading
-
-    from finetune.cli import main
-    from finetune.errors import set_run_dir
-    from finetune.launch.stopping import children
-
-    expired = []
-
-    def kill_what_it_started():
-        expired.append(True)
-        for pid in children(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-    capfd.readouterr()  # what came before is not this command's
-    saved, here = dict(os.environ), os.getcwd()
-    if cwd is not None:
-        os.chdir(cwd)
-    os.environ.update({"OMP_NUM_THREADS": "1", **(env or {})})
-    timer = threading.Timer(timeout, kill_what_it_started)
-    timer.daemon = True
-    timer.start()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        timer.cancel()
-        os.chdir(here)
-        os.environ.clear()
-        os.environ.update(saved)  # and the variables the CLI set for its process (no bars) are gone again
-        set_run_dir(None)  # the run's folder no longer receives this process's error logs
-    out, err = capfd.readouterr()
-    assert not expired, f"ft {' '.join(args)} ran longer than {timeout} s:\n{err[-3000:]}"
-    return code, out, err
 
 
 @pytest.mark.slow
