@@ -202,3 +202,22 @@ def test_prompts_with_images_give_transformers_greedy_answers_on_vllm(tmp_path):
     for engine in ("transformers", "vllm"):
         generate(job(str(tmp_path / "model"), prompts, tmp_path / f"{engine}.jsonl", engine), 1, progress=False)
     assert (tmp_path / "vllm.jsonl").read_bytes() == (tmp_path / "transformers.jsonl").read_bytes()
+
+
+def test_vllm_refuses_images_of_a_model_it_cannot_serve_them_for(tmp_path):
+    """Llama 3.2 Vision: vLLM has no model of it and its Transformers backend cannot count its image tokens, so
+    `--engine vllm` with image prompts is refused before any engine starts, naming the fix."""
+    from finetune.tiny import build_mllama_vlm, image_records, write_jsonl
+
+    build_mllama_vlm(tmp_path / "model")
+    prompts = write_jsonl(image_records(2, tmp_path / "data", seed=1), tmp_path / "data" / "prompts.jsonl")
+    job = GenerateJob(
+        resolve(str(tmp_path / "model")), PromptSpec(str(prompts)), str(tmp_path / "out.jsonl"), engine="vllm"
+    )
+    with pytest.raises(
+        FtError,
+        match=r"--engine vllm: vLLM .* no model of MllamaForConditionalGeneration[\s\S]*"
+        r"fix: --engine transformers",
+    ):
+        generate(job, processes=1, progress=False)
+    assert not (tmp_path / "out.jsonl").exists()

@@ -92,6 +92,24 @@ def choose(engine: str, tensor_parallel: int) -> str:
     return chosen
 
 
+def vllm_images_problem(source, processor) -> str | None:
+    """Why vLLM cannot take this model's prompts with images, or None. vLLM serves images through its own model of
+    the architecture (its ModelRegistry) or, failing that, its Transformers backend, which counts each image's tokens
+    with the processor's _get_num_multimodal_tokens; a processor without it (Llama 3.2 Vision's, whose images do not
+    enter the text) fails there when the engine starts."""
+    import vllm
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.model, trust_remote_code=source.trust_remote_code)
+    archs = list(getattr(config, "architectures", None) or [])
+    if set(archs) & set(vllm.ModelRegistry.get_supported_archs()) or hasattr(processor, "_get_num_multimodal_tokens"):
+        return None
+    return (
+        f"vLLM {vllm.__version__} has no model of {', '.join(archs) or config.model_type}, and its Transformers "
+        f"backend cannot count the image tokens of {type(processor).__name__}"
+    )
+
+
 def torch_dtype(name: str, device):
     """The dtype to generate in: `auto` is fp32 on CPU, bf16 on GPUs that support it, else fp16."""
     import torch

@@ -120,6 +120,7 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     from finetune.infer.prompts import encode, load_processor, read_prompts, template_for
 
     prompt_set = read_prompts(job.prompts)
+    asked, batch = job.engine, job.batch_size
     engine = engines.choose(job.engine, job.tensor_parallel)
     job = dataclasses.replace(
         job,
@@ -133,6 +134,12 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     tokenizer = load_tokenizer(job.source)
     jinja = template_for(tokenizer, job.template)
     processor = load_processor(job.source, prompts)
+    if job.engine == "vllm" and processor is not None:
+        problem = engines.vllm_images_problem(job.source, processor)
+        if problem is not None and asked == "vllm":
+            raise FtError(f"--engine vllm: {problem}.\n    fix: --engine transformers")
+        if problem is not None:  # auto: the engine that takes these images
+            job = dataclasses.replace(job, engine="transformers", batch_size=batch or DEFAULT_BATCH["transformers"])
     lengths = [len(encode(p, tokenizer, jinja, processor)) for p in prompts]
     plan = batches.plan(lengths, job.batch_size, job.sort)
     if overwrite:  # only now: a mistake in the prompts above leaves the earlier output alone
