@@ -233,61 +233,30 @@ def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: i
     """Save a randomly initialised tiny LLaVA (a 2-layer CLIP vision tower, a projector, a 2-layer Llama) with its
     processor (ft's tiny tokenizer with an image token, a CLIP image processor, a ChatML template with image parts) to
     out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor."""
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
-    tokenizer = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, IMAGE_TOKEN))
-    tokenizer.chat_template = VLM_TEMPLATE
-    images = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
-    processor = LlavaProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        chat_template=VLM_TEMPLATE,
-        patch_size=patch,
-        vision_feature_select_strategy="default",
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-    )
-    config = LlavaConfig(
-        vision_config=_vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
-        text_config=_text_config(LlamaConfig, tokenizer),
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-1,
-        tie_word_embeddings=False,
-    )
-    return _saved(LlavaForConditionalGeneration, config, processor, out_dir, seed)
+    return _llava(out_dir, seed, image_size, patch)
 
 
 def build_llava_next_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
     """A tiny LLaVA-NeXT (anyres: each image resized to the best of three grid pinpoints and cut into tiles of
     image_size beside a base view; build_vlm's tower and language model) with its processor, saved to out_dir."""
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaNextConfig,
-        LlavaNextForConditionalGeneration,
-        LlavaNextImageProcessorPil,
-        LlavaNextProcessor,
-    )
-
     grids = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
+    return _llava(out_dir, seed, image_size, patch, grids)
+
+
+def _llava(out_dir, seed: int, image_size: int, patch: int, grids=None):
+    """build_vlm's LLaVA, or with `grids` (anyres grid pinpoints) its LLaVA-NeXT form."""
+    import transformers
+    from transformers import CLIPVisionConfig, LlamaConfig
+
+    kind = "LlavaNext" if grids else "Llava"
+    anyres = {"image_grid_pinpoints": grids} if grids else {}
     tokenizer = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, IMAGE_TOKEN))
     tokenizer.chat_template = VLM_TEMPLATE
-    images = LlavaNextImageProcessorPil(
-        size={"shortest_edge": image_size},
-        crop_size={"height": image_size, "width": image_size},
-        image_grid_pinpoints=grids,
+    image_processor = transformers.LlavaNextImageProcessorPil if grids else transformers.CLIPImageProcessorPil
+    images = image_processor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}, **anyres
     )
-    processor = LlavaNextProcessor(
+    processor = getattr(transformers, f"{kind}Processor")(
         image_processor=images,
         tokenizer=tokenizer,
         chat_template=VLM_TEMPLATE,
@@ -296,16 +265,16 @@ def build_llava_next_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 3
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1,
     )
-    config = LlavaNextConfig(
+    config = getattr(transformers, f"{kind}Config")(
         vision_config=_vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
         text_config=_text_config(LlamaConfig, tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
-        image_grid_pinpoints=grids,
         tie_word_embeddings=False,
+        **anyres,
     )
-    return _saved(LlavaNextForConditionalGeneration, config, processor, out_dir, seed)
+    return _saved(getattr(transformers, f"{kind}ForConditionalGeneration"), config, processor, out_dir, seed)
 
 
 def _image_template(marker: str) -> str:
