@@ -41,6 +41,8 @@ PIXEL_INPUTS = (
 )
 # what marks each token's modality for the model (Qwen-VL's 3-D RoPE, Gemma 3's bidirectional image attention)
 TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
+# the image tiles each token attends to, where the model reads images through cross-attention (Llama 3.2 Vision)
+CROSS_ATTENTION_INPUTS = ("cross_attention_mask",)
 # families whose image tokens take ordinary 1-D positions in a causal language model, each image encoded on its own:
 # their samples can share a packed row (positions restarting per sample, attention kept inside each)
 PACKABLE = ("llava", "llava_next", "llava_onevision", "mistral3", "idefics2", "idefics3", "smolvlm")
@@ -383,7 +385,7 @@ def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
 def cross_attention(processor) -> bool:
     """The model reads images through cross-attention layers (Llama 3.2 Vision): its processor returns a
     cross_attention_mask beside pixels grouped per sequence."""
-    return "cross_attention_mask" in getattr(processor, "model_input_names", ())
+    return CROSS_ATTENTION_INPUTS[0] in getattr(processor, "model_input_names", ())
 
 
 def image_inputs(processor, input_ids, images: list[list[str]], dtype=None) -> dict:
@@ -416,7 +418,7 @@ def _cross_attention_inputs(processor, input_ids, images: list[list[str]], dtype
     mask = convert_sparse_cross_attention_mask_to_dense(
         spans, got["num_tiles"], processor.image_processor.max_image_tiles, input_ids.shape[1]
     )
-    out = {"cross_attention_mask": torch.from_numpy(mask).to(input_ids.device)}
+    out = {CROSS_ATTENTION_INPUTS[0]: torch.from_numpy(mask).to(input_ids.device)}
     for key, value in got.items():
         if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
             out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value

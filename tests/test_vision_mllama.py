@@ -45,6 +45,7 @@ def test_a_batch_carries_what_the_processor_makes_for_the_same_conversations(tmp
     from finetune.config import load
     from finetune.data.collate import collate
     from finetune.data.preprocess import prepare
+    from finetune.methods.sft import SFT
     from finetune.vision import Pixels
 
     data = tmp_path / "data"
@@ -109,6 +110,14 @@ def test_a_batch_carries_what_the_processor_makes_for_the_same_conversations(tmp
         )
     keep = ours["attention_mask"].bool()
     torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=1e-5)
+    # the training loss (SFT's, as the loop computes it from the batch) is the model's own loss with the mask
+    method = SFT(processor.tokenizer.pad_token_id, "sdpa", 3)
+    with torch.no_grad():
+        loss, _ = method.loss(model, ours, normaliser=float(method.tokens(ours)))
+        theirs_loss = model(**{k: ours[k] for k in (*inputs, "cross_attention_mask")}, labels=ours["labels"]).loss
+        unmasked = model(**{k: ours[k] for k in inputs}, labels=ours["labels"]).loss
+    assert float(loss) == pytest.approx(float(theirs_loss), rel=1e-5)
+    assert abs(float(unmasked) - float(theirs_loss)) > 1e-4  # without the mask every token would see every tile
     assert (blind.logits[keep] - got[keep]).abs().max() > 1e-3  # the tiles reach the language model through the mask
 
 

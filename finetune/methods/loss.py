@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from finetune.data.masking import IGNORE
-from finetune.vision import PIXEL_INPUTS, TOKEN_TYPE_INPUTS
+from finetune.vision import CROSS_ATTENTION_INPUTS, PIXEL_INPUTS, TOKEN_TYPE_INPUTS
 
 MODEL_INPUTS = (
     "input_ids",
@@ -24,6 +24,7 @@ MODEL_INPUTS = (
     "seq_idx",  # packed rows' sample index for state-space/linear-attention kernels (data/collate.py)
     *PIXEL_INPUTS,  # a vision-language model's images (finetune/vision.py)
     *TOKEN_TYPE_INPUTS,  # and its tokens' modalities
+    *CROSS_ATTENTION_INPUTS,  # or the image tiles each token attends to
 )
 
 
