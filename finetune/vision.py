@@ -372,14 +372,19 @@ def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
     returns (pixel_values and the family's sizes/grids), floating tensors in `dtype`."""
     if not paths:
         return {}
+
+    return _in_dtype(processor.image_processor(images=load_images(paths), return_tensors="pt"), dtype)
+
+
+def _in_dtype(got, dtype) -> dict:
+    """The model's pixel inputs among what an image processor returned, floating tensors in `dtype`."""
     import torch
 
-    got = processor.image_processor(images=load_images(paths), return_tensors="pt")
-    out = {}
-    for key, value in got.items():
-        if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
-            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    return out
+    return {
+        key: value.to(dtype) if dtype is not None and value.is_floating_point() else value
+        for key, value in got.items()
+        if key in PIXEL_INPUTS and isinstance(value, torch.Tensor)
+    }
 
 
 def cross_attention(processor) -> bool:
@@ -418,11 +423,7 @@ def _cross_attention_inputs(processor, input_ids, images: list[list[str]], dtype
     mask = convert_sparse_cross_attention_mask_to_dense(
         spans, got["num_tiles"], processor.image_processor.max_image_tiles, input_ids.shape[1]
     )
-    out = {CROSS_ATTENTION_INPUTS[0]: torch.from_numpy(mask).to(input_ids.device)}
-    for key, value in got.items():
-        if key in PIXEL_INPUTS and isinstance(value, torch.Tensor):
-            out[key] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
-    return out
+    return {CROSS_ATTENTION_INPUTS[0]: torch.from_numpy(mask).to(input_ids.device), **_in_dtype(got, dtype)}
 
 
 class Pixels:
