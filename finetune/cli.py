@@ -223,14 +223,17 @@ def rollout_server(
     port: int = typer.Option(8420, "--port", help="Port to listen on."),
     hardware: str | None = HardwareOption,
     set_: list[str] | None = SetOption,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print vLLM's command and exit."),
 ) -> None:
-    """Serve a GRPO job's rollouts with vLLM on this machine's devices (method.rollout.url points the trainer here).
-    Set FT_ROLLOUT_TOKEN to the same secret here and for the trainer to require it."""
+    """Start vLLM's own server (`vllm serve`) for a GRPO job's rollouts on this machine, with the job's model and
+    engine settings and the routes the trainer needs (method.rollout.url points the trainer here; method.rollout.command
+    says how vLLM starts). Set FT_ROLLOUT_TOKEN to the same secret here and for the trainer to require it (vLLM's API
+    key, passed through the environment)."""
     import os
 
     from finetune.config import load
     from finetune.rollout.factory import TOKEN_ENV, engine_spec
-    from finetune.rollout.server import serve
+    from finetune.rollout.serve import server_command, server_env, shown
     from finetune.workflow import compile_plan
 
     job = load(config, set_ or ())
@@ -240,7 +243,19 @@ def rollout_server(
         )
     job_plan = compile_plan(config, set_ or (), hardware)
     spec = engine_spec(job_plan, job.model, job.adapter, job.train.seed, job.method)
-    serve(spec, host, port, os.environ.get(TOKEN_ENV))
+    gpu = job_plan.device == "GPU"
+    command = server_command(spec, host, port, job.method.rollout.command, gpu)
+    typer.echo(f"ft rollout-server: listening on http://{host}:{port} once ready; vLLM runs as:\n{shown(command)}")
+    if dry_run:
+        return
+    env = server_env(os.environ, os.environ.get(TOKEN_ENV), gpu)
+    try:
+        os.execvpe(command[0], command, env)  # vLLM's server takes this process over (and its signals)
+    except OSError as e:
+        raise FtError(
+            f"method.rollout.command: cannot start vLLM's server ({command[0]}: {e.strerror})\n    fix: install vLLM "
+            "here, or set method.rollout.command to how vLLM starts where it is installed"
+        ) from None
 
 
 @app.command()

@@ -3,17 +3,15 @@
 - A colocated engine in sleep mode gives its memory back between rollouts and, woken, samples as before and takes
   new weights; at level 2 (full fine-tuning, new weights before the next rollout) it drops its weights and takes all
   of them again (sleep mode is a no-op on CPU).
-- Full weights reach a rollout server over NCCL (vLLM's weight-transfer engine) and its log-probs then equal the
-  trainer's. NCCL refuses two ranks on one GPU, so this needs two: the trainer on GPU 0, the server on GPU 1.
+- Full weights reach vLLM's own server (`vllm serve --weight-transfer-config '{"backend": "nccl"}'`, started as ft
+  train starts it) over NCCL (vLLM's weight-transfer engine and routes) and its log-probs then equal the trainer's.
+  NCCL refuses two ranks on one GPU, so this needs two: the trainer on GPU 0, the server on GPU 1.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -96,24 +94,19 @@ def test_a_sleeping_colocated_engine_frees_its_memory_and_wakes_with_new_weights
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs the trainer and the server on two GPUs")
 def test_full_weights_reach_a_rollout_server_over_nccl(model_dir, tmp_path):
-    from finetune.rollout.factory import TOKEN_ENV
     from finetune.rollout.nccl import weight_source
+    from finetune.rollout.serve import server_command, server_env
     from finetune.rollout.server import RemoteRollout
 
     spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, memory_share=0.3)
     port = 18000 + os.getpid() % 1000
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "1", TOKEN_ENV: "t0ken"}
+    env = {**server_env(os.environ, "t0ken", gpu=True), "CUDA_VISIBLE_DEVICES": "1"}
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    server = subprocess.Popen(
-        [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), "127.0.0.1", str(port)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    command = server_command(spec, "127.0.0.1", port, None, gpu=True)
+    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         os.environ["FT_ROLLOUT_NCCL_ADDR"] = "127.0.0.1"
         client = RemoteRollout(f"http://127.0.0.1:{port}", None, [0], token="t0ken")
-        assert client.health["nccl"], client.health
         model, trainer = trained(model_dir, "cuda:0")
         client.update(Weights(trainer, Runtime(), tmp_path, version=1, adapter=False))
         assert client.nccl is not None  # it went over NCCL, not HTTP

@@ -1,24 +1,18 @@
 """Rollouts without vLLM: the data stream's repeats, when the driver syncs and generates (several updates per rollout,
-one step off-policy), what a checkpoint carries, and the rollout server's protocol against a stand-in engine.
+one step off-policy), what a checkpoint carries. The client of a vLLM rollout server: tests/test_rollout_client.py.
 
 vLLM itself is exercised in tests/test_vllm_rollout.py (the vLLM environment)."""
 
 from __future__ import annotations
 
 import json
-import threading
-import urllib.request
-from http.server import ThreadingHTTPServer
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from finetune.config.methods import GRPOMethod, RewardSpec
 from finetune.data.stream import Stream, steps_for
 from finetune.distributed.runtime import Runtime
-from finetune.errors import FtError
 from finetune.rollout import Completion
 from finetune.rollout.driver import RolloutDriver
 
@@ -174,119 +168,6 @@ def prompt_rows(n: int):
             "prompt": ['[{"role": "user", "content": "q"}]'] * n,
         }
     )
-
-
-# ---------------------------------------------------------------- the rollout server's protocol
-class FakeVllm:
-    """What the server asks of its engine."""
-
-    spec = SimpleNamespace(lora_rank=8, weight_transfer=False, tensor_parallel=1)
-
-    def __init__(self):
-        self.loaded, self.adapters = [], []
-
-    def sample(self, prompts, seed, temperature, top_p, max_new_tokens, stop):
-        return [Completion(p[-1:] * max_new_tokens, [-1.0] * max_new_tokens) for p in prompts]
-
-    def serve_adapter(self, folder, version):
-        self.adapters.append((folder, version))
-
-    def load(self, named):
-        self.loaded += [(n, t.clone()) for n, t in named]
-
-
-@pytest.fixture()
-def server():
-    from finetune.rollout.server import RolloutService, request_handler
-
-    engine = FakeVllm()
-    service = RolloutService(engine)
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), request_handler(service, "s3cret", threading.Event()))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine
-    httpd.shutdown()
-    service.close()
-
-
-def _post(url, path, data: bytes, token="s3cret"):
-    request = urllib.request.Request(url + path, data=data, method="POST")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def test_the_server_answers_bad_and_hostile_requests_with_what_was_wrong_and_keeps_serving(server):
-    url, _ = server
-    assert _post(url, "/generate", b"{}", token=None)[0] == 401
-    assert _post(url, "/generate", b"{}", token="wrong")[0] == 401
-    for body, words in [
-        (b"\xff\xfe not json", "not JSON"),
-        (b"[1, 2]", "JSON object"),
-        (json.dumps({"prompts": [[1, -2]]}).encode(), "lists of token ids"),
-        (
-            json.dumps({"prompts": [[1]], "seed": "x", "temperature": 1, "top_p": 1, "max_new_tokens": 2}).encode(),
-            "seed",
-        ),
-        (
-            json.dumps({"prompts": [[1]], "seed": 0, "temperature": 1, "top_p": 3, "max_new_tokens": 2}).encode(),
-            "top_p",
-        ),
-    ]:
-        code, reply = _post(url, "/generate", body)
-        assert code == 400 and words in reply["error"], reply
-    assert _post(url, "/weights", b"\x00" * 64)[0] == 400  # no update begun
-    assert _post(url, "/nowhere", b"{}")[0] == 404
-    code, reply = _post(url, "/adapter", json.dumps({"version": 1, "files": {"x": "y"}}).encode())
-    assert code == 400 and "adapter_config.json" in reply["error"]
-    ok = {"prompts": [[4, 9]], "seed": 0, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 2, "stop": [1]}
-    assert _post(url, "/generate", json.dumps(ok).encode()) == (
-        200,
-        {"completions": [{"ids": [9, 9], "logps": [-1.0, -1.0]}], "version": -1},
-    )
-
-
-def test_the_client_sends_full_weights_layer_by_layer_and_an_adapter_as_files(server, tmp_path):
-    from finetune.rollout.server import RemoteRollout
-
-    url, engine = server
-    section = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=3)
-    client = RemoteRollout(url, section, [1], token="s3cret")
-    assert [c.ids for c in client.generate([[2, 5], [7]], seed=1)] == [[5, 5, 5], [7, 7, 7]]
-    tensors = [(f"model.layers.{i // 2}.w{i % 2}", torch.full((2, 3), float(i))) for i in range(6)]
-    tensors.append(("lm_head.weight", torch.ones(4)))
-    full = SimpleNamespace(kind="full", version=3, runtime=Runtime(), tensors=lambda: iter(tensors))
-    client.update(full)
-    got = dict(engine.loaded)
-    assert len(engine.loaded) == len(got) == len(tensors)  # each tensor once
-    assert all(torch.equal(got[n], t) for n, t in tensors)
-    layer_of = [n.split(".")[2] if "layers" in n else n for n, _ in engine.loaded]
-    assert [x for i, x in enumerate(layer_of) if i == 0 or x != layer_of[i - 1]] == ["0", "1", "2", "lm_head.weight"]
-    folder = tmp_path / "adapter-00000004"
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text('{"r": 8}')
-    (folder / "adapter_model.safetensors").write_bytes(b"weights")
-    adapter = SimpleNamespace(kind="adapter", version=4, runtime=Runtime(), adapter_folder=lambda: folder)
-    client.update(adapter)
-    served, version = engine.adapters[-1]
-    assert version == 4 and Path(served) != folder  # the server's own copy
-    assert (Path(served) / "adapter_model.safetensors").read_bytes() == b"weights"
-
-
-def test_a_server_that_cannot_be_reached_is_named_with_where_its_log_is():
-    from finetune.rollout.server import RemoteRollout, wait_ready
-
-    with pytest.raises(FtError, match="did not answer"):
-        wait_ready("http://127.0.0.1:9", None, timeout_s=0.6)
-    client = object.__new__(RemoteRollout)
-    client.url, client.token, client.timeout = "http://127.0.0.1:9", None, 2
-    client.s, client.stop = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=2), [0]
-    with pytest.raises(FtError, match="cannot be reached.*rollout-server.log"):
-        client.generate([[1, 2]], seed=0)
 
 
 def test_asynchronous_rollouts_need_an_engine_other_than_the_training_model():

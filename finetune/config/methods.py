@@ -217,8 +217,9 @@ class RolloutSection(Section):
 
     placement: Literal["auto", "colocated", "server"] = "auto"
     """`colocated`: a vLLM engine inside each training process, sharing its GPU (its memory share planned, asleep
-    during the backward pass on GPUs); `server`: a separate pool of GPUs runs `ft rollout-server` and the trainer sends
-    it prompts and weights; `auto`: the planner chooses (see `ft plan`)."""
+    during the backward pass on GPUs); `server`: vLLM's own server (`vllm serve`) on a separate pool of GPUs (on CPU,
+    one more process), started by ft train or given by `url`; the trainer sends it prompts through its OpenAI API and
+    weights through its weight-transfer routes; `auto`: the planner chooses (see `ft plan`)."""
     gpus: Literal["auto"] | Bounded(int, ge=1, le=100_000) = "auto"
     """GPUs of the server pool (placement: server), taken from the job's GPUs; `auto`: the planner chooses."""
     tensor_parallel: Literal["auto"] | Bounded(int, ge=1, le=64) = "auto"
@@ -230,8 +231,18 @@ class RolloutSection(Section):
     asynchronous: bool = False
     """Generate the next rollout while the current one trains (one step off-policy; the lag is logged as
     `rollout_lag`). Needs `engine: vllm`."""
-    url: str | None = None
-    """An `ft rollout-server` already running (http://host:port), e.g. started on other nodes; ft then starts none."""
+    url: str | list[str] | None = None
+    """A vLLM server already running (http://host:port; `ft rollout-server JOB` starts one with the job's settings),
+    e.g. on other nodes, or a list of them (data-parallel engines: each rank's prompts are shared out evenly); ft then
+    starts none. The server reads the adapters and weights the trainer writes into the run folder (a shared file
+    system across nodes)."""
+    command: str | None = None
+    """How ft starts vLLM's OpenAI-compatible server, e.g. `vllm serve` or `/opt/vllm/bin/python -m
+    vllm.entrypoints.openai.api_server` (vLLM in another environment); ft appends the model and the job's flags. null:
+    this environment's vLLM where it is installed, else `vllm serve` from PATH."""
+    timeout_s: Bounded(float, gt=0, le=86_400) = 600
+    """Seconds the trainer waits for one answer of a rollout server (a completion, a weight update) before ending the
+    job with the server's address (`ft train --resume` continues)."""
     kv_cache_gib: Bounded(float, gt=0, le=100_000) | None = None
     """KV cache for a vLLM engine on CPU, in GiB (GPUs size it from memory_share); null: 1 GiB."""
 
@@ -315,12 +326,14 @@ class GRPOMethod(MethodSection):
                     "remove method.rollout.url, or set method.rollout.placement: server (or auto)",
                 )
             )
-        if self.rollout.url is not None and not self.rollout.url.startswith(("http://", "https://")):
+        urls = [self.rollout.url] if isinstance(self.rollout.url, str) else self.rollout.url or []
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad or (self.rollout.url is not None and not urls):
             found.append(
                 Problem(
                     (("method", "rollout", "url"),),
-                    f"{self.rollout.url!r} is not an http(s) URL",
-                    "give the address ft rollout-server printed, e.g. http://node7:8420",
+                    f"{bad[0]!r} is not an http(s) URL" if bad else "an empty list of servers",
+                    "give the address of a running vLLM server (ft rollout-server prints it), e.g. http://node7:8420",
                 )
             )
         return found

@@ -222,8 +222,8 @@ def _on_gpus(job: Job, out: list[Decision]) -> Placement:
     if asked == "server" and job.hw.world_size == 1:
         raise PlanError(
             "method.rollout.placement: server needs GPUs of its own for the rollout pool, but this hardware has 1 GPU; "
-            "set method.rollout.placement: colocated (or auto), or give method.rollout.url of an ft rollout-server "
-            "running elsewhere"
+            "set method.rollout.placement: colocated (or auto), or give method.rollout.url of a vLLM server (ft "
+            "rollout-server) running elsewhere"
         )
     options: list[Option] = []
     if asked in ("auto", "colocated"):
@@ -273,7 +273,7 @@ def _external(job: Job, out: list[Decision]) -> Placement:
         Decision(
             "rollout.placement",
             "server",
-            f"method.rollout.url: the rollout server at {r.url} samples; ft starts none and the trainer keeps all "
+            f"method.rollout.url: the vLLM server at {_urls(r.url)} samples; ft starts none and the trainer keeps all "
             f"{job.hw.world_size} GPUs (its step estimate assumes one engine of {tp} GPU{'s' if tp > 1 else ''})",
             "config",
         )
@@ -290,6 +290,10 @@ def _external(job: Job, out: list[Decision]) -> Placement:
         generation_seconds=split[0],
         sync_seconds=split[2],
     )
+
+
+def _urls(url) -> str:
+    return url if isinstance(url, str) else ", ".join(url)
 
 
 # ---------------------------------------------------------------- reasons and refusals

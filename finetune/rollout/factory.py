@@ -40,10 +40,10 @@ def create_engine(section, context):
         if not url:
             raise FtError(
                 "method.rollout.placement: server, but no rollout server is known to this rank: set "
-                "method.rollout.url to a running `ft rollout-server`, or let ft train start one (placement: server "
-                "without url)"
+                "method.rollout.url to a running vLLM server (`ft rollout-server JOB` starts one), or let ft train "
+                "start one (placement: server without url)"
             )
-        return RemoteRollout(url, section, stop, os.environ.get(TOKEN_ENV))
+        return RemoteRollout(url, section, stop, os.environ.get(TOKEN_ENV), section.rollout.timeout_s)
     import torch
 
     from finetune.rollout.vllm import VllmRollout, prepare_environment

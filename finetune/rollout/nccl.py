@@ -1,11 +1,13 @@
-"""Full weights to a rollout server over NCCL (GPUs): vLLM's own weight-transfer engine, driven through ft's server.
+"""Full weights to a vLLM rollout server over NCCL (GPUs): vLLM's own weight-transfer engine and its HTTP routes.
 
-The server's engine is created with vLLM's NCCL weight transfer enabled. On the first update, trainer rank 0 opens the
+The server (`vllm serve --weight-transfer-config '{"backend": "nccl"}'`, rollout/serve.py) has vLLM's NCCL weight
+transfer enabled. On the first update, trainer rank 0 opens the
 transfer group (rank 0 of it; the server's workers follow) with vLLM's `NCCLTrainerWeightTransferEngine`. Each update
 then broadcasts every parameter from rank 0's GPU. Packed buffers keep a bounded amount in flight. Every trainer rank
 iterates the parameters, so each sharded parameter is all-gathered once and freed again: no GPU ever holds the
-whole model. The control calls (init, start, update, finish) travel over the server's HTTP endpoints. CPUs have no
-NCCL: there the weights go over HTTP (server.py).
+whole model. The control calls travel over vLLM's routes (`/init_weight_transfer_engine`, `/start_weight_update`,
+`/update_weights`, `/finish_weight_update`). CPUs have no NCCL (and vLLM's other backend, IPC, shares CUDA memory):
+there the server reloads the weights from files (server.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import socket
 
 from finetune.errors import FtError
 
-CONTROL = ("init", "start", "update", "finish")  # the server's /nccl/<op> endpoints
 PACK_BYTES = 256 * 2**20  # each of vLLM's two packing buffers on rank 0's GPU during an update (its default: 1 GiB)
 ADDRESS_ENV = "FT_ROLLOUT_NCCL_ADDR"  # the address the server's workers reach trainer rank 0 at (default: hostname)
 
@@ -90,22 +91,25 @@ def init_info(cls, **values):
 
 
 class ServerControl:
-    """vLLM's weight-sync client protocol, spoken to ft's rollout server."""
+    """vLLM's weight-sync client protocol (`VLLMWeightSyncClient`, structural) over vLLM's own HTTP routes
+    (entrypoints/rl/online/api_router.py), through ft's client (its token, timeouts and error messages). vLLM ships
+    `HTTPVLLMWeightSyncClient` for the same routes; it needs `requests` and sends no API key."""
 
     def __init__(self, post):
         self.post = post  # (path, body dict) -> reply
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self.post("/nccl/init", {"init_info": init_info})
+        self.post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def start_weight_update(self) -> None:
-        self.post("/nccl/start", {})
+        self.post("/start_weight_update", {})
 
     def update_weights(self, update_info) -> None:
-        self.post("/nccl/update", {"update_info": update_info})
+        self.post("/update_weights", {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.post("/nccl/finish", {})
+        self.post("/finish_weight_update", {} if weight_version is None else {"weight_version": weight_version})
+        self.post("/reset_prefix_cache", {})  # no KV block computed with the old weights is reused
 
     def shutdown_weight_transfer_engine(self) -> None:
         pass

@@ -1,8 +1,9 @@
 """The rollout server `ft train` starts itself when the plan puts generation on a separate pool (placement: server,
-no url): one `ft rollout-server` process on this node, on the GPUs the plan gives the pool (on CPU, one more process),
-its log in RUN/rollout-server.log. Its address reaches the ranks through the run folder (RUN/rollout-server.json,
-removed when the server stops), a fresh token through their environment (a secret is never written); it is stopped
-when the job ends, however it ends."""
+no url): vLLM's own server (`vllm serve`, rollout/serve.py) on this node, on the GPUs the plan gives the pool (their
+engines as vLLM's data-parallel ranks; on CPU, one more process), its command and log in RUN/rollout-server.log. Its
+address reaches the ranks through the run folder (RUN/rollout-server.json, removed when the server stops), a fresh
+token through their environment (vLLM's API key; a secret is never written); it is stopped when the job ends, however
+it ends (SIGTERM, then its whole session)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
+from finetune.errors import FtError
 from finetune.files import atomic_write_text
 from finetune.rollout.factory import TOKEN_ENV, engine_spec
 
@@ -52,26 +53,42 @@ def rollout_pool(config, plan, run_dir: Path):
     if not needs_pool(plan):
         yield None
         return
-    from finetune.rollout.server import wait_ready
+    from finetune.rollout.serve import server_command, server_env, shown
+    from finetune.rollout.server import Http, wait_ready
 
     spec = engine_spec(plan, config.model, config.adapter, config.train.seed, config.method)
     host = "0.0.0.0" if plan.nodes > 1 else "127.0.0.1"
     port, token = free_port(), secrets.token_hex(16)
     trainer_devices, server_devices = split_devices(plan)
-    env = {**os.environ, TOKEN_ENV: token}
+    gpu = plan.device == "GPU"
+    engines = max(1, plan.rollout.server_gpus // max(1, spec.tensor_parallel))
+    cmd = server_command(spec, host, port, config.method.rollout.command, gpu, engines)
+    env = server_env(os.environ, token, gpu)
     if server_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server_devices
     folder = RunFolder(run_dir)
     log_path = folder.rollout_log_path
     log = open(log_path, "ab")  # noqa: SIM115 (kept open while the server runs)
-    cmd = [sys.executable, "-m", "finetune.rollout.server", json.dumps(asdict(spec)), host, str(port)]
-    process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://{_reachable(host)}:{port}"
+    log.write(f"ft rollout server: listening on {address} once ready; started as: {shown(cmd)}\n".encode())
+    log.flush()
+    try:
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:
+        log.close()
+        raise FtError(
+            f"method.rollout.command: cannot start vLLM's server ({cmd[0]}: {e.strerror})\n    fix: install vLLM "
+            "here, or set method.rollout.command to how vLLM starts where it is installed (e.g. /opt/vllm/bin/python "
+            "-m vllm.entrypoints.openai.api_server)"
+        ) from None
     saved = {k: os.environ.get(k) for k in (TOKEN_ENV, "CUDA_VISIBLE_DEVICES")}
     try:
-        address = f"http://{_reachable(host)}:{port}"
-        sys.stderr.write(f"starting the rollout server ({address}, log: {log_path})\n")
-        wait_ready(address, token, READY_TIMEOUT_S, process)
-        atomic_write_text(folder.rollout_server_path, json.dumps({"url": address}) + "\n")
+        sys.stderr.write(f"starting the vLLM rollout server ({address}, log: {log_path})\n")
+        try:
+            wait_ready(Http(address, token, 60), READY_TIMEOUT_S, process)
+        except FtError as e:
+            raise FtError(f"{e}; its log ({log_path}) ends:\n{_tail(log_path)}") from None
+        atomic_write_text(folder.rollout_server_path, json.dumps({"url": address, "pid": process.pid}) + "\n")
         os.environ[TOKEN_ENV] = token
         if trainer_devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = trainer_devices
@@ -87,6 +104,11 @@ def rollout_pool(config, plan, run_dir: Path):
         log.close()
 
 
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join("    " + line for line in text[-lines:])
+
+
 def _reachable(host: str) -> str:
     return socket.gethostname() if host == "0.0.0.0" else host
 
@@ -98,5 +120,5 @@ def _stop(process) -> None:
     try:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the server and the engine processes it started
         process.wait()

@@ -3,7 +3,9 @@
 An adapter (LoRA/QLoRA) travels as peft files: rank 0 writes the trained adapter into RUN/rollout/adapter-<version>
 (gathered first where it is sharded), and an engine serves it as a new LoRA request on its unchanged base. A model
 trained in full travels as tensors, one parameter at a time, each gathered whole where it is sharded (a collective:
-every rank iterates together), so no rank ever holds more than one gathered parameter besides its shards.
+every rank iterates together), so no rank ever holds more than one gathered parameter besides its shards; for a vLLM
+server that reloads from files (CPU: rollout/server.py), rank 0 writes them into RUN/rollout/weights-<version>, one
+safetensors file per decoder layer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,31 @@ class Weights:
                 shutil.rmtree(path)
             tmp.rename(path)
             for old in sorted(self.folder.glob("adapter-*"))[:-KEEP_ADAPTERS]:
+                shutil.rmtree(old, ignore_errors=True)
+        self.runtime.barrier()
+        return path
+
+    def checkpoint_folder(self) -> Path:
+        """Every rank calls this (each parameter is gathered in turn): rank 0 writes the full weights as safetensors
+        files, one per decoder layer (at most one layer in host memory), in the names transformers saves; older
+        versions are removed (ft wrote them)."""
+        from safetensors.torch import save_file
+
+        path = self.folder / f"weights-{self.version:08d}"
+        tmp = path.with_name(f".tmp-{path.name}")
+        if self.runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        main = self.runtime.is_main  # the other ranks only take part in gathering each parameter
+        on_cpu = ((n, t.detach().to("cpu", copy=True) if main else t) for n, t in self.tensors())
+        for index, group in enumerate(layer_groups(on_cpu)):
+            if main:
+                save_file({n: t.contiguous() for n, t in group}, str(tmp / f"part-{index:05d}.safetensors"))
+        if self.runtime.is_main:
+            if path.exists():
+                shutil.rmtree(path)
+            tmp.rename(path)
+            for old in sorted(self.folder.glob("weights-*"))[:-KEEP_ADAPTERS]:
                 shutil.rmtree(old, ignore_errors=True)
         self.runtime.barrier()
         return path

@@ -1,0 +1,159 @@
+"""The trainer's side of a vLLM rollout server, in the main environment (no vLLM here): how the launcher starts vLLM's
+server (flags, routes enabled, the token only in the environment), that every prompt of a rank is in flight at once and
+shared out over several servers with the completions back in order, and what a server that refuses or does not answer
+is reported as. A stand-in speaks the few routes of vLLM's OpenAI API this needs; vLLM itself answers in
+tests/test_vllm_serve.py (the vLLM environment)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from finetune.errors import FtError
+from finetune.rollout.serve import server_command, server_env, shown
+from finetune.rollout.server import Http, RemoteRollout, balance, wait_ready
+from finetune.rollout.vllm import EngineSpec
+from tests.helpers import ft_here
+
+SECTION = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=3)
+
+
+class StandIn:
+    """A server answering /health, /v1/models and /v1/completions like vLLM: a completion is [last prompt token,
+    seed]. `together` requests must be open at the same moment before any is answered (a barrier: a client that sends
+    them one after another gets 500s)."""
+
+    def __init__(self, together: int, token: str | None = "s3cret"):
+        self.seen, self.barrier, self.token = [], threading.Barrier(together, timeout=10), token
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    return self._reply(200, {})
+                if self.headers.get("Authorization") != f"Bearer {stand_in.token}":
+                    return self._reply(401, {"error": "Unauthorized"})
+                return self._reply(200, {"data": [{"id": "base", "parent": None}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.seen.append(body)
+                try:
+                    stand_in.barrier.wait()
+                except threading.BrokenBarrierError:
+                    return self._reply(500, {"error": "the requests came one at a time"})
+                ids = [body["prompt"][-1], body["seed"]]
+                choice = {"token_ids": ids, "logprobs": {"token_logprobs": [-0.5, -0.25]}}
+                return self._reply(200, {"choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture()
+def two_servers():
+    servers = [StandIn(together=3), StandIn(together=2)]  # 5 prompts: 3 to the first, 2 to the second
+    yield servers
+    for s in servers:
+        s.close()
+
+
+def test_every_prompt_is_in_flight_at_once_shared_out_over_the_servers_and_answered_in_order(two_servers):
+    client = RemoteRollout([s.url for s in two_servers], SECTION, stop=[0], token="s3cret")
+    prompts = [[10], [11], [12], [13], [14]]
+    got = client.generate(prompts, seed=100)
+    assert [c.ids for c in got] == [[10, 100], [11, 101], [12, 102], [13, 103], [14, 104]]
+    assert all(c.logps == [-0.5, -0.25] for c in got)
+    first, second = (sorted(b["prompt"][0] for b in s.seen) for s in two_servers)
+    assert (first, second) == ([10, 11, 12], [13, 14])  # contiguous shares: a group's prompts stay together
+    body = two_servers[0].seen[0]
+    assert body["model"] == "base" and body["stop_token_ids"] == [0] and body["logprobs"] == 0
+    assert body["return_token_ids"] is True and body["max_tokens"] == 3
+    client.close()
+
+
+def test_shares_are_even_and_contiguous():
+    assert balance(5, 2) == [0, 0, 0, 1, 1]
+    assert balance(4, 4) == [0, 1, 2, 3]
+    assert balance(2, 3) == [0, 1]
+
+
+def test_a_wrong_token_and_an_unreachable_server_are_reported_with_the_fix():
+    server = StandIn(together=1)
+    try:
+        with pytest.raises(FtError, match=r"(?s)answered 401.*FT_ROLLOUT_TOKEN"):
+            RemoteRollout(server.url, SECTION, stop=[0], token="wrong")
+    finally:
+        server.close()
+    with pytest.raises(FtError, match="did not answer within"):
+        wait_ready(Http("http://127.0.0.1:9", None, 1), timeout_s=0.6)
+    with pytest.raises(FtError, match=r"(?s)cannot be reached.*rollout-server.log.*--resume"):
+        Http("http://127.0.0.1:9", None, 1).call("/v1/completions", {})
+
+
+def test_a_server_that_stops_answering_ends_the_request_after_the_timeout():
+    server = StandIn(together=2)  # one request alone waits at the barrier: no answer
+    try:
+        with pytest.raises(FtError, match=r"did not answer within 0.5 s \(method.rollout.timeout_s\)"):
+            Http(server.url, "s3cret", 0.5).call("/v1/completions", {"prompt": [1], "seed": 0})
+    finally:
+        server.close()
+
+
+def test_the_server_command_carries_the_jobs_engine_settings_and_never_the_token(monkeypatch):
+    spec = EngineSpec(model="/m", tokenizer="/t", dtype="fp32", max_model_len=96, seed=3, lora_rank=12)
+    cpu = server_command(spec, "127.0.0.1", 8421, "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server", False)
+    assert cpu[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(cpu[3::2], cpu[4::2]))
+    assert flags["--model"] == "/m" and flags["--max-model-len"] == "96" and flags["--max-lora-rank"] == "16"
+    assert "--kv-cache-memory-bytes" in cpu and "--weight-transfer-config" not in cpu
+    gpu = server_command(spec, "0.0.0.0", 8421, "vllm serve", True, data_parallel=4)
+    assert gpu[:2] == ["vllm", "serve"] and json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {
+        "backend": "nccl"
+    }
+    assert gpu[gpu.index("--data-parallel-size") + 1] == "4"
+    env = server_env({"PATH": "/bin"}, "s3cret", gpu=False)
+    assert env["VLLM_API_KEY"] == "s3cret" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1" and "s3cret" not in shown(cpu)
+
+
+def test_ft_rollout_server_prints_vllms_command_for_the_job(tmp_path, capfd):
+    from finetune.tiny import prompt_records, write_jsonl
+
+    prompts = write_jsonl(prompt_records(8, seed=5), tmp_path / "prompts.jsonl")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"""
+model: {{name: ft-tiny}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, engine: vllm, num_generations: 4, max_new_tokens: 8, rewards: [{{function: exact_match,
+  args: {{column: answer}}}}], rollout: {{placement: server, command: /opt/vllm/bin/vllm serve}}}}
+adapter: {{type: lora, r: 8}}
+train: {{global_batch_size: 8, max_steps: 2}}
+output: {{dir: {tmp_path / "run"}}}
+""")
+    code, out, err = ft_here(
+        capfd, "rollout-server", str(job), "--port", "8555", "--dry-run", env={"FT_ROLLOUT_TOKEN": "s3cret"}
+    )
+    assert code == 0, err
+    assert "listening on http://127.0.0.1:8555" in out and "/opt/vllm/bin/vllm serve --model" in out
+    assert "--enable-lora" in out and "s3cret" not in out + err
