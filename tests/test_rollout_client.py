@@ -157,3 +157,13 @@ output: {{dir: {tmp_path / "run"}}}
     assert code == 0, err
     assert "listening on http://127.0.0.1:8555" in out and "/opt/vllm/bin/vllm serve --model" in out
     assert "--enable-lora" in out and "s3cret" not in out + err
+
+
+def test_a_resumed_run_keeps_the_folder_it_sends_and_drops_what_the_stopped_run_wrote_after_it(tmp_path):
+    from finetune.rollout.weights import prune
+
+    for v in (19, 20, 23, 24):
+        (tmp_path / f"weights-{v:08d}").mkdir()
+    (tmp_path / "adapter-00000024").mkdir()  # another kind: not touched
+    prune(tmp_path / "weights-00000020")  # resumed from step 20: 23 and 24 are the stopped run's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter-00000024", "weights-00000019", "weights-00000020"]

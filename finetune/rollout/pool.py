@@ -114,11 +114,14 @@ def _reachable(host: str) -> str:
 
 
 def _stop(process) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the server and the engine processes it started
-        process.wait()
+    """SIGTERM to vLLM's server (it stops its engines), then whatever is left of its session: the engine processes a
+    server that died or hung left behind (ft started them all, in a session of their own)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()

@@ -39,8 +39,7 @@ class Weights:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
-            for old in sorted(self.folder.glob("adapter-*"))[:-KEEP_ADAPTERS]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(path)
         self.runtime.barrier()
         return path
 
@@ -64,8 +63,7 @@ class Weights:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
-            for old in sorted(self.folder.glob("weights-*"))[:-KEEP_ADAPTERS]:
-                shutil.rmtree(old, ignore_errors=True)
+            prune(path)
         self.runtime.barrier()
         return path
 
@@ -73,6 +71,16 @@ class Weights:
         """(name, whole tensor) for every parameter, in the names transformers saves; every rank iterates. A tensor is
         valid until the next one is asked for."""
         yield from self.engine.full_parameters()
+
+
+def prune(path: Path) -> None:
+    """Of the folders like `path` (adapter-<version>, weights-<version>; ft wrote them), keep `path` and the newest
+    older one (an engine may still read it); a newer one is what a run stopped after its last checkpoint left, and
+    goes too (a resumed run sends an older version first)."""
+    kind = path.name.rsplit("-", 1)[0]
+    older = sorted(p for p in path.parent.glob(f"{kind}-*") if p.name < path.name)
+    for old in [p for p in path.parent.glob(f"{kind}-*") if p.name > path.name] + older[: -(KEEP_ADAPTERS - 1)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def layer_groups(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:

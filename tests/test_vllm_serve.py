@@ -1,0 +1,166 @@
+"""GRPO's rollouts served by vLLM's own server (`vllm serve`, placement: server) on CPU, with vLLM's CPU build: after a
+weight sync through vLLM's routes the server's log-probs equal the trainer's (an adapter loaded as a new LoRA, full
+weights reloaded in place), GRPO through a server ft train starts learns, and a server killed mid-run ends the job with
+a message, after which `ft train --resume` starts another and finishes the run.
+
+Runs in an environment with vLLM (the main one has none, and this file skips there):
+    OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_serve.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from finetune.distributed.runtime import Runtime  # noqa: E402
+from finetune.rollout.serve import server_command, server_env  # noqa: E402
+from finetune.rollout.server import Http, RemoteRollout, wait_ready  # noqa: E402
+from finetune.rollout.vllm import EngineSpec  # noqa: E402
+from finetune.rollout.weights import Weights  # noqa: E402
+from tests.helpers import free_port, ft_train  # noqa: E402
+from tests.test_vllm_rollout import SEQUENCES, largest_gap, one_training_step, rows, trainer_logps  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.helpers import varied_tiny_model
+
+    return varied_tiny_model(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory):
+    """One vLLM server for the module, started as ft train starts it (an adapter of rank 8 servable)."""
+    spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, lora_rank=8)
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve-log") / "server.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            server_command(spec, "127.0.0.1", port, None, gpu=False),
+            env=server_env({**os.environ, "OMP_NUM_THREADS": "1"}, TOKEN, gpu=False),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(Http(url, TOKEN, 60), 600, process)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        print(log_path.read_text()[-2000:])
+
+
+def client(url):
+    section = type("Section", (), {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8})()
+    return RemoteRollout(url, section, stop=[0], token=TOKEN)
+
+
+def test_an_adapter_reaches_the_server_as_a_new_lora_with_the_trainers_log_probs(served, model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    rollout = client(served)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    before = trainer_logps(base, SEQUENCES)
+    assert largest_gap(rollout.score(SEQUENCES), before) < 1e-4
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0))
+    for version in (1, 2):
+        trainer = one_training_step(model)
+        rollout.update(Weights(trainer, Runtime(), tmp_path / "rollout", version=version, adapter=True))
+        after = trainer_logps(model, SEQUENCES)
+        assert largest_gap(before, after) > 1e-2  # the step changed the policy
+        assert largest_gap(rollout.score(SEQUENCES), after) < 1e-4
+    models = Http(served, TOKEN, 30).call("/v1/models", method="GET")["data"]
+    assert sorted(m["id"] for m in models) == ["ft-adapter-2", "ft-policy"]  # the previous adapter was dropped
+
+
+def test_full_weights_are_reloaded_in_place_with_the_trainers_log_probs(served, model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rollout = client(served)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    before = trainer_logps(model, SEQUENCES)
+    for version in (3, 4):
+        trainer = one_training_step(model)
+        rollout.update(Weights(trainer, Runtime(), tmp_path / "rollout", version=version, adapter=False))
+        after = trainer_logps(model, SEQUENCES)
+        assert largest_gap(before, after) > 1e-2
+        assert largest_gap(rollout.score(SEQUENCES), after) < 1e-4
+    completions = rollout.generate([SEQUENCES[0][:4]] * 3, seed=7)
+    assert all(len(c.ids) == len(c.logps) > 0 for c in completions)
+    assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) == ["weights-00000003", "weights-00000004"]
+
+
+KILL_HOOK = """
+import json, os, signal
+from pathlib import Path
+
+def kill_server(rank, step):
+    if step == int(os.environ["KILL_AT_STEP"]):
+        server = json.loads((Path(os.environ["KILL_RUN"]) / "rollout-server.json").read_text())
+        os.kill(server["pid"], signal.SIGKILL)
+"""
+
+
+SEVENS = """
+def sevens(completions, **_):
+    return [float(c.count("7")) for c in completions]
+"""
+
+
+def sevens_job(tmp_path, model, steps: int) -> str:
+    """GRPO that rewards each '7' a completion writes (the SFT model writes few: a reward with room to double)."""
+    from finetune.tiny import prompt_records, write_jsonl
+
+    prompts = write_jsonl(prompt_records(8, seed=5), tmp_path / "prompts.jsonl")
+    (tmp_path / "sevens.py").write_text(SEVENS)
+    path = tmp_path / "sevens.yaml"
+    path.write_text(f"""
+model: {{name: {model}}}
+data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
+method: {{name: grpo, engine: vllm, num_generations: 8, max_new_tokens: 8, rollout: {{placement: server}},
+  rewards: [{{function: {tmp_path}/sevens.py:sevens}}]}}
+adapter: {{type: full}}
+train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-4, scheduler: constant}}
+output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 10}}
+""")
+    return str(path)
+
+
+def test_grpo_through_vllm_serve_learns_and_a_killed_server_ends_the_job_which_resumes(tmp_path, sft_model):
+    """The sevens task, 40 steps, the server ft train started killed before step 25: the job ends with the server
+    named; --resume starts a new server and trains from the checkpoint of step 20 to the end; the mean reward of the
+    last 10 steps is at least twice that of the first 10."""
+    steps, run = 40, tmp_path / "run"
+    job = sevens_job(tmp_path, sft_model, steps)
+    placed = ["--hardware", "cpu"]
+    hook = tmp_path / "kill.py"
+    hook.write_text(KILL_HOOK)
+    env = {"FT_STEP_HOOK": f"{hook}:kill_server", "KILL_AT_STEP": "25", "KILL_RUN": str(run)}
+    r = ft_train(job, *placed, env=env, timeout=900)
+    assert r.returncode != 0
+    assert "rollout server http://127.0.0.1:" in r.stderr and "cannot be reached" in r.stderr, r.stderr[-3000:]
+    assert "--resume" in r.stderr and "Traceback" not in r.stderr
+    assert not (run / "rollout-server.json").exists()
+    r = ft_train(job, *placed, "--resume", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    by_step = {g["step"]: g for g in rows(run)}  # the resumed steps replace the ones after the checkpoint
+    assert sorted(by_step) == list(range(1, steps + 1))
+    reward = [by_step[s]["reward"] for s in range(1, steps + 1)]
+    first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    assert last >= 2 * first, [round(x, 3) for x in reward]
+    assert all(by_step[s]["logp_mismatch"] < 1e-3 for s in (1, 21))  # synced before generating, also after resuming
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["rollout"]["placement"] == "server"
