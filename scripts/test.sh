@@ -30,7 +30,8 @@ if [ "$fast" = 0 ]; then
   if [ $# -eq 0 ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
     bash scripts/setup-vllm.sh
     OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
-      tests/test_vllm_generate.py tests/test_vllm_rollout.py tests/test_vllm_merged.py || status=$?
+      tests/test_vllm_generate.py tests/test_vllm_rollout.py tests/test_vllm_serve.py tests/test_vllm_merged.py \
+      || status=$?
   fi
   exit "$status"
 fi
