@@ -230,6 +230,7 @@ def rollout_server(
     says how vLLM starts). Set FT_ROLLOUT_TOKEN to the same secret here and for the trainer to require it (vLLM's API
     key, passed through the environment)."""
     import os
+    import sys
 
     from finetune.config import load
     from finetune.rollout.factory import TOKEN_ENV, engine_spec
@@ -249,6 +250,7 @@ def rollout_server(
     if dry_run:
         return
     env = server_env(os.environ, os.environ.get(TOKEN_ENV), gpu)
+    sys.stdout.flush()  # what was printed, before vLLM takes the process over
     try:
         os.execvpe(command[0], command, env)  # vLLM's server takes this process over (and its signals)
     except OSError as e:

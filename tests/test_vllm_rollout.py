@@ -1,7 +1,7 @@
 """GRPO's vLLM rollout engine on CPU (vLLM's CPU build): greedy rollouts equal transformers', the engine's log-probs
 equal the trainer's after a training step and a weight sync (an adapter as a new LoRA request, full weights in place),
-and GRPO with `engine: vllm` raises the reward on one process and two (colocated), and runs with a rollout server
-that ft train starts and stops; ranks that share a tensor-parallel engine submit the same requests to it.
+and GRPO with `engine: vllm` raises the reward on one process and two (colocated); ranks that share a tensor-parallel
+engine submit the same requests to it. Rollouts through vLLM's own server: tests/test_vllm_serve.py.
 
 Runs in an environment with vLLM (the main one has none, and this file skips there):
     OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_rollout.py
@@ -10,9 +10,6 @@ Runs in an environment with vLLM (the main one has none, and this file skips the
 from __future__ import annotations
 
 import json
-import re
-import urllib.error
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -173,24 +170,6 @@ def test_grpo_with_vllm_rollouts_raises_the_reward(tmp_path, sft_model, hardware
         assert all(g["rollout_lag"] == 0 and g["logp_mismatch"] < 1e-3 for g in got)  # synced before each rollout
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert plan["rollout"]["engine"] == "vllm" and plan["rollout"]["placement"] == "colocated"
-
-
-def test_a_rollout_server_started_by_ft_train_serves_the_run_and_is_stopped_after_it(tmp_path, sft_model):
-    """With a LoRA adapter: each update's adapter travels to the server inside the request."""
-    job = grpo_job(tmp_path, "served", sft_model, 4, extra="")
-    lora = "adapter={type: lora, r: 16, alpha: 32, dropout: 0.0}"
-    r = ft_train(job, "--hardware", "cpu", "--set", "method.rollout.placement=server", "--set", lora, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = rows(tmp_path / "served")
-    assert len(got) == 4 and all(g["logp_mismatch"] < 1e-3 and g["sync_s"] > 0 for g in got)
-    assert (tmp_path / "served" / "final" / "adapter_model.safetensors").exists()
-    plan = json.loads((tmp_path / "served" / "plan.json").read_text())
-    assert plan["rollout"]["placement"] == "server"
-    log = (tmp_path / "served" / "rollout-server.log").read_text()
-    url = re.search(r"listening on (http://\S+)", log).group(1)
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(url + "/health", timeout=5)  # stopped with the job
-    assert not (tmp_path / "served" / "rollout-server.json").exists()  # the ranks read its address there while it ran
 
 
 # ---------------------------------------------------------------- a colocated engine shared by tensor-parallel ranks

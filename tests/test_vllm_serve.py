@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -164,3 +167,7 @@ def test_grpo_through_vllm_serve_learns_and_a_killed_server_ends_the_job_which_r
     assert all(by_step[s]["logp_mismatch"] < 1e-3 for s in (1, 21))  # synced before generating, also after resuming
     plan = json.loads((run / "plan.json").read_text())
     assert plan["rollout"]["placement"] == "server"
+    url = re.findall(r"listening on (http://\S+)", (run / "rollout-server.log").read_text())[-1]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(url + "/health", timeout=5)  # the resumed run's server was stopped with it
+    assert not (run / "rollout-server.json").exists()

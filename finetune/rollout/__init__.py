@@ -2,7 +2,8 @@
 
 local.py      transformers' `generate` on the training model itself (`placement: inline`)
 vllm.py       a vLLM engine in this process (`placement: colocated`), weights pushed in place or as a new LoRA
-server.py     `ft rollout-server` (a vLLM engine on its own devices, `placement: server`) and its client
+serve.py      the `vllm serve` command for a job (`placement: server`: vLLM's own server on its own devices)
+server.py     the trainer's client of that server: vLLM's OpenAI API, LoRA loading and weight routes
 weights.py    the trainer's side of a weight update: the adapter as files, or full tensors one at a time
 prefetch.py   one-step-off-policy rollouts: the next rollout generates while the current one trains
 

@@ -1,4 +1,4 @@
-"""A vLLM engine in this process (`placement: colocated`, and the engine inside `ft rollout-server`).
+"""A vLLM engine in this process (`placement: colocated`; `placement: server` runs vLLM's own server, rollout/serve.py).
 
 Weights: an adapter is served as a new LoRA request on the unchanged base after every update (no merge); a model
 trained in full receives its tensors in place through the model's own `load_weights`, one parameter (or one layer)
@@ -33,7 +33,6 @@ class EngineSpec:
     sleep: bool = False  # sleep mode between rollouts (GPUs)
     trust_remote_code: bool = False
     external_launcher: bool = False  # one engine per torchrun rank, inside the trainer's process group
-    weight_transfer: bool = False  # receive full weights over NCCL (a rollout server on GPUs, rollout/nccl.py)
 
 
 def prepare_environment(gpu: bool, local_rank: int = 0, local_world: int = 1) -> None:
@@ -86,8 +85,6 @@ def build_llm(spec: EngineSpec):
         kwargs["distributed_executor_backend"] = "external_launcher"
     if gpu:
         kwargs.update(gpu_memory_utilization=spec.memory_share or 0.9, enable_sleep_mode=spec.sleep)
-        if spec.weight_transfer:
-            kwargs["weight_transfer_config"] = {"backend": "nccl"}
     else:
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(spec.kv_cache_bytes or CPU_KV_CACHE_BYTES))
     return LLM(**kwargs)
