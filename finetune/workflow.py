@@ -195,43 +195,29 @@ def run_train(
 
 
 def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, config_path, tokens):
-    """The plan again where the prepared rows tell more than the plan assumed before the data was read, before the run
-    folder is written (the ranks still see one plan): more images in a row than it assumed (1), or fewer of a row's
-    positions trained than all (the plain loss's logits: plan/transients.py). data.image.per_sample, where set, is
-    kept: more images in a row than it says is an error naming it. Where every row holds an image, the plan says so
-    (plan.image_free_rows: DDP needs no search for unused parameters)."""
+    """The plan again where the prepared rows hold more images than it assumed (1, before the data was read), before
+    the run folder is written: the ranks still see one plan, sized for the data's images. data.image.per_sample, where
+    set, is kept: more images in a row than it says is an error naming it. Where every row holds an image, the plan
+    says so (plan.image_free_rows: DDP needs no search for unused parameters)."""
     if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
         job_plan = dataclasses.replace(job_plan, image_free_rows=False)
     most = int(prepared.summary.get("max_images_per_row") or 0)
-    share = prepared.summary.get("most_trained_share")
-    more_images = bool(job_plan.images_per_sample) and most > job_plan.images_per_sample
-    if more_images and config.data.image.per_sample is not None:
+    if not job_plan.images_per_sample or most <= job_plan.images_per_sample:
+        return job_plan
+    if config.data.image.per_sample is not None:
         raise FtError(
             f"data.image.per_sample: {config.data.image.per_sample}, but a prepared row holds {most} images; the plan "
             f"would size memory for fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it "
             "(ft train then plans for the prepared rows' most)"
         )
-    fewer_trained = share is not None and share < 1 and job_plan.loss_implementation == "plain"
-    if not (more_images or fewer_trained):
-        return job_plan
-    images = most if more_images else None
-    again = _plan_for_nodes(config, hardware, role, config_path, tokens, images=images, trained_share=share)[0]
+    again = _plan_for_nodes(config, hardware, role, config_path, tokens, images=most)[0]
     return dataclasses.replace(again, image_free_rows=job_plan.image_free_rows)
 
 
-def _plan_for_nodes(
-    config,
-    hardware,
-    role: NodeRole,
-    config_path,
-    tokens=None,
-    images: int | None = None,
-    trained_share: float | None = None,
-):
+def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, images: int | None = None):
     """The plan of this job on the nodes `role` says it has, and the training tokenizer (data.preprocess.Tokens):
     the tokens it gains (a template's markers) are known before the data is prepared, so the plan trains the grown
-    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample); `trained_share`: the largest
-    share of a prepared row's positions trained."""
+    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample)."""
     from finetune.data.preprocess import training_tokenizer
     from finetune.plan import plan as make_plan
 
@@ -243,15 +229,7 @@ def _plan_for_nodes(
     facts = model_facts(config.model)
     tokens = tokens or training_tokenizer(config)
     new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
-    job_plan = make_plan(
-        config,
-        hw,
-        facts,
-        str(config_path),
-        new_tokens=new_tokens,
-        images_per_sample=images,
-        trained_share=trained_share,
-    )
+    job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens, images_per_sample=images)
     if job_plan.nodes > 1 and role.master_addr is None:
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "

@@ -375,12 +375,10 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
     pct = (
         {f"p{p}": ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (50, 90, 99)} if ordered else {}
     )
-    trained, share = 0, 0.0
+    trained = 0
     label_cols = [c for c in train.column_names if c.endswith("labels")]
     for col in label_cols[:1]:
-        for labels in train[col][:]:
-            n = sum(1 for t in labels[1:] if t != IGNORE)
-            trained, share = trained + n, max(share, n / max(1, len(labels)))
+        trained = sum(sum(1 for t in labels[1:] if t != IGNORE) for labels in train[col][:])
     return {
         "records_read": counts["read"],
         "skipped_unreadable": counts["skipped_unreadable"],
@@ -397,7 +395,5 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
         },
         "tokens_per_epoch": sum(ordered),
         "trained_tokens_per_epoch": trained,
-        # the largest share of a row's positions trained: the plan sizes the plain loss's logits by it (plan/transients)
-        "most_trained_share": min(1.0, -(-share * 10_000 // 1) / 10_000) if label_cols else 1.0,
         "padding_efficiency": round(sum(ordered) / max(1, len(ordered) * seq_len), 4),
     }

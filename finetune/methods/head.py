@@ -74,9 +74,8 @@ class LossHead:
 
     def summed_nll(self, model, batch: dict) -> torch.Tensor:
         """Sum of the next-token cross-entropy (fp32) over the trained tokens of the batch."""
-        if self.implementation == "plain" and not self._plain_selects(model, batch):
-            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-            logits = model(**inputs, use_cache=False).logits
+        if self.implementation == "plain" and not self._selects.get(causal_lm(model)):
+            logits = self._plain_logits(model, batch)
             # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
             targets = next_tokens(batch).to(logits.device)
             return F.cross_entropy(
@@ -91,9 +90,8 @@ class LossHead:
 
     def token_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities (fp32) of the next tokens, (B, T-1), 0 where untrained, and the mask of trained ones."""
-        if self.implementation == "plain" and not self._plain_selects(model, batch):
-            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-            logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
+        if self.implementation == "plain" and not self._selects.get(causal_lm(model)):
+            logits = self._plain_logits(model, batch)[:, :-1, :].float()
             targets = batch["labels"][:, 1:].to(logits.device)
             mask = targets != IGNORE
             logps = -F.cross_entropy(
@@ -113,30 +111,41 @@ class LossHead:
                 ), mask
             return -fused_nll(self.implementation, head, hidden, targets, "none").view_as(targets) * mask, mask
 
-    def _plain_selects(self, model, batch: dict) -> bool:
-        """Whether the plain loss runs the head on the trained positions only for this model. Decided on its first
-        batch, where its head is whole on this rank and its forward takes `logits_to_keep`, by one forward pass
-        without gradients (nothing stored for a backward pass, no router recorded: methods/router.py; the random
-        state restored after it, so that dropout draws what it would have): its logits must be its head (and softcap)
-        applied to its decoder's output."""
+    def _plain_logits(self, model, batch: dict) -> torch.Tensor:
+        """The model's own logits of every position. On a model's first batch, where its head is whole on this rank
+        and its forward takes `logits_to_keep`, also whether those logits are its head (and softcap) applied to its
+        decoder's output: then its later batches run the head on their trained positions only."""
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         lm = causal_lm(model)
-        known = self._selects.get(lm)
-        if known is not None:
-            return known
+        if lm in self._selects:
+            return model(**inputs, use_cache=False).logits
         head = Head(lm.get_output_embeddings(), getattr(lm.config, "final_logit_softcapping", None))
-        fits = False
-        if _selectable(lm, head.module):
-            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-            with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                try:
-                    fits = head_fits(head, *final_hidden(model, lm, inputs, head.module))
-                except FtError:  # not one pass of its decoder with logits_to_keep
-                    fits = False
+        if not _selectable(lm, head.module):
+            self._selects[lm] = False
+            return model(**inputs, use_cache=False).logits
+        seen, calls = [], []
+        hooks = [
+            lm.get_decoder().register_forward_hook(lambda module, args, output: seen.append(output[0])),
+            head.module.register_forward_hook(lambda module, args, output: calls.append((args[0], output))),
+        ]
+        try:
+            logits = model(**inputs, use_cache=False).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+        with torch.no_grad():  # compared at the last position (as check_head does): no second t·V tensor
+            fits = (
+                len(seen) == 1
+                and len(calls) == 1
+                and calls[0][0].shape == seen[0].shape == logits.shape[:-1] + (seen[0].shape[-1],)
+            )
+            fits = fits and torch.allclose(calls[0][0].float(), seen[0].float(), rtol=1e-3, atol=1e-5)
+            ours, theirs = head.capped(calls[0][1][:, -1:]), logits[:, -1:].float()
+            fits = fits and ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
         self._selects[lm] = fits
         if fits:
             self._checked.add(lm)
-        return fits
+        return logits
 
     @contextlib.contextmanager
     def _hidden(self, model, batch: dict):
@@ -277,16 +286,6 @@ def check_head(implementation: str, head: Head, hidden: torch.Tensor, logits: to
     otherwise something (a scale, say) comes between them, which computing the head here would leave out. Read from
     the head's one call in the model's forward pass (`calls`, final_hidden), not from a call of its own: under ZeRO-3
     an extra call in the first batch would change the order of module calls DeepSpeed traces (`chunk_count`)."""
-    if not head_fits(head, hidden, logits, calls):
-        raise FtError(
-            f"{_KEY}: {implementation} computes the logits as the model's output head applied to the final hidden "
-            f"state, but this model transforms them further (a scale, say); set {_KEY}: plain"
-        )
-
-
-def head_fits(head: Head, hidden: torch.Tensor, logits: torch.Tensor, calls: list) -> bool:
-    """Whether the head's one call in the pass (`calls`) read the decoder's output at the last position and its
-    output, softcapped, is the model's logits there (`check_head`)."""
     with torch.no_grad():
         fits = len(calls) == 1 and calls[0][0].shape == hidden[:, -1:].shape
         if fits:
@@ -294,7 +293,11 @@ def head_fits(head: Head, hidden: torch.Tensor, logits: torch.Tensor, calls: lis
             ours = head.capped(raw)
             fits = torch.allclose(x.float(), hidden[:, -1:].float(), rtol=1e-3, atol=1e-5)
             fits = fits and ours.shape == logits.shape and torch.allclose(ours, logits.float(), rtol=1e-2, atol=1e-2)
-    return bool(fits)
+    if not fits:
+        raise FtError(
+            f"{_KEY}: {implementation} computes the logits as the model's output head applied to the final hidden "
+            f"state, but this model transforms them further (a scale, say); set {_KEY}: plain"
+        )
 
 
 @contextlib.contextmanager

@@ -51,7 +51,6 @@ def plan(
     new_tokens: int = 0,
     speeds: Links | None = None,
     images_per_sample: int | None = None,
-    trained_share: float | None = None,
 ) -> Plan:
     """Compile `config` for `hardware`; raise PlanError when it cannot run there.
 
@@ -60,14 +59,9 @@ def plan(
     speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
     images_per_sample: the most images any prepared row holds (ft train, once the data is prepared), where
     data.image.per_sample does not say.
-    trained_share: the largest share of a prepared row's positions that are trained (ft train); unknown, every one.
     """
     speeds = speeds or links(hardware)
     config, images_why = with_images(config, images_per_sample)
-    if trained_share is not None:
-        data = config.data.model_copy()
-        data._trained_share = min(1.0, max(0.0, float(trained_share)))
-        config = config.model_copy(update={"data": data})
     # what peft, the loss and the data pipeline cannot do on this model, with the key and fix
     problems = moe_problems(config, model) + vision_problems(config, model)
     if problems:
@@ -88,14 +82,7 @@ def plan(
     batch = choose_global_batch(config, topo, decisions, topo.world // fixed if fixed > 1 else None)
     # the attention, before the search, whose estimates count it (search.setup: estimated_kernel); recorded below
     attention_decisions: list[Decision] = []
-    attn = choose_attention(
-        config,
-        hardware,
-        for_facts(model),
-        asked(d.context_parallel) or 1,
-        attention_decisions,
-        trains_images(config, model),
-    )
+    attn = choose_attention(config, hardware, for_facts(model), asked(d.context_parallel) or 1, attention_decisions)
     outcome = search(expert_parallel.confined(config, topo, model), hardware, model, topo, precision, batch, speeds)
     fit = outcome.chosen
     if fit is None:
@@ -108,9 +95,6 @@ def plan(
     s = setup(config, hardware, topo, precision, batch, c, fit.micro_batch_size, fit.savers, model)
     fit, ep = expert_parallel.apply(config, hardware, topo, model, fit, s, speeds, decisions)
     compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp, ep)
-    if compiled and attn.padding_free:  # compiled layers: padded rows, whose shapes do not change inside a batch
-        attention_decisions = []
-        attn = choose_attention(config, hardware, for_facts(model), c.cp, attention_decisions, padding_free=False)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -160,7 +144,6 @@ def plan(
         attention_masks=attn.masks,
         sample_index=attn.sample_index,
         flash_upgrade=attn.flash_upgrade,
-        padding_free=attn.padding_free,
         moe=model.is_moe,
         vision=vision,
         train_vision=trained_vision if vision else "none",

@@ -277,8 +277,6 @@ def setup(
         pure_bf16=savers.pure_bf16,
         compensation=compensation(config) if savers.pure_bf16 else "none",
         loss=savers.estimator_loss,
-        # the plain loss runs a whole head on the trained positions only (methods/head.py _selectable)
-        trained_share=config.data._trained_share if cand.sharding is None and cand.tp == 1 else 1.0,
         loss_chunk_tokens=chunk_tokens(m) if m is not None and savers.loss == "chunked" else 0,
         activation_offload=savers.activation_offload,
         optimizer_in_backward=savers.optimizer_in_backward,

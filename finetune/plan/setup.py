@@ -51,7 +51,6 @@ class Setup:
     pure_bf16: bool = False
     compensation: str = "none"
     loss: str = "plain"  # plain | chunked | fused
-    trained_share: float = 1.0  # plain loss, head whole on the rank: the largest share of a row's positions trained
     loss_chunk_tokens: int = 0
     checkpoint_layers: int | None = None  # None: all layers when gradient_checkpointing, else none
     activation_offload: bool = False
