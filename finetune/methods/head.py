@@ -1,13 +1,9 @@
 """Next-token losses and log-probabilities of a batch: the output head and the cross-entropy, as the plan says.
 
-`plain` materialises the logits of every trained position at once: in the compute dtype, their fp32 copy and the
-gradients of both, at most t·V·(a+8) bytes. The head runs on the trained positions only (a prompt's positions predict
-nothing the loss reads, and on instruction data they are most of a row) where the model was seen, on its first
-batch, to compute its logits as its head applied to its decoder's output, with its head whole on the rank (one
-process, DDP); otherwise (FSDP, ZeRO-3 and tensor-parallel heads, a model that transforms its logits) over every
-position, as the model's own forward does. The others ask the model for the logits of one position only
-(`logits_to_keep=1`) and take the final hidden states from its decoder's output (a forward hook, removed after the
-call); untrained positions (labels IGNORE) contribute nothing and are dropped first.
+`plain` runs the model's own head over every position: the logits (tokens × vocabulary) in the compute dtype, their
+fp32 copy and the gradients of both exist at once, about t·V·(a+8) bytes. The others ask the model for the logits
+of one position only (`logits_to_keep=1`) and take the final hidden states from its decoder's output (a forward
+hook, removed after the call); untrained positions (labels IGNORE) contribute nothing and are dropped first.
 - `chunked` (pure torch, any device) runs the head MODULE and the fp32 cross-entropy over `chunk_tokens` trained
   tokens at a time inside activation checkpointing: one chunk's logits exist at a time, in the forward pass and
   again when the backward pass recomputes them. Calling the module (not its weight) keeps FSDP2 / ZeRO-3 hooks working.
@@ -70,28 +66,27 @@ class LossHead:
         self.implementation, self.chunk_tokens = implementation, chunk_tokens
         self.calls = -(-rows // chunk_tokens) if implementation == "chunked" else 0  # the head's calls per micro-batch
         self._checked = weakref.WeakSet()  # models whose logits were compared with head(hidden) once
-        self._selects = weakref.WeakKeyDictionary()  # plain: model -> its head runs on trained positions only
 
     def summed_nll(self, model, batch: dict) -> torch.Tensor:
         """Sum of the next-token cross-entropy (fp32) over the trained tokens of the batch."""
-        if self.implementation == "plain" and not self._selects.get(causal_lm(model)):
-            logits = self._plain_logits(model, batch)
+        if self.implementation == "plain":
+            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+            logits = model(**inputs, use_cache=False).logits
             # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
             targets = next_tokens(batch).to(logits.device)
             return F.cross_entropy(
                 logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
             )
         with self._hidden(model, batch) as (hidden, targets, mask, head):
-            if self.implementation == "plain":
-                return _chunk_nll(head, hidden[mask], targets[mask])
             if self.implementation == "chunked":
                 return sum(self._chunks(_chunk_nll, head, hidden[mask], targets[mask]))
             return fused_nll(self.implementation, head, hidden, targets, "sum")
 
     def token_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probabilities (fp32) of the next tokens, (B, T-1), 0 where untrained, and the mask of trained ones."""
-        if self.implementation == "plain" and not self._selects.get(causal_lm(model)):
-            logits = self._plain_logits(model, batch)[:, :-1, :].float()
+        if self.implementation == "plain":
+            inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+            logits = model(**inputs, use_cache=False).logits[:, :-1, :].float()
             targets = batch["labels"][:, 1:].to(logits.device)
             mask = targets != IGNORE
             logps = -F.cross_entropy(
@@ -99,53 +94,12 @@ class LossHead:
             ).view_as(targets)
             return logps * mask, mask
         with self._hidden(model, batch) as (hidden, targets, mask, head):
-            if self.implementation in ("plain", "chunked"):
-                selected = (hidden[mask], targets[mask])
-                values = (
-                    _chunk_logps(head, *selected)
-                    if self.implementation == "plain"
-                    else torch.cat(self._chunks(_chunk_logps, head, *selected))
-                )
+            if self.implementation == "chunked":
+                values = torch.cat(self._chunks(_chunk_logps, head, hidden[mask], targets[mask]))
                 return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(
                     mask, values
                 ), mask
             return -fused_nll(self.implementation, head, hidden, targets, "none").view_as(targets) * mask, mask
-
-    def _plain_logits(self, model, batch: dict) -> torch.Tensor:
-        """The model's own logits of every position. On a model's first batch, where its head is whole on this rank
-        and its forward takes `logits_to_keep`, also whether those logits are its head (and softcap) applied to its
-        decoder's output: then its later batches run the head on their trained positions only."""
-        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        lm = causal_lm(model)
-        if lm in self._selects:
-            return model(**inputs, use_cache=False).logits
-        head = Head(lm.get_output_embeddings(), getattr(lm.config, "final_logit_softcapping", None))
-        if not _selectable(lm, head.module):
-            self._selects[lm] = False
-            return model(**inputs, use_cache=False).logits
-        seen, calls = [], []
-        hooks = [
-            lm.get_decoder().register_forward_hook(lambda module, args, output: seen.append(output[0])),
-            head.module.register_forward_hook(lambda module, args, output: calls.append((args[0], output))),
-        ]
-        try:
-            logits = model(**inputs, use_cache=False).logits
-        finally:
-            for hook in hooks:
-                hook.remove()
-        with torch.no_grad():  # compared at the last position (as check_head does): no second t·V tensor
-            fits = (
-                len(seen) == 1
-                and len(calls) == 1
-                and calls[0][0].shape == seen[0].shape == logits.shape[:-1] + (seen[0].shape[-1],)
-            )
-            fits = fits and torch.allclose(calls[0][0].float(), seen[0].float(), rtol=1e-3, atol=1e-5)
-            ours, theirs = head.capped(calls[0][1][:, -1:]), logits[:, -1:].float()
-            fits = fits and ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2)
-        self._selects[lm] = fits
-        if fits:
-            self._checked.add(lm)
-        return logits
 
     @contextlib.contextmanager
     def _hidden(self, model, batch: dict):
@@ -186,22 +140,6 @@ def next_tokens(batch: dict) -> torch.Tensor:
     if "shift_labels" in batch:
         return batch["shift_labels"]
     return F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE)
-
-
-def _selectable(lm, head) -> bool:
-    """Whether the plain loss may run `head` on the trained positions only: the model's forward takes
-    `logits_to_keep` (final_hidden), it has a decoder to read the hidden states from, and the head's parameters are
-    whole tensors on this rank. A sharded head (an FSDP2 unit, a ZeRO-3 partition, a tensor-parallel DTensor) keeps
-    the model's own call: one call of the head per forward pass, as those engines schedule their gathers."""
-    import inspect
-
-    from torch.distributed.tensor import DTensor
-
-    if head is None or not hasattr(lm, "get_decoder"):
-        return False
-    if "logits_to_keep" not in inspect.signature(lm.forward).parameters:
-        return False
-    return not any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in head.parameters())
 
 
 def chunk_count(head: Head, rows: int, chunk_tokens: int, job: int = 1) -> int:
