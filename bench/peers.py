@@ -90,9 +90,9 @@ def chat_messages(record: dict) -> list[dict]:
     return [{"role": "user", "content": user}, {"role": "assistant", "content": record["output"]}]
 
 
-def chatml_prompt(record: dict) -> str:
+def chatml_prompt(messages: list[dict]) -> str:
     """ChatML up to the assistant's reply, written out by hand as a plain loop's author would."""
-    return f"<|im_start|>user\n{chat_messages(record)[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    return f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @dataclass(frozen=True)
@@ -160,9 +160,9 @@ def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str, 
     rows = []
     for line in Path(data).read_text().splitlines():
         record = json.loads(line)
-        if chat:
-            prompt = tok(chatml_prompt(record), add_special_tokens=False)["input_ids"]
-            reply = tok(record["output"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        if chat:  # the records file holds the conversations ft reads (bench below)
+            prompt = tok(chatml_prompt(record["messages"]), add_special_tokens=False)["input_ids"]
+            reply = tok(record["messages"][1]["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
         else:
             prompt = tok(alpaca_prompt(record), add_special_tokens=False)["input_ids"]
             reply = tok(record["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
