@@ -35,6 +35,7 @@ except ImportError:  # older torch: per-sample SDPA only
 NAME = "sdpa_varlen"
 _HALF = (torch.float16, torch.bfloat16)
 _last_cu: list = [None, 0]  # [cu_seq_lens tensor, its longest sample]: one host read per batch, not per layer
+_last_bounds: list = [None, []]  # [cu_seq_lens tensor, its boundaries as a list]: likewise
 
 
 @functools.cache
@@ -91,8 +92,14 @@ def _causal(q, k, v, dropout_p, scaling, window=None):
 
 
 def _per_sample(query, key, value, cu, dropout_p, scaling, window=None):
-    """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample (reads cu on the host)."""
-    bounds = cu.tolist()
+    """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample. The boundaries come from the host
+    (`host_bounds`, which ft's collator attaches to cu and its to_device keeps); cu given without them is read once
+    per batch."""
+    bounds = getattr(cu, "host_bounds", None)
+    if bounds is None:
+        if _last_bounds[0] is not cu:
+            _last_bounds[:] = [cu, cu.tolist()]
+        bounds = _last_bounds[1]
     parts = [
         _causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling, window)
         for s, e in zip(bounds[:-1], bounds[1:])

@@ -341,3 +341,36 @@ def test_unpacked_calls_are_plain_sdpa_with_padding_masks():
     assert torch.equal(outs["sdpa"].sequences, outs["sdpa_varlen"].sequences)
     for a, b in zip(outs["sdpa"].logits, outs["sdpa_varlen"].logits):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_rows_give_the_attention_their_sample_boundaries_from_the_host():
+    """The per-sample path reads no tensor for its boundaries: the collator attaches them to cu_seq_lens and to_device
+    keeps them (a read per layer would wait for a GPU); a cu without them is read once, not once per layer."""
+    from torch.overrides import TorchFunctionMode
+
+    from finetune.attention import _per_sample
+    from finetune.data.collate import collate, to_device
+
+    class Reads(TorchFunctionMode):
+        count = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Reads.count += getattr(func, "__name__", "") == "tolist"
+            return func(*args, **(kwargs or {}))
+
+    batch = to_device(
+        collate([{"input_ids": list(range(10)), "labels": list(range(10)), "seq_lens": [4, 6]}], 0, "sdpa_varlen"),
+        "cpu",
+    )
+    cu = batch["cu_seq_lens_q"]
+    assert cu.host_bounds == [0, 4, 10] == cu.tolist()
+    q = torch.randn(1, 2, 10, 8)
+    with Reads():
+        for _ in range(3):  # three layers
+            with_host = _per_sample(q, q, q, cu, 0.0, None)
+    assert Reads.count == 0
+    bare = cu.clone()
+    with Reads():
+        for _ in range(3):
+            without = _per_sample(q, q, q, bare, 0.0, None)
+    assert Reads.count == 1 and torch.equal(with_host, without)

@@ -134,8 +134,12 @@ def to_device(batch: dict, device) -> dict:
         if queued and t.device.type == "cpu":
             # from pinned memory a copy is asynchronous; the caching host allocator keeps the pinned block from reuse
             # until the copy's recorded event completes (ATen/core/CachingHostAllocator.h:175-182, free: :352-416)
-            return t.pin_memory().to(device, non_blocking=True)
-        return t.to(device)
+            moved = t.pin_memory().to(device, non_blocking=True)
+        else:
+            moved = t.to(device)
+        if hasattr(t, "host_bounds"):  # varlen boundaries: finetune/attention.py reads them without a device read
+            moved.host_bounds = t.host_bounds
+        return moved
 
     return {
         k: move(v) if torch.is_tensor(v) else {n: move(m) for n, m in v.items()} if isinstance(v, dict) else v
@@ -148,7 +152,9 @@ def varlen_boundaries(seq_lens: list[int], length: int, sample_index: bool = Fal
     `sample_index`, also `seq_idx` (1, T) int32, each token's sample number, which the state-space and
     linear-attention kernels take (mamba_ssm, causal_conv1d)."""
     lens = list(seq_lens) + ([length - sum(seq_lens)] if length > sum(seq_lens) else [])
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu.host_bounds = bounds  # the same boundaries on the host, which travel with the tensor (to_device)
     longest = max(lens)
     out = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     if sample_index:
