@@ -495,7 +495,8 @@ def test_the_estimate_counts_the_attention_the_planner_chooses_not_the_configs_a
     twin = catalog_plan(
         replace(gpt_oss, model_type="llama"), hardware, *LONG_ROWS, "train.gradient_checkpointing=false"
     )
-    assert (chosen.attn_implementation, twin.attn_implementation) == (kernel, "sdpa")
+    assert chosen.attn_implementation == kernel
+    assert twin.attn_implementation in ("sdpa", "sdpa_varlen")  # SDPA, padded or padding-free (plan/attention.py)
     assert (chosen.micro_batch_size, chosen.checkpoint_layers) == (twin.micro_batch_size, twin.checkpoint_layers)
     gap = chosen.estimate.device["activations"] - twin.estimate.device["activations"]
     if kernel == "eager":

@@ -30,7 +30,9 @@ class ModelSection(Section):
     """Dtype the frozen weights are loaded in. `auto` follows the plan's precision."""
     attn_implementation: Literal["auto", "sdpa", "sdpa_varlen", "eager", "flash_attention_2"] = "auto"
     """Attention kernel. `auto`: chosen from what the model class supports, with the reason in `ft plan`: sdpa, or with
-    packing ft's padding-free `sdpa_varlen` (one causal attention per sample, sliding windows honoured); where the class
+    packing ft's padding-free `sdpa_varlen` (one causal attention per sample, sliding windows honoured), which SFT's
+    unpacked rows also take (a micro-batch's rows concatenated into one row, none padded) unless the layers are
+    compiled; where the class
     has no SDPA (attention sinks, logit softcapping) flex_attention on GPUs, else eager; packed rows the per-sample
     path cannot run (chunked attention shorter than a row, no SDPA) get one mask per layer type. Set
     flash_attention_2 where flash-attn is installed."""

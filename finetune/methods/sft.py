@@ -22,6 +22,7 @@ class SFT:
         masks: dict | None = None,
         sample_index: bool = False,
         pixels=None,
+        padding_free: bool = False,
     ):
         self.pad_id = pad_id
         self.attn = attn_implementation
@@ -30,6 +31,7 @@ class SFT:
         self.validates = validates
         self.head = head or LossHead()  # how the logits are computed (plan.loss_implementation)
         self.images = pixels  # a vision-language model's rows list their images (finetune.vision.Pixels)
+        self.padding_free = padding_free  # unpacked rows concatenated into one row per micro-batch (the Plan's)
 
     @classmethod
     def create(cls, section, context: Context) -> SFT:
@@ -44,6 +46,7 @@ class SFT:
             plan.attention_masks,
             plan.sample_index,
             pixels(context),
+            plan.padding_free,
         )
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
@@ -53,6 +56,8 @@ class SFT:
         out = []
         for i in range(0, len(rows), self.micro):
             chunk = rows[i : i + self.micro]
+            if self.padding_free:  # each row one sample of its own: the collator concatenates them (varlen)
+                chunk = [{**r, "seq_lens": [len(r["input_ids"])]} for r in chunk]
             batch = collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index)
             if self.images is not None:  # the rows' images, in the order their tokens appear in the batch
                 self.images.add(batch, [r.get("images") or [] for r in chunk], "seq_lens" in chunk[0])

@@ -31,15 +31,27 @@ class Attention:
     masks: dict = field(default_factory=dict)  # layer type -> {"window": n} | {"chunk": n} | {} (packed, mask path)
     sample_index: bool = False  # packed rows carry seq_idx for the state-space/linear-attention kernels
     flash_upgrade: bool = False  # flash_attention_2 may replace the kernel on a GPU where flash-attn is installed
+    padding_free: bool = False  # unpacked rows: a micro-batch's rows are concatenated, each attending to itself
 
 
-def choose_attention(config: Config, hw: Hardware, mc: ModelClass, cp: int, out: list[Decision]) -> Attention:
-    """The attention for this model and job; PlanError when the config asks for what the class cannot run."""
+def choose_attention(
+    config: Config,
+    hw: Hardware,
+    mc: ModelClass,
+    cp: int,
+    out: list[Decision],
+    images: bool = False,
+    padding_free: bool = True,
+) -> Attention:
+    """The attention for this model and job; PlanError when the config asks for what the class cannot run. `images`:
+    the job trains on images (config/vision_checks.py trains_images); `padding_free`: unpacked rows may be
+    concatenated (not where the layers are compiled: the planner asks again without)."""
     packed = config.data.packing
     if packed:
         _check_mixers(mc, hw)
     asked = config.model.attn_implementation
-    choice = _asked(config, hw, mc) if asked != "auto" else _auto(config, hw, mc, out)
+    flat = padding_free and cp == 1 and not images
+    choice = _asked(config, hw, mc) if asked != "auto" else _auto(config, hw, mc, out, flat)
     if asked != "auto":
         out.append(Decision(FIELD, asked, "as set in the config", "config"))
     if cp > 1 and choice.kernel != "sdpa":
@@ -75,11 +87,22 @@ def ring_problem(config: Config, hw: Hardware, m) -> str | None:
     return f"{_no_sdpa(mc)}, the only attention torch's ring attention replaces (ft runs {kernel} for it here)"
 
 
-def _auto(config: Config, hw: Hardware, mc: ModelClass, out: list[Decision]) -> Attention:
+def _auto(config: Config, hw: Hardware, mc: ModelClass, out: list[Decision], flat: bool = False) -> Attention:
     kernel, why = unpacked_kernel(mc, hw)
     upgrade = mc.flash and not hw.is_cpu  # flash-attention 2 takes sliding windows, softcapping and varlen rows
     later = " (flash-attention 2 instead where it is installed)" if upgrade else ""
     if not config.data.packing:
+        if flat and padding_free_allowed(config, mc):
+            out.append(
+                Decision(
+                    FIELD,
+                    "sdpa_varlen",
+                    "unpacked rows, padding-free: a micro-batch's rows are concatenated into one row and ft's "
+                    "sdpa_varlen runs one causal attention per row, so no compute goes to padding and rows never see "
+                    f"each other (the loss sums over tokens, whatever row they sit in){later}",
+                )
+            )
+            return Attention("sdpa_varlen", flash_upgrade=upgrade, padding_free=True)
         out.append(Decision(FIELD, kernel, why + later))
         return Attention(kernel, flash_upgrade=upgrade)
     if mc.mixers:
@@ -104,6 +127,24 @@ def _auto(config: Config, hw: Hardware, mc: ModelClass, out: list[Decision]) -> 
     why = f"{problem}: transformers' eager attention with masks, as the model class runs them"
     out.append(Decision(FIELD, "eager", f"{why}; packed rows: {_mask_text(masks)}{later}"))
     return Attention("eager", masks=masks, flash_upgrade=upgrade)
+
+
+def varlen_fast(hw: Hardware, precision: str) -> bool:
+    """Whether concatenated rows run at least as fast as padded ones here: on CPUs (one causal SDPA per sample, measured
+    faster than a padded batch: no compute on padding), and on GPUs where torch's varlen kernel takes the call
+    (finetune/attention.py uses_kernel: NVIDIA sm80+, fp16/bf16). Elsewhere a GPU would run one SDPA call per sample
+    instead of one per batch: rows stay padded."""
+    acc = hw.accelerator
+    if acc is None:
+        return True
+    return acc.vendor == "nvidia" and (acc.compute_capability or (0, 0)) >= (8, 0) and precision in ("bf16", "fp16")
+
+
+def padding_free_allowed(config: Config, mc: ModelClass) -> bool:
+    """Whether unpacked rows may run padding-free (Attention.padding_free): a loss summed over tokens (SFT: a
+    preference or reward method reads its rows as pairs or sequences), and a class that runs sdpa_varlen exactly with
+    no state-space or linear-attention layers (their kernels need seq_idx)."""
+    return config.method.summed_loss and not mc.mixers and varlen_problem(mc, config.data.seq_len) is None
 
 
 def unpacked_kernel(mc: ModelClass, hw: Hardware) -> tuple[str, str]:

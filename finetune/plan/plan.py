@@ -137,6 +137,7 @@ class Plan:
     attention_masks: dict = field(default_factory=dict)
     sample_index: bool = False
     flash_upgrade: bool = False  # flash_attention_2 may replace the planned kernel where flash-attn is installed
+    padding_free: bool = False  # unpacked rows: each micro-batch's rows concatenated into one row (plan/attention.py)
     # the model routes tokens to experts (ModelFacts.is_moe): a 4/8-bit base keeps what peft adapts by parameter in
     # 16 bits (models.kept_modules reads the model's structure for it); a dense model's loading reads nothing more
     moe: bool = False

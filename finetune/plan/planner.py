@@ -25,7 +25,7 @@ from finetune.hardware import Hardware
 from finetune.model_class import for_facts
 from finetune.plan import expert_parallel
 from finetune.plan.advice import no_fit_error
-from finetune.plan.attention import choose_attention
+from finetune.plan.attention import choose_attention, varlen_fast
 from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
 from finetune.plan.comm import Links, links
 from finetune.plan.compiling import choose_compile
@@ -82,7 +82,15 @@ def plan(
     batch = choose_global_batch(config, topo, decisions, topo.world // fixed if fixed > 1 else None)
     # the attention, before the search, whose estimates count it (search.setup: estimated_kernel); recorded below
     attention_decisions: list[Decision] = []
-    attn = choose_attention(config, hardware, for_facts(model), asked(d.context_parallel) or 1, attention_decisions)
+    attn = choose_attention(
+        config,
+        hardware,
+        for_facts(model),
+        asked(d.context_parallel) or 1,
+        attention_decisions,
+        trains_images(config, model),
+        varlen_fast(hardware, precision),
+    )
     outcome = search(expert_parallel.confined(config, topo, model), hardware, model, topo, precision, batch, speeds)
     fit = outcome.chosen
     if fit is None:
@@ -95,6 +103,9 @@ def plan(
     s = setup(config, hardware, topo, precision, batch, c, fit.micro_batch_size, fit.savers, model)
     fit, ep = expert_parallel.apply(config, hardware, topo, model, fit, s, speeds, decisions)
     compiled = choose_compile(config, hardware, c.backend, c.quantization, fit.step_seconds, decisions, c.cp, ep)
+    if compiled and attn.padding_free:  # compiled layers: padded rows, whose shapes do not change inside a batch
+        attention_decisions = []
+        attn = choose_attention(config, hardware, for_facts(model), c.cp, attention_decisions, padding_free=False)
     if new_tokens or config.data.add_special_tokens:
         n = new_tokens + len(config.data.add_special_tokens)
         decisions.append(
@@ -144,6 +155,7 @@ def plan(
         attention_masks=attn.masks,
         sample_index=attn.sample_index,
         flash_upgrade=attn.flash_upgrade,
+        padding_free=attn.padding_free,
         moe=model.is_moe,
         vision=vision,
         train_vision=trained_vision if vision else "none",
