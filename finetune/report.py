@@ -226,8 +226,16 @@ def rollout_line(plan: Plan) -> str:
     )
     every = f" (weights sent every {r.sync_every} steps)" if r.sync_every > 1 else ""
     return f"Rollouts: {where}, {kv} per engine; est. per step: {split} + weight sync {sync:.3g} s{every}" + (
-        " (asynchronous: one step off-policy)" if r.asynchronous else ""
+        _staleness(r) if r.asynchronous else ""
     )
+
+
+def _staleness(r) -> str:
+    """How far behind the policy asynchronous rollouts are (a rollout serves num_iterations steps)."""
+    if r.max_staleness == 1:
+        return " (asynchronous: one rollout generated ahead, one rollout off-policy)"
+    k = r.max_staleness
+    return f" (asynchronous: up to {k} rollouts generated ahead, up to {k} rollouts off-policy)"
 
 
 def _print_candidates(console, plan: Plan) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from finetune.catalog import lookup
 from finetune.config import loads
-from finetune.errors import PlanError
+from finetune.errors import ConfigError, PlanError
 from finetune.hardware import parse
 from finetune.plan import plan
 from finetune.plan import rollout as placement
@@ -284,3 +284,14 @@ def test_ft_plan_shows_the_placement_and_its_reasons(vllm, capsys, monkeypatch):
     assert " ".join(line.split()) in out and "rollout.placement" in out and "rollout.tensor_parallel" in out
     colocated = make("8xH100-80GB", QWEN, ["method.max_new_tokens=128"])
     assert rollout_line(colocated).startswith("Rollouts: vLLM colocated in each training GPU, tensor parallel 1")
+
+
+def test_the_plan_states_how_many_rollouts_are_generated_ahead(vllm):
+    one = make("8xH100-80GB", overrides=["method.rollout.asynchronous=true"])
+    three = make("8xH100-80GB", overrides=["method.rollout.asynchronous=true", "method.rollout.max_staleness=3"])
+    assert one.rollout.max_staleness == 1 and three.rollout.max_staleness == 3
+    assert "(asynchronous: one rollout generated ahead, one rollout off-policy)" in rollout_line(one)
+    assert "(asynchronous: up to 3 rollouts generated ahead, up to 3 rollouts off-policy)" in rollout_line(three)
+    assert Plan.from_json(three.to_json()).rollout.max_staleness == 3
+    with pytest.raises(ConfigError, match="method.rollout.max_staleness"):
+        make("8xH100-80GB", overrides=["method.rollout.max_staleness=3"])  # without asynchronous: refused

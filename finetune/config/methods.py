@@ -229,8 +229,12 @@ class RolloutSection(Section):
     sync_every: Bounded(int, ge=1, le=100_000) = 1
     """Send the trainer's weights to the engine every this many optimizer steps."""
     asynchronous: bool = False
-    """Generate the next rollout while the current one trains (one step off-policy; the lag is logged as
-    `rollout_lag`). Needs `engine: vllm`."""
+    """Generate the next rollouts while the current one trains (off-policy by up to `max_staleness` rollouts; the lag
+    is logged as `rollout_lag`). Needs `engine: vllm`."""
+    max_staleness: Bounded(int, ge=1, le=64) = 1
+    """With `asynchronous`: rollouts generated ahead while the trainer steps. A rollout trains at most this many
+    rollouts (× num_iterations optimizer steps) after the weights that generated it; a rollout server keeps
+    generating across weight updates (vLLM's pause mode `keep`)."""
     url: str | list[str] | None = None
     """A vLLM server already running (http://host:port; `ft rollout-server JOB` starts one with the job's settings),
     e.g. on other nodes, or a list of them (data-parallel engines: each rank's prompts are shared out evenly); ft then
@@ -316,6 +320,15 @@ class GRPOMethod(MethodSection):
                     "asynchronous rollouts need a separate rollout engine: transformers samples with the training "
                     "model itself, which cannot generate while it trains",
                     "set method.engine: vllm, or method.rollout.asynchronous: false",
+                )
+            )
+        if self.rollout.max_staleness > 1 and not self.rollout.asynchronous:
+            found.append(
+                Problem(
+                    (("method", "rollout", "max_staleness"), ("method", "rollout", "asynchronous")),
+                    f"max_staleness: {self.rollout.max_staleness} generates rollouts ahead, which only asynchronous "
+                    "rollouts do",
+                    "set method.rollout.asynchronous: true, or remove method.rollout.max_staleness",
                 )
             )
         if self.rollout.url is not None and self.rollout.placement == "colocated":

@@ -54,6 +54,7 @@ class RolloutPlan:
     sleep: bool = False  # a colocated engine sleeps during the backward pass
     sync_every: int = 1  # optimizer steps between weight updates of the engine
     asynchronous: bool = False  # the next rollout is generated while the current one trains
+    max_staleness: int = 1  # asynchronous: rollouts generated ahead of the one training
     url: str | list[str] | None = None  # the vLLM servers already running (method.rollout.url)
     generation_seconds: float = 0.0  # estimated seconds per optimizer step
     training_seconds: float = 0.0

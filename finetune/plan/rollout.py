@@ -255,7 +255,10 @@ def _on_gpus(job: Job, out: list[Decision]) -> Placement:
 
 def _placement(job: Job, engine: str, where: str, out: list[Decision], share=EngineShare(), **values) -> Placement:
     r = job.section
-    rollout = RolloutPlan(engine, where, sync_every=r.sync_every, asynchronous=r.asynchronous, url=r.url, **values)
+    ahead = r.max_staleness if r.asynchronous else 1
+    rollout = RolloutPlan(
+        engine, where, sync_every=r.sync_every, asynchronous=r.asynchronous, max_staleness=ahead, url=r.url, **values
+    )
     return Placement(rollout, tuple(out), share)
 
 
