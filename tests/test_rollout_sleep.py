@@ -87,7 +87,7 @@ class Recorder:
 )
 def test_the_driver_says_when_the_next_rollout_loads_the_weights_first(sync_every, per_batch, expected):
     rec = Recorder()
-    weights = lambda version: SimpleNamespace(version=version, kind="full")  # noqa: E731
+    weights = lambda version, in_flight=(): SimpleNamespace(version=version, kind="full")  # noqa: E731
     driver = RolloutDriver(rec, weights, Runtime(), 0, sync_every=sync_every, steps_per_batch=per_batch)
     steps = range(0, 4 * per_batch, per_batch)
     for step in steps:

@@ -63,11 +63,11 @@ class Stream:
         self.served = 1
         return indices
 
-    def peek(self) -> list[int]:
-        """This rank's row indices of the next new batch (the one after the current batch's repeats), without taking
-        them."""
+    def peek(self, ahead: int = 0) -> list[int]:
+        """This rank's row indices of the next new batch (the one after the current batch's repeats), or of the
+        `ahead`-th batch after that, without taking them."""
         per_rank = self.global_batch // self.world
-        return self._take(self.position + self.rank * per_rank, per_rank)
+        return self._take(self.position + ahead * self.global_batch + self.rank * per_rank, per_rank)
 
 
 def steps_for(rows: int, global_batch: int, max_steps: int | None, epochs: float | None, repeat: int = 1) -> int:

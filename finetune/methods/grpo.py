@@ -74,8 +74,8 @@ class GRPO:
         separate = placement(c.plan, section)[1] != "inline"
         folder = Path(c.folder if c.folder is not None else ".") / "rollout"  # adapters sent to the engine
 
-        def weights(version: int):
-            return Weights(c.engine, c.runtime, folder, version, adapter=c.plan.adapter != "full")
+        def weights(version: int, in_flight=frozenset()):
+            return Weights(c.engine, c.runtime, folder, version, c.plan.adapter != "full", in_flight)
 
         def prompts_for(rows: list[int]) -> list[list[int]]:
             return [list(p) for p in c.dataset.select(rows)["prompt_ids"] for _ in range(section.num_generations)]
@@ -90,6 +90,7 @@ class GRPO:
             prompts_for,
             c.stream.peek if c.stream is not None else None,
             section.num_iterations,
+            section.rollout.max_staleness,
         )
 
         @torch.no_grad()

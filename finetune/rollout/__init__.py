@@ -5,7 +5,7 @@ vllm.py       a vLLM engine in this process (`placement: colocated`), weights pu
 serve.py      the `vllm serve` command for a job (`placement: server`: vLLM's own server on its own devices)
 server.py     the trainer's client of that server: vLLM's OpenAI API, LoRA loading and weight routes
 weights.py    the trainer's side of a weight update: the adapter as files, or full tensors one at a time
-prefetch.py   one-step-off-policy rollouts: the next rollout generates while the current one trains
+prefetch.py   asynchronous rollouts: the next batches' rollouts generate while the current one trains
 
 Every engine takes prompts as token ids and returns each completion's token ids and, where the engine is not the
 training model, the log-probability it gave each sampled token (for the importance-sampling correction).

@@ -22,9 +22,10 @@ KEEP_ADAPTERS = 2  # the folder an engine serves now, and the one before (a serv
 class Weights:
     """The policy at one version (optimizer steps taken), as a rollout engine takes it."""
 
-    def __init__(self, engine, runtime, folder: Path, version: int, adapter: bool):
+    def __init__(self, engine, runtime, folder: Path, version: int, adapter: bool, in_flight=frozenset()):
         self.engine, self.runtime, self.folder, self.version = engine, runtime, Path(folder), version
         self.kind = "adapter" if adapter else "full"
+        self.in_flight = frozenset(in_flight)  # older versions that rollouts still generating use (asynchronous)
 
     def adapter_folder(self) -> Path:
         """Every rank calls this: rank 0 writes the adapter (peft format), the others wait; older versions are
@@ -39,7 +40,7 @@ class Weights:
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)
-            prune(path)
+            prune(path, self.in_flight)
         self.runtime.barrier()
         return path
 
@@ -73,14 +74,16 @@ class Weights:
         yield from self.engine.full_parameters()
 
 
-def prune(path: Path) -> None:
-    """Of the folders like `path` (adapter-<version>, weights-<version>; ft wrote them), keep `path` and the newest
-    older one (an engine may still read it); a newer one is what a run stopped after its last checkpoint left, and
-    goes too (a resumed run sends an older version first)."""
+def prune(path: Path, in_flight=frozenset()) -> None:
+    """Of the folders like `path` (adapter-<version>, weights-<version>; ft wrote them), keep `path`, the newest
+    older one (an engine may still read it) and the versions rollouts in flight use; a newer one is what a run stopped
+    after its last checkpoint left, and goes too (a resumed run sends an older version first)."""
     kind = path.name.rsplit("-", 1)[0]
     older = sorted(p for p in path.parent.glob(f"{kind}-*") if p.name < path.name)
+    kept = {f"{kind}-{v:08d}" for v in in_flight}
     for old in [p for p in path.parent.glob(f"{kind}-*") if p.name > path.name] + older[: -(KEEP_ADAPTERS - 1)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in kept:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def layer_groups(named: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
