@@ -167,3 +167,93 @@ def test_a_resumed_run_keeps_the_folder_it_sends_and_drops_what_the_stopped_run_
     (tmp_path / "adapter-00000024").mkdir()  # another kind: not touched
     prune(tmp_path / "weights-00000020")  # resumed from step 20: 23 and 24 are the stopped run's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter-00000024", "weights-00000019", "weights-00000020"]
+
+
+class Routes:
+    """A server that records every POST (path and body) and answers as vLLM does: completions naming the model they
+    were asked for, `finish_reason` as set, `/reset_prefix_cache` with `reset_ok`."""
+
+    def __init__(self):
+        self.posts, self.finish, self.reset_ok = [], "length", True
+        routes = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply({"data": [{"id": "base", "parent": None}]} if "models" in self.path else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                routes.posts.append((self.path, body))
+                if self.path == "/v1/completions":
+                    choice = {"token_ids": [1], "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": routes.finish}
+                    return self._reply({"choices": [choice]})
+                self._reply({"success": routes.reset_ok} if self.path.startswith("/reset_prefix_cache") else {})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def paths(self) -> list[str]:
+        return [p for p, _ in self.posts if p != "/v1/completions"]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _weights(kind: str, version: int, folder, in_flight=()):
+    from finetune.distributed.runtime import Runtime
+
+    return SimpleNamespace(
+        kind=kind,
+        version=version,
+        runtime=Runtime(),
+        in_flight=frozenset(in_flight),
+        adapter_folder=lambda: folder,
+        checkpoint_folder=lambda: folder,
+    )
+
+
+def test_full_weights_change_with_requests_kept_and_recomputed_and_adapters_stay_while_rollouts_name_them(tmp_path):
+    server = Routes()
+    try:
+        client = RemoteRollout(server.url, SECTION, stop=[0])
+        client.update(_weights("full", 1, tmp_path))
+        assert server.paths() == [
+            "/pause?mode=keep",  # requests in flight stay where they are
+            "/collective_rpc",
+            "/reset_prefix_cache?reset_running_requests=true",  # no KV block of the old weights is read again
+            "/resume",
+        ]
+        server.reset_ok, server.posts[:] = False, []
+        with pytest.raises(FtError, match="could not empty its prefix cache"):
+            client.update(_weights("full", 2, tmp_path))
+        assert server.paths()[-1] == "/resume"  # resumed all the same
+
+        server.posts[:] = []
+        client.update(_weights("adapter", 1, tmp_path))
+        client.update(_weights("adapter", 2, tmp_path, in_flight={1}))  # a rollout ahead still generates with 1
+        assert [p for p in server.paths() if "unload" in p] == []
+        client.generate([[5]], seed=0)
+        assert server.posts[-1][1]["model"] == "ft-adapter-2"
+        client.update(_weights("adapter", 3, tmp_path, in_flight={2}))
+        unloaded = [b["lora_name"] for p, b in server.posts if p == "/v1/unload_lora_adapter"]
+        assert unloaded == ["ft-adapter-1"]  # 2 stays for the rollout that names it
+
+        server.finish = "abort"
+        with pytest.raises(FtError, match="aborted a completion"):
+            client.generate([[5]], seed=0)  # a completion cut short is never trained on
+        client.close()
+    finally:
+        server.close()

@@ -1,7 +1,8 @@
 """GRPO's rollouts served by vLLM's own server (`vllm serve`, placement: server) on CPU, with vLLM's CPU build: after a
 weight sync through vLLM's routes the server's log-probs equal the trainer's (an adapter loaded as a new LoRA, full
-weights reloaded in place), GRPO through a server ft train starts learns, and a server killed mid-run ends the job with
-a message, after which `ft train --resume` starts another and finishes the run.
+weights reloaded in place, also under requests in flight), GRPO through a server ft train starts learns with rollouts
+generated ahead, and a server killed mid-run ends the job with a message, after which `ft train --resume` starts
+another and finishes the run.
 
 Runs in an environment with vLLM (the main one has none, and this file skips there):
     OMP_NUM_THREADS=1 /path/to/vllm-env/bin/python -m pytest -q tests/test_vllm_serve.py
@@ -13,6 +14,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
@@ -106,6 +108,54 @@ def test_full_weights_are_reloaded_in_place_with_the_trainers_log_probs(served, 
     assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) == ["weights-00000003", "weights-00000004"]
 
 
+def metric(url, name: str) -> float:
+    """A counter or gauge of vLLM's (its /metrics), summed over its labels."""
+    text = Http(url, TOKEN, 30).call("/metrics", method="GET")
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vllm:{name}"))
+
+
+def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, model_dir, tmp_path):
+    """Asynchronous rollouts through a server: requests frozen mid-generation (vLLM's pause mode keep) while full
+    weights are reloaded come back whole, each token's log-prob that of the old weights up to the update and of the new
+    ones after it (no step ran with half-updated weights, no KV block of the old weights was read with the new ones)."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    section = type("Section", (), {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 96})()
+    rollout = RemoteRollout(served, section, stop=[], token=TOKEN)
+    rollout.update(Weights(one_training_step(model), Runtime(), tmp_path / "rollout", version=6, adapter=False))
+    old = copy.deepcopy(model)
+    prompts = [SEQUENCES[i % 2][: 3 + i % 4] for i in range(32)]
+    with ThreadPoolExecutor(1) as pool:
+        generated = metric(served, "generation_tokens_total")
+        generating = pool.submit(rollout.generate, prompts, 11)
+        while metric(served, "generation_tokens_total") < generated + 16 * len(prompts) and not generating.done():
+            time.sleep(0.02)  # until the requests are well into their completions
+        Http(served, TOKEN, 30).call("/pause?mode=keep")  # frozen mid-generation; the update pauses and resumes
+        trainer = one_training_step(model)
+        rollout.update(Weights(trainer, Runtime(), tmp_path / "rollout", version=7, adapter=False))
+        completions = generating.result()
+    straddled = 0
+    for prompt, c in zip(prompts, completions):
+        assert len(c.ids) == len(c.logps) > 0  # none aborted (the client refuses a completion cut short)
+        seq = prompt + c.ids
+        before = trainer_logps(old, [seq])[0][len(prompt) - 1 :]
+        after = trainer_logps(model, [seq])[0][len(prompt) - 1 :]
+        versions = []  # of the tokens only one version explains: 0 the old weights, 1 the new ones
+        for engine_lp, b, a in zip(c.logps, before, after):
+            old_fits, new_fits = abs(engine_lp - b) < 1e-3, abs(engine_lp - a) < 1e-3
+            assert old_fits or new_fits, (engine_lp, b, a)  # never a step with half-updated weights or stale KV
+            if old_fits != new_fits:
+                versions.append(int(new_fits))
+        assert versions == sorted(versions), versions  # the old weights' tokens, then the new weights'
+        straddled += 0 < sum(versions) < len(versions)
+    assert straddled >= len(prompts) // 2  # frozen mid-generation: most have tokens of both
+    assert largest_gap(rollout.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-4
+
+
 KILL_HOOK = """
 import json, os, signal
 from pathlib import Path
@@ -142,13 +192,23 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 10}}
     return str(path)
 
 
-def test_grpo_through_vllm_serve_learns_and_a_killed_server_ends_the_job_which_resumes(tmp_path, sft_model):
-    """The sevens task, 40 steps, the server ft train started killed before step 25: the job ends with the server
-    named; --resume starts a new server and trains from the checkpoint of step 20 to the end; the mean reward of the
-    last 10 steps is at least twice that of the first 10."""
+def test_grpo_through_vllm_serve_learns_asynchronously_and_a_killed_server_ends_the_job_which_resumes(
+    tmp_path, sft_model
+):
+    """The sevens task, 40 steps, asynchronous with two rollouts generated ahead (the server takes weights while it
+    generates), the server ft train started killed before step 25: the job ends with the server named; --resume starts
+    a new server and trains from the checkpoint of step 20 (and the two rollouts it kept) to the end; the mean reward
+    of the last 10 steps is at least twice that of the first 10, and the lag is the schedule's."""
     steps, run = 40, tmp_path / "run"
     job = sevens_job(tmp_path, sft_model, steps)
-    placed = ["--hardware", "cpu"]
+    placed = [
+        "--hardware",
+        "cpu",
+        "--set",
+        "method.rollout.asynchronous=true",
+        "--set",
+        "method.rollout.max_staleness=2",
+    ]
     hook = tmp_path / "kill.py"
     hook.write_text(KILL_HOOK)
     env = {"FT_STEP_HOOK": f"{hook}:kill_server", "KILL_AT_STEP": "25", "KILL_RUN": str(run)}
@@ -164,7 +224,11 @@ def test_grpo_through_vllm_serve_learns_and_a_killed_server_ends_the_job_which_r
     reward = [by_step[s]["reward"] for s in range(1, steps + 1)]
     first, last = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
     assert last >= 2 * first, [round(x, 3) for x in reward]
-    assert all(by_step[s]["logp_mismatch"] < 1e-3 for s in (1, 21))  # synced before generating, also after resuming
+    # the first rollout is generated on the spot, the next two ahead with the same weights, then two steps behind;
+    # after the resume too (the checkpoint kept the two rollouts ahead, and their versions)
+    assert [by_step[s]["rollout_lag"] for s in range(1, steps + 1)] == [0, 1] + [2] * (steps - 2)
+    assert by_step[1]["logp_mismatch"] < 1e-3  # synced before generating
+    assert all(by_step[s]["logp_mismatch"] > 1e-3 for s in (3, 21))  # two updates behind the trainer
     plan = json.loads((run / "plan.json").read_text())
     assert plan["rollout"]["placement"] == "server"
     url = re.findall(r"listening on (http://\S+)", (run / "rollout-server.log").read_text())[-1]

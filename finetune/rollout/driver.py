@@ -54,8 +54,8 @@ class RolloutDriver:
         self.synced: int | None = None  # the version the engine holds (None: the checkpoint's weights, not yet sent)
         self.sync_seconds = 0.0
         self.concurrent = bool(getattr(engine, "updates_while_generating", False))
-        workers = max_staleness if self.concurrent else 1
-        self.ahead = Ahead(workers) if asynchronous else None  # the rollouts of the next batches, oldest first
+        self.workers = max_staleness if self.concurrent else 1  # rollouts generating at once
+        self.ahead = Ahead(self.workers) if asynchronous else None  # the rollouts of the next batches, oldest first
 
     def rollout(self, step: int, indices: list[int], prompts: list[list[int]]) -> Rollout:
         """The rollout of the batch that starts at optimizer step `step` (the policy's version)."""
@@ -99,7 +99,7 @@ class RolloutDriver:
         if ahead is not None and ahead.indices != indices:
             self.ahead.results()
             self.ahead.close()
-            self.ahead = Ahead(self.max_staleness if self.concurrent else 1)
+            self.ahead = Ahead(self.workers)
             return None
         return ahead
 

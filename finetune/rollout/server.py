@@ -13,8 +13,14 @@ Weights, through vLLM's own routes (rollout/serve.py enables them):
                    `/update_weights`, `/finish_weight_update`; rollout/nccl.py), where vLLM is importable here
     full, else     vLLM's transfer backends are CUDA-only (NCCL, CUDA IPC), so rank 0 writes the weights
                    (RUN/rollout/weights-<version>) and each server reloads them in place from that folder
-                   (`/collective_rpc` reload_weights) between `/pause?mode=wait` and `/resume`, and empties its
-                   prefix cache (`/reset_prefix_cache`)
+                   (`/collective_rpc` reload_weights)
+Full weights change between `/pause?mode=keep` and `/resume`: vLLM stops stepping, requests in flight stay where they
+are (asynchronous rollouts keep generating across updates), and before it steps again the prefix cache is emptied with
+the running requests preempted (`/reset_prefix_cache?reset_running_requests=true`), so that no KV block computed with
+the old weights is read again: a request that straddles an update recomputes its prompt and the tokens it has, and
+samples the rest with the new weights (its tokens' log-probs are those of the weights that sampled them). An adapter
+never changes under a request: each rollout's requests name the adapter of the rollout's version, and an adapter is
+unloaded once no rollout still in flight names it (`Weights.in_flight`: the same on every rank).
 The folders are read by the server: a server on another node needs the run folder on a shared file system (as
 checkpoints on several nodes already do). A server that stops answering ends the job with its address and the fix
 (`ft train ... --resume` continues from the last checkpoint); no request waits longer than `method.rollout.timeout_s`.
@@ -23,6 +29,7 @@ checkpoints on several nodes already do). A server that stops answering ends the
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -115,6 +122,7 @@ class RemoteRollout:
     vLLM's routes (every rank takes part in gathering them, rank 0 sends)."""
 
     name = "vllm-server"
+    updates_while_generating = True  # asynchronous rollouts keep generating while weights change (see above)
 
     def __init__(self, urls, section, stop: list[int], token: str | None = None, timeout_s: float = 600):
         urls = [urls] if isinstance(urls, str) else list(urls)
@@ -122,6 +130,8 @@ class RemoteRollout:
         self.s, self.stop = section, list(stop)
         self.base = [wait_ready(h) for h in self.servers]  # each server's name of the base model
         self.adapter: str | None = None  # the trained adapter's name on the servers (None: the base generates)
+        self.loaded: dict[int, str] = {}  # rank 0: the adapters loaded on the servers, by version
+        self.lock = threading.Lock()
         self.pool = ThreadPoolExecutor(max_workers=MAX_IN_FLIGHT, thread_name_prefix="ft-rollout")
         self.nccl = None  # vLLM's NCCL transfer, opened at the first full update on GPUs
 
@@ -129,12 +139,14 @@ class RemoteRollout:
     def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
         """One request per prompt, all in flight at once; prompt j draws from seed + j (as a colocated engine)."""
         where = balance(len(prompts), len(self.servers))
-        futures = [self.pool.submit(self._complete, where[j], p, seed + j) for j, p in enumerate(prompts)]
+        with self.lock:
+            adapter = self.adapter  # the rollout's adapter, whatever update comes while it generates
+        futures = [self.pool.submit(self._complete, where[j], p, seed + j, adapter) for j, p in enumerate(prompts)]
         return [f.result() for f in futures]
 
-    def _complete(self, server: int, prompt: list[int], seed: int) -> Completion:
+    def _complete(self, server: int, prompt: list[int], seed: int, adapter: str | None) -> Completion:
         body = {
-            "model": self.adapter or self.base[server],
+            "model": adapter or self.base[server],
             "prompt": prompt,
             "max_tokens": self.s.max_new_tokens,
             "temperature": self.s.temperature,
@@ -145,7 +157,13 @@ class RemoteRollout:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        (choice,) = self.servers[server].call("/v1/completions", body)["choices"]
+        http = self.servers[server]
+        (choice,) = http.call("/v1/completions", body)["choices"]
+        if choice.get("finish_reason") == "abort":  # cut short: never trained on
+            raise ServerError(
+                f"rollout server {http.url} aborted a completion (was it paused with mode=abort, or stopped?); "
+                f"{LOG_HINT}. `ft train JOB --resume` continues from the last checkpoint"
+            )
         return Completion(list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"]))
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -166,7 +184,11 @@ class RemoteRollout:
             if main:
                 for http in self.servers:
                     self._load_adapter(http, name, str(Path(folder).resolve()))
-            self.adapter = name
+                self.loaded[weights.version] = name
+            with self.lock:
+                self.adapter = name
+            if main:  # after the barrier in adapter_folder: every rank has its older rollouts in hand
+                self._unload(keep={weights.version, *weights.in_flight})
         elif self._nccl_possible():
             if self.nccl is None:  # every rank: rank 0 opens the transfer group, the others take part in gathering
                 from finetune.rollout.nccl import NcclSender
@@ -175,9 +197,11 @@ class RemoteRollout:
                 workers = http.call("/get_world_size", method="GET")["world_size"]
                 self.nccl = NcclSender(weights.engine, weights.runtime, http.call, int(workers))
             if main:
-                self.servers[0].call("/pause?mode=wait")
+                self.servers[0].call("/pause?mode=keep")
             try:
                 self.nccl.send()
+                if main:
+                    _recompute(self.servers[0])
             finally:
                 if main:
                     self.servers[0].call("/resume")
@@ -197,8 +221,14 @@ class RemoteRollout:
                 raise
             http.call("/v1/unload_lora_adapter", {"lora_name": name})
             http.call("/v1/load_lora_adapter", body)
-        if self.adapter is not None and self.adapter != name:
-            http.call("/v1/unload_lora_adapter", {"lora_name": self.adapter})
+
+    def _unload(self, keep: set[int]) -> None:
+        """Drop every adapter this client loaded but the versions in `keep` (the new one, those rollouts in flight
+        name) from every server."""
+        for version in [v for v in self.loaded if v not in keep]:
+            for http in self.servers:
+                http.call("/v1/unload_lora_adapter", {"lora_name": self.loaded[version]})
+            del self.loaded[version]
 
     def _nccl_possible(self) -> bool:
         """vLLM's NCCL transfer: GPUs here, vLLM importable here, and one server (its data-parallel engines join one
@@ -220,11 +250,24 @@ class RemoteRollout:
 
 
 def _reload(http: Http, folder: str) -> None:
-    """Full weights in place from `folder`: requests in flight finish first, none starts until the weights are in and
-    no KV block computed with the old ones is left."""
-    http.call("/pause?mode=wait")
+    """Full weights in place from `folder`: no step runs until the weights are in and no KV block computed with the old
+    ones is left (requests in flight are kept, and recompute what they have)."""
+    http.call("/pause?mode=keep")
     try:
         http.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
-        http.call("/reset_prefix_cache")
+        _recompute(http)
     finally:
         http.call("/resume")
+
+
+def _recompute(http: Http) -> None:
+    """Empty a paused server's prefix cache, preempting its running requests (they recompute their KV when it
+    resumes); vLLM says whether every block was freed. (vLLM 0.32 already does this when it pauses, clear_cache being
+    true by default: v1/engine/core.py `_finish_pause`; its route documents clear_cache as ignored under mode=keep, so
+    ft asks for it explicitly once the new weights are in.)"""
+    answer = http.call("/reset_prefix_cache?reset_running_requests=true")
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise ServerError(
+            f"rollout server {http.url} could not empty its prefix cache after a weight update (blocks still held); "
+            f"{LOG_HINT}"
+        )
