@@ -151,7 +151,11 @@ def rises(got: list[float], window: int) -> bool:
     "hardware, overrides",
     [
         ("cpu", []),
-        ("cpu:2", ["--set", "method.num_iterations=2", "--set", "method.rollout.asynchronous=true"]),
+        # half as many rollouts (two updates on each) as the first: a larger step, so that 40 steps learn as much
+        (
+            "cpu:2",
+            ["--set", "method.num_iterations=2", "--set", "method.rollout.asynchronous=true", "--set", "train.lr=4e-4"],
+        ),
     ],
     ids=["one-process", "two-processes-async-two-updates-per-rollout"],
 )
