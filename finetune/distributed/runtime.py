@@ -212,10 +212,40 @@ def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
         for name, value in NCCL_ENV:
             os.environ.setdefault(name, value)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend(), timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store = _all_started(rank, world, max(timeout_minutes, STARTUP_MINUTES))
+        store.set_timeout(timeout)
+        # what init_process_group does with env:// itself, on a store whose ranks have all arrived
+        store = torch.distributed.PrefixStore("default_pg", store)
+        torch.distributed.init_process_group(backend(), store=store, rank=rank, world_size=world, timeout=timeout)
     if torch.cuda.is_available() and world > 1:  # NCCL aborts a stuck rank itself: explain it first
         watch_for_stalls(rank, timeout_minutes)
     return Runtime(rank, local, world)
+
+
+STARTUP_MINUTES = 10.0  # how long ranks wait for one another to start (imports, a slow node), at least
+
+
+def _all_started(rank: int, world: int, minutes: float):
+    """The launcher's store once every rank has reached it. Ranks start seconds apart (imports, a loaded node); the
+    job's collective timeout (distributed.timeout_minutes, which may be short) is for the collectives, so the ranks
+    first meet here with STARTUP_MINUTES, and the group's own connection then finds them all present."""
+    wait = datetime.timedelta(minutes=minutes)
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    round_ = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun keeps its store across restarts
+    keys = [f"ft/started/{round_}/{r}" for r in range(world)]
+    store = None
+    try:
+        store, _, _ = next(torch.distributed.rendezvous("env://", rank, world, timeout=wait))
+        store.set(keys[rank], "1")
+        store.wait(keys, wait)
+    except RuntimeError:  # torch's DistStoreError: the store or a rank did not come within the wait
+        missing = "" if store is None else f" (ranks {[r for r, k in enumerate(keys) if not store.check([k])]})"
+        raise LostPeers(
+            f"rank {rank} waited {minutes:g} min for the job's {world} ranks to start and meet at {where}; not all "
+            f"did{missing}: a node that did not come up, or a rank that failed before joining (see its output)"
+        ) from None
+    return store
 
 
 def nccl_environment(run_dir) -> dict[str, str]:
