@@ -111,6 +111,29 @@ def test_a_wrong_token_and_an_unreachable_server_are_reported_with_the_fix():
         Http("http://127.0.0.1:9", None, 1).call("/v1/completions", {})
 
 
+def test_a_server_whose_engine_failed_ends_the_job_with_its_log_and_resume():
+    class Failing(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = b'{"error": {"message": "EngineCore encountered an issue.", "code": 500}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(FtError, match=r"(?s)answered 500: .*EngineCore.*rollout-server.log.*--resume"):
+            Http(url, None, 5).call("/v1/completions", {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_server_that_stops_answering_ends_the_request_after_the_timeout():
     server = StandIn(together=2)  # one request alone waits at the barrier: no answer
     try:

@@ -214,7 +214,10 @@ def test_grpo_through_vllm_serve_learns_asynchronously_and_a_killed_server_ends_
     env = {"FT_STEP_HOOK": f"{hook}:kill_server", "KILL_AT_STEP": "25", "KILL_RUN": str(run)}
     r = ft_train(job, *placed, env=env, timeout=900)
     assert r.returncode != 0
-    assert "rollout server http://127.0.0.1:" in r.stderr and "cannot be reached" in r.stderr, r.stderr[-3000:]
+    # killed with requests in flight, the server is gone, or its engine died first and it answered 500
+    assert re.search(r"rollout server http://127\.0\.0\.1:\d+\S* (cannot be reached|answered 5\d\d)", r.stderr), (
+        r.stderr[-3000:]
+    )
     assert "--resume" in r.stderr and "Traceback" not in r.stderr
     assert not (run / "rollout-server.json").exists()
     r = ft_train(job, *placed, "--resume", timeout=900)

@@ -95,6 +95,11 @@ def _fix(code: int) -> str:
             "\n    fix: start the server with VLLM_SERVER_DEV_MODE=1 and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's "
             "weight routes; `ft rollout-server JOB` does), and the model given by the trainer's job"
         )
+    if code >= 500:  # the server failed (its engine died, or it is being stopped)
+        return (
+            f"\n    the server failed; {LOG_HINT}. Once it serves again (ft train starts its own again), "
+            "`ft train JOB --resume` continues from the last checkpoint"
+        )
     return ""
 
 
