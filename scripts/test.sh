@@ -24,14 +24,28 @@ ruff check .
 pytest=(python -m pytest -q -n "${FT_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)
 if [ "$fast" = 0 ]; then
   status=0
-  "${pytest[@]}" --durations=15 "$@" || status=$?
   # The tests marked vllm run in a second environment with vLLM's CPU build (scripts/setup-vllm.sh: vLLM pins an older
-  # transformers). Only for the whole suite: arguments select tests of the main environment.
+  # transformers). Only for the whole suite: arguments select tests of the main environment. They run beside the main
+  # tests, not after them: they mostly wait (servers starting, requests in flight), about one core for ~3 minutes, and
+  # the main tests fill the other (the whole suite then takes the cores' time, not the sum of the two tiers' times).
+  vllm_pid=""
   if [ $# -eq 0 ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then
     bash scripts/setup-vllm.sh
-    OMP_NUM_THREADS=1 .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
+    vllm_log=$(mktemp)
+    # its own process group, stopped with the script (Ctrl-C): no vLLM server outlives an interrupted run
+    trap 'kill -TERM -- "-$vllm_pid" 2>/dev/null; rm -f "$vllm_log"' EXIT
+    OMP_NUM_THREADS=1 setsid -w .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
       tests/test_vllm_generate.py tests/test_vllm_rollout.py tests/test_vllm_serve.py tests/test_vllm_merged.py \
-      || status=$?
+      >"$vllm_log" 2>&1 &
+    vllm_pid=$!
+  fi
+  "${pytest[@]}" --durations=15 "$@" || status=$?
+  if [ -n "$vllm_pid" ]; then
+    vllm_status=0
+    wait "$vllm_pid" || vllm_status=$?
+    echo "---- the tests marked vllm (vLLM's CPU build, run beside the others) ----"
+    cat "$vllm_log"
+    [ "$vllm_status" = 0 ] || status=$vllm_status
   fi
   exit "$status"
 fi

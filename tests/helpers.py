@@ -207,7 +207,7 @@ def built_once(tmp_path_factory, name: str, build) -> Path:
 
 def built_across_sessions(name: str, build) -> Path:
     """Like `built_once`, but kept between test sessions while ft's code is unchanged (a digest of finetune/ and
-    tests/conftest.py names the folder): the main suite and the vLLM suite (a second environment, run after it)
+    tests/conftest.py names the folder): the main suite and the vLLM suite (a second environment, run beside it)
     share what takes long to build. FT_TEST_CACHE moves the cache (default ~/.cache/ft/test-builds)."""
     import hashlib
     import shutil
