@@ -68,6 +68,10 @@ def print_plan(plan: Plan, as_json: bool = False, candidates: bool = False, cons
     if candidates:
         _print_candidates(console, plan)
     launch = " ".join(shlex.quote(a) if not a.startswith("--node-rank=$") and "$" not in a else a for a in plan.launch)
+    if plan.rollout and plan.rollout.placement == "ray":
+        launch = (
+            f"ft train starts each rank as a Ray actor running {launch} (RANK, WORLD_SIZE, MASTER_ADDR set per rank)"
+        )
     console.print("Launch: " + launch, soft_wrap=True, markup=False)
 
 
@@ -210,6 +214,8 @@ def rollout_line(plan: Plan) -> str:
     unit = "process" if plan.device != "GPU" else "GPU"
     if r.placement == "colocated":
         where = f"vLLM colocated in each training {unit}"
+    elif r.placement == "ray":
+        where = _ray_line(plan)
     elif r.url:
         where = f"vLLM server at {r.url}"
     else:
@@ -218,7 +224,7 @@ def rollout_line(plan: Plan) -> str:
     where += f", tensor parallel {r.tensor_parallel}"
     if plan.device == "GPU" and not r.url:
         where += f", memory share {r.memory_share:g}" + (", asleep during the backward pass" if r.sleep else "")
-    overlap = r.asynchronous and r.placement == "server"
+    overlap = r.asynchronous and r.placement in ("server", "ray")
     split = (
         f"max(generation {gen:.3g}, training {train:.3g})"
         if overlap
@@ -236,6 +242,24 @@ def _staleness(r) -> str:
         return " (asynchronous: one rollout generated ahead, one rollout off-policy)"
     k = r.max_staleness
     return f" (asynchronous: up to {k} rollouts generated ahead, up to {k} rollouts off-policy)"
+
+
+def _ray_line(plan: Plan) -> str:
+    """Placement ray: which nodes train and which generate (plan/rollout.py)."""
+    r, gpu = plan.rollout, plan.device == "GPU"
+    train = "node 0" if plan.nodes == 1 else f"nodes 0-{plan.nodes - 1}"
+    ranks = f"{plan.world_size} rank{'s' if plan.world_size > 1 else ''} ({plan.processes_per_node} per node)"
+    if r.engine_nodes:
+        last = plan.nodes + r.engine_nodes - 1
+        nodes = f"node {plan.nodes}" if r.engine_nodes == 1 else f"nodes {plan.nodes}-{last}"
+        servers = f"one vLLM server {'on' if r.engine_nodes == 1 else 'per node on'} {nodes}"
+    else:
+        servers = "one vLLM server on node 0"
+    pool = f" ({r.server_gpus} GPUs)" if gpu else ""
+    return (
+        f"Ray actors: the trainer's {ranks} on {train}; {servers}{pool}, {r.engines} engine"
+        f"{'s' if r.engines != 1 else ''}"
+    )
 
 
 def _print_candidates(console, plan: Plan) -> None:

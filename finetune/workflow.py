@@ -183,6 +183,16 @@ def run_train(
                     overwrite_run(run_dir, Path(config_path))  # only now: a job that fails to plan loses nothing
                 write_run_folder(run_dir, config, job_plan, prepared, cmd)
                 set_run_dir(run_dir)  # from here on, an unexpected error's traceback goes into the run folder
+        if on_ray(job_plan):  # ft train places and starts every rank and engine on the Ray cluster
+            from finetune.rollout.ray_run import run_on_ray
+
+            if lock is None:
+                raise FtError(
+                    "method.rollout.placement: ray: ft train runs once, on one machine of the Ray cluster, and starts "
+                    "every rank there; run it without --node-rank"
+                )
+            lock.share()  # the ranks join it: held until the last of them exits
+            return run_on_ray(config, job_plan, run_dir, resume_from)
         with rollout_pool(config, job_plan, run_dir) if role.node_rank == 0 else contextlib.nullcontext():
             if job_plan.process_group:
                 if lock is not None:
@@ -192,6 +202,23 @@ def run_train(
             from finetune.rank import train_run_folder
 
             return train_run_folder(run_dir, resume_from, prepared)  # one process: this one is the rank
+
+
+def on_ray(job_plan) -> bool:
+    """The job runs as actors of a Ray cluster (method.rollout.placement: ray), not through torchrun."""
+    return job_plan.rollout is not None and job_plan.rollout.placement == "ray"
+
+
+def refuse_ray(job_plan, how: str) -> None:
+    """`ft launch` writes a job that runs ft train on every node, through torchrun; a job on a Ray cluster runs ft train
+    once, which places every rank itself."""
+    if on_ray(job_plan):
+        raise FtError(
+            f"method.rollout.placement: ray: ft launch {how} writes a job that starts ft train on every node through "
+            "torchrun, but a job on a Ray cluster runs ft train once, on one of its nodes, and places every rank "
+            "there.\n    fix: start a Ray cluster on the nodes (ray start; KubeRay on Kubernetes) and run ft train on "
+            "one of them, or set method.rollout.placement: auto"
+        )
 
 
 def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, config_path, tokens):
@@ -230,7 +257,7 @@ def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, 
     tokens = tokens or training_tokenizer(config)
     new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
     job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens, images_per_sample=images)
-    if job_plan.nodes > 1 and role.master_addr is None:
+    if job_plan.nodes > 1 and role.master_addr is None and not on_ray(job_plan):
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
             "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
@@ -373,6 +400,12 @@ def check_job(config_path, overrides: Iterable[str] = ()):
     from finetune.data.sources import check_paths
 
     config = load(config_path, overrides)
+    rollout = getattr(config.method, "rollout", None)
+    if rollout is not None and rollout.placement == "ray":
+        from finetune.plan.rollout import RAY_MISSING, ray_installed
+
+        if not ray_installed():
+            raise FtError(f"{config_path}: {RAY_MISSING}")
     problems = check_paths(config)
     if problems:
         raise FtError(
@@ -416,6 +449,7 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     check_output_dir(run_dir)
     refuse_foreign(run_dir)  # what ft train would refuse on the cluster, said now
     job_plan = compile_plan(config_path, overrides, hardware, config)
+    refuse_ray(job_plan, "--slurm")
     out = Path(out) if out else RunFolder(run_dir).sbatch_path
     name = config.output.run_name or run_dir.name
     text = sbatch_script(

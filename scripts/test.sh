@@ -36,7 +36,7 @@ if [ "$fast" = 0 ]; then
     trap 'kill -TERM -- "-$vllm_pid" 2>/dev/null; rm -f "$vllm_log"' EXIT
     OMP_NUM_THREADS=1 setsid -w .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
       tests/test_vllm_generate.py tests/test_vllm_rollout.py tests/test_vllm_serve.py tests/test_vllm_merged.py \
-      >"$vllm_log" 2>&1 &
+      tests/test_vllm_ray.py >"$vllm_log" 2>&1 &
     vllm_pid=$!
   fi
   "${pytest[@]}" --durations=15 "$@" || status=$?

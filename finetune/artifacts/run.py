@@ -11,6 +11,8 @@ A run folder (output.dir) holds:
                      GGUF file and an Ollama Modelfile), merged/ (the LoRA merged into its base that `ft push --merged`
                      writes and uploads)
     metrics.jsonl, loss.png, README.md (model card), environment.json, launch.txt
+    rollout-server.log/.json, rollout-engine-N.log, rollout-engines.json  the vLLM servers ft train started for GRPO
+                     (placement server; placement ray: one per Ray actor), their logs and, while they run, addresses
     .ft-run, .ft-lock  ft's marker, and the lock a job holds while it writes the folder (runlock.py)
     job.sbatch, slurm-*.out, job-k8s.yaml  what ft launch wrote and the scheduler's log (no run by themselves)
 `RunFolder` names these paths and reads them back; every module that opens a run folder goes through it, and no other
@@ -73,6 +75,8 @@ WRITTEN = (
     "nccl-traces",
     "rollout-server.log",
     "rollout-server.json",
+    "rollout-engine-*.log",
+    "rollout-engines.json",
     "ft-error-*.log",  # errors.py's traceback log (also written to the temporary folder, outside any run)
     ".tmp-final-*",
     ".old-final-*",
@@ -112,6 +116,7 @@ class RunFolder:
     nccl_traces_dir = _entry("nccl-traces")
     rollout_log_path = _entry("rollout-server.log")  # the rollout server ft train started (rollout/pool.py)
     rollout_server_path = _entry("rollout-server.json")  # its address, while it runs (the ranks read it)
+    rollout_engines_path = _entry("rollout-engines.json")  # placement ray: the servers' addresses, while they run
     sbatch_path = _entry("job.sbatch")
     k8s_path = _entry("job-k8s.yaml")
 
@@ -217,6 +222,15 @@ class RunFolder:
         """The address of the rollout server ft train started for this run, while it runs (None: it started none)."""
         path = self.rollout_server_path
         return json.loads(path.read_text())["url"] if path.is_file() else None
+
+    def rollout_engine_log_path(self, index: int) -> Path:
+        """The log of the vLLM server that Ray actor `index` started (placement ray: rollout/ray_run.py)."""
+        return self.path / f"rollout-engine-{index}.log"
+
+    def rollout_engines(self) -> list[str]:
+        """The addresses of the vLLM servers ft train started on the Ray cluster, while they run ([]: none)."""
+        path = self.rollout_engines_path
+        return [e["url"] for e in json.loads(path.read_text())["engines"]] if path.is_file() else []
 
     def deepspeed_config(self) -> dict | None:
         """What the ranks pass to deepspeed.initialize, as ft train wrote it (None: DeepSpeed does not run)."""

@@ -215,11 +215,13 @@ class RewardSpec(Section):
 class RolloutSection(Section):
     """Where a vLLM rollout engine runs and how it receives the trainer's weights."""
 
-    placement: Literal["auto", "colocated", "server"] = "auto"
+    placement: Literal["auto", "colocated", "server", "ray"] = "auto"
     """`colocated`: a vLLM engine inside each training process, sharing its GPU (its memory share planned, asleep
     during the backward pass on GPUs); `server`: vLLM's own server (`vllm serve`) on a separate pool of GPUs (on CPU,
     one more process), started by ft train or given by `url`; the trainer sends it prompts through its OpenAI API and
-    weights through its weight-transfer routes; `auto`: the planner chooses (see `ft plan`)."""
+    weights through its weight-transfer routes; `ray`: the trainer's ranks and vLLM's servers as actors of a Ray
+    cluster (`ray_address`), in one placement group that pins each to the node the plan gives it (a node of its own
+    for the engines across nodes; needs `pip install 'finetune[ray]'`); `auto`: the planner chooses (see `ft plan`)."""
     gpus: Literal["auto"] | Bounded(int, ge=1, le=100_000) = "auto"
     """GPUs of the server pool (placement: server), taken from the job's GPUs; `auto`: the planner chooses."""
     tensor_parallel: Literal["auto"] | Bounded(int, ge=1, le=64) = "auto"
@@ -249,6 +251,9 @@ class RolloutSection(Section):
     job with the server's address (`ft train --resume` continues)."""
     kv_cache_gib: Bounded(float, gt=0, le=100_000) | None = None
     """KV cache for a vLLM engine on CPU, in GiB (GPUs size it from memory_share); null: 1 GiB."""
+    ray_address: str | None = None
+    """The Ray cluster of `placement: ray` (`ray start --head` prints it, e.g. 10.0.0.1:6379); null: the
+    `RAY_ADDRESS` environment variable, else the cluster this machine belongs to (`auto`)."""
 
 
 class GRPOMethod(MethodSection):
@@ -339,6 +344,7 @@ class GRPOMethod(MethodSection):
                     "remove method.rollout.url, or set method.rollout.placement: server (or auto)",
                 )
             )
+        found += self._ray_problems()
         urls = [self.rollout.url] if isinstance(self.rollout.url, str) else self.rollout.url or []
         bad = [u for u in urls if not u.startswith(("http://", "https://"))]
         if bad or (self.rollout.url is not None and not urls):
@@ -347,6 +353,30 @@ class GRPOMethod(MethodSection):
                     (("method", "rollout", "url"),),
                     f"{bad[0]!r} is not an http(s) URL" if bad else "an empty list of servers",
                     "give the address of a running vLLM server (ft rollout-server prints it), e.g. http://node7:8420",
+                )
+            )
+        return found
+
+    def _ray_problems(self) -> list[Problem]:
+        r, placement = self.rollout, ("method", "rollout", "placement")
+        if r.placement != "ray":
+            return []
+        found = []
+        if self.engine == "transformers":
+            found.append(
+                Problem(
+                    (placement, ("method", "engine")),
+                    "placement: ray runs vLLM's servers as Ray actors, but method.engine: transformers samples with "
+                    "the training model itself",
+                    "set method.engine: vllm, or method.rollout.placement: auto",
+                )
+            )
+        if r.url is not None:
+            found.append(
+                Problem(
+                    (("method", "rollout", "url"), placement),
+                    "placement: ray starts its own vLLM servers on the Ray cluster, but a server URL was given",
+                    "remove method.rollout.url, or set method.rollout.placement: server",
                 )
             )
         return found

@@ -71,7 +71,7 @@ def write_manifest(
     """`ft launch --k8s`: check the job as `ft validate` does (data paths from here: the pods read the same relative
     paths from the volume), plan for the cluster's hardware, write the manifest (default OUTPUT_DIR/job-k8s.yaml)."""
     from finetune.files import atomic_write_text
-    from finetune.workflow import check_job, compile_plan
+    from finetune.workflow import check_job, compile_plan, refuse_ray
 
     kind = str(kind).lower()
     check_options(image, kind, namespace, volume, secret)
@@ -79,6 +79,7 @@ def write_manifest(
     for warning in data_off_volume(config):
         sys.stderr.write(f"warning: {warning}\n")
     job_plan = compile_plan(config_path, overrides, hardware, config)
+    refuse_ray(job_plan, "--k8s")
     text = Path(config_path).read_text(encoding="utf-8")
     docs = manifest(
         job_plan, config, text, name=job_name(config), image=image, kind=kind, namespace=namespace,

@@ -45,7 +45,7 @@ def launch_command(
     long a stop's checkpoint may take (torchrun's shutdown timeout: only in the command ft runs, as whether torchrun
     takes the option depends on the torch that runs it; ft's launcher also sets it in the environment)."""
     entry = ["-m", RANK_ENTRY, str(run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
-    if not plan.process_group:
+    if not plan.process_group or (plan.rollout is not None and plan.rollout.placement == "ray"):  # one rank's command
         return [python or "python", *entry]
     return torchrun(
         entry,

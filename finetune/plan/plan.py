@@ -56,6 +56,8 @@ class RolloutPlan:
     asynchronous: bool = False  # the next rollout is generated while the current one trains
     max_staleness: int = 1  # asynchronous: rollouts generated ahead of the one training
     url: str | list[str] | None = None  # the vLLM servers already running (method.rollout.url)
+    engines: int = 0  # placement ray: vLLM engines of the pool (data-parallel copies of tensor_parallel GPUs each)
+    engine_nodes: int = 0  # placement ray: nodes of their own for the engines, after the trainer's (0: node 0's)
     generation_seconds: float = 0.0  # estimated seconds per optimizer step
     training_seconds: float = 0.0
     sync_seconds: float = 0.0

@@ -60,6 +60,16 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def ray_installed() -> bool:
+    return importlib.util.find_spec("ray") is not None
+
+
+RAY_MISSING = (
+    "method.rollout.placement: ray, but Ray is not installed here (ft train runs the job through it)\n    fix: pip "
+    "install 'finetune[ray]' (or pip install 'ray>=2.50'), or set method.rollout.placement: auto"
+)
+
+
 def unservable(adapter, adapter_type: str, train_embeddings: bool = False) -> str:
     """What of the trained model a vLLM engine cannot take from the trainer, in words ('' when nothing): the planner
     then samples with the training model, and an explicit `method.engine: vllm` is refused (`servable`)."""
@@ -100,6 +110,8 @@ def choose_rollout(config: Config, hw: Hardware, m: ModelFacts) -> Placement | N
     if not config.method.generation_tokens(seq):
         return None
     choose_global_batch(config, choose_topology(config, hw, []), [])  # the planner's own errors come first
+    if config.method.rollout.placement == "ray" and not ray_installed():
+        raise PlanError(RAY_MISSING)
     out: list[Decision] = []
     engine = choose_engine(config, hw, out)
     completion = min(config.method.completion_tokens(), seq)
@@ -143,6 +155,12 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
     else:
         engine = "vllm"
         why = "GPUs and vLLM installed: vLLM samples with a paged KV cache and receives the trainer's weights"
+    if engine == "transformers" and method.rollout.placement == "ray":
+        raise PlanError(
+            f"method.rollout.placement: ray runs vLLM's servers on the Ray cluster, but method.engine: auto chose "
+            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
+            "method.rollout.placement: auto"
+        )
     if engine == "transformers" and method.rollout.asynchronous:
         raise PlanError(
             f"method.rollout.asynchronous: true needs a vLLM rollout engine, but method.engine: auto chose "
@@ -178,21 +196,24 @@ def _on_cpu(job: Job, out: list[Decision]) -> Placement:
             f"method.rollout.tensor_parallel: {r.tensor_parallel}: on CPU a vLLM engine runs in one process; set it "
             "to 1 or auto"
         )
-    server = r.url is not None or r.placement == "server"
+    server = r.url is not None or r.placement in ("server", "ray")
     kv = int((r.kv_cache_gib or CPU_KV_CACHE_GIB) * GiB)
     share = EngineShare(samples=False) if server else EngineShare(samples=False, device_bytes=job.weight_bytes + kv)
-    topo, batch = layout(job, 0, share)
+    node = job.hw.devices_per_node if r.placement == "ray" and job.hw.nodes > 1 else 0  # the engine's own node
+    topo, batch = layout(job, node, share)
     engines = 1 if server else topo.world
     fit = fit_trainer(job, topo, batch)
     gen = generation_seconds(
         job.m, job.hw, job.precision, job.weight_bytes, job.prompt, job.completion, math.ceil(batch / engines)
     )
-    where = "server" if server else "colocated"
+    where = r.placement if r.placement == "ray" else "server" if server else "colocated"
     why = (
         "one vLLM server process next to the trainer's ranks, which keep all the processes"
         if server
         else "a vLLM engine in each training process (its weights and KV cache in the process's memory)"
     )
+    if where == "ray":
+        why = _ray_cpu_reason(job, topo, node)
     out.append(Decision("rollout.placement", where, why, "auto" if r.placement == "auto" and not r.url else "config"))
     out.append(
         Decision(
@@ -211,18 +232,31 @@ def _on_cpu(job: Job, out: list[Decision]) -> Placement:
         kv_cache_bytes=kv,
         generation_seconds=gen,
         sync_seconds=sync_seconds(job, fit, INTRA_NODE_BPS) if fit else 0.0,
+        server_gpus=node,
+        engines=1 if where == "ray" else 0,
+        engine_nodes=1 if node else 0,
     )
+
+
+def _ray_cpu_reason(job: Job, topo: Topology, node: int) -> str:
+    ranks = f"the trainer's {topo.world} rank{'s' if topo.world > 1 else ''}"
+    if node:
+        return (
+            f"as set in the config: one vLLM server on a node of its own (node {topo.nodes}), {ranks} on node"
+            f"{'s 0-' + str(topo.nodes - 1) if topo.nodes > 1 else ' 0'}: Ray actors pinned to their nodes"
+        )
+    return f"as set in the config: one vLLM server next to {ranks} on node 0: Ray actors pinned to the node"
 
 
 def _on_gpus(job: Job, out: list[Decision]) -> Placement:
     r = job.section
     if r.url is not None:
         return _external(job, out)
-    asked = "server" if r.gpus != "auto" else r.placement
-    if asked == "server" and job.hw.world_size == 1:
+    asked = r.placement if r.placement in ("server", "ray") else "server" if r.gpus != "auto" else r.placement
+    if asked in ("server", "ray") and job.hw.world_size == 1:
         raise PlanError(
-            "method.rollout.placement: server needs GPUs of its own for the rollout pool, but this hardware has 1 GPU; "
-            "set method.rollout.placement: colocated (or auto), or give method.rollout.url of a vLLM server (ft "
+            f"method.rollout.placement: {asked} needs GPUs of its own for the rollout pool, but this hardware has 1 "
+            "GPU; set method.rollout.placement: colocated (or auto), or give method.rollout.url of a vLLM server (ft "
             "rollout-server) running elsewhere"
         )
     options: list[Option] = []
@@ -230,9 +264,11 @@ def _on_gpus(job: Job, out: list[Decision]) -> Placement:
         # an asynchronous engine generates while the trainer steps: it cannot sleep
         for sleeps in (False,) if r.asynchronous else (False, True):
             options += first(colocated(job, tp, sleeps) for tp in tp_options(job))
-    if asked in ("auto", "server"):
+    if asked in ("auto", "server", "ray"):
         for g in pool_sizes(job):
             options += first(server(job, g, tp) for tp in tp_options(job) if g % tp == 0)
+    if asked == "ray":  # the same pools, each engine a server started by a Ray actor on the node the plan gives
+        options = [replace(o, placement="ray") for o in options]
     if not options:
         return _refuse(job, asked, out)
     best = min(options, key=lambda o: o.step)  # ties: colocated, then the smaller pool
@@ -250,7 +286,15 @@ def _on_gpus(job: Job, out: list[Decision]) -> Placement:
         share=best.share,
         generation_seconds=best.seconds[0],
         sync_seconds=best.seconds[2],
+        **_ray_nodes(job, best),
     )
+
+
+def _ray_nodes(job: Job, o: Option) -> dict:
+    """Placement ray: the engines, and the nodes given to them whole (across nodes; on one node they share it)."""
+    if o.placement != "ray":
+        return {}
+    return {"engines": o.engines, "engine_nodes": o.server_gpus // job.hw.devices_per_node if job.hw.nodes > 1 else 0}
 
 
 def _placement(job: Job, engine: str, where: str, out: list[Decision], share=EngineShare(), **values) -> Placement:
@@ -317,7 +361,7 @@ def _record(job: Job, best: Option, options: list[Option], asked: str, out: list
     if asked == "auto" and not any(o.placement == "colocated" for o in options):
         why += "; colocated does not fit next to the trainer"
     out.append(Decision("rollout.placement", best.placement, why, _source(asked)))
-    if best.placement == "server":
+    if best.placement in ("server", "ray"):
         out.append(
             Decision(
                 "rollout.gpus",
@@ -338,11 +382,36 @@ def _record(job: Job, best: Option, options: list[Option], asked: str, out: list
         )
     )
     out.append(Decision("rollout.memory_share", best.memory_share, _share_reason(job, best), _source(r.memory_share)))
+    if best.placement == "ray":
+        out.append(Decision("rollout.nodes", _ray_where(job, best), _ray_why(job, best)))
+
+
+def _ray_where(job: Job, o: Option) -> str:
+    per_node, nodes = job.hw.devices_per_node, job.hw.nodes
+    if nodes == 1:
+        return (
+            f"node 0: GPUs 0-{per_node - o.server_gpus - 1} train, {per_node - o.server_gpus}-{per_node - 1} generate"
+        )
+    first = nodes - o.server_gpus // per_node
+    train = "node 0" if first == 1 else f"nodes 0-{first - 1}"
+    engines = f"node {first}" if first == nodes - 1 else f"nodes {first}-{nodes - 1}"
+    return f"{train} train, {engines} generate"
+
+
+def _ray_why(job: Job, o: Option) -> str:
+    per = o.engines // max(1, o.server_gpus // job.hw.devices_per_node) if job.hw.nodes > 1 else o.engines
+    servers = "one vLLM server per rollout node" if job.hw.nodes > 1 else "one vLLM server"
+    return (
+        f"{servers} ({per} engine{'s' if per > 1 else ''} of tensor parallel {o.tensor_parallel} each, as vLLM's "
+        "data-parallel ranks) and each training rank are Ray actors in one placement group, each bundle pinned to "
+        "its node: engines never share a node's GPUs with the trainer across nodes, and tensor parallelism stays "
+        "inside a node"
+    )
 
 
 def _share_reason(job: Job, o: Option) -> str:
     total, usable = job.hw.device_memory_bytes / GiB, device_capacity(job.hw) / GiB
-    if o.placement == "server":
+    if o.placement in ("server", "ray"):
         return "a pool GPU holds only its engine: vLLM's default 0.9"
     if o.share.sleeps:
         return (

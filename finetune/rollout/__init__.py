@@ -4,6 +4,8 @@ local.py      transformers' `generate` on the training model itself (`placement:
 vllm.py       a vLLM engine in this process (`placement: colocated`), weights pushed in place or as a new LoRA
 serve.py      the `vllm serve` command for a job (`placement: server`: vLLM's own server on its own devices)
 server.py     the trainer's client of that server: vLLM's OpenAI API, LoRA loading and weight routes
+pool.py       the server `ft train` starts next to the trainer (`placement: server`; `placement: ray` starts its
+              servers as Ray actors: rollout/ray_run.py)
 weights.py    the trainer's side of a weight update: the adapter as files, or full tensors one at a time
 prefetch.py   asynchronous rollouts: the next batches' rollouts generate while the current one trains
 

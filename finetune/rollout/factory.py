@@ -32,6 +32,18 @@ def create_engine(section, context):
         return TransformersRollout(context.engine, context.tokenizer, section, context.device, context.autocast)
     servable(context)
     stop = stop_ids(context.tokenizer)
+    if where == "ray":  # the servers ft train started as Ray actors (rollout/ray_run.py)
+        from finetune.artifacts.run import RunFolder
+        from finetune.rollout.server import RemoteRollout
+
+        urls = RunFolder(context.folder).rollout_engines()
+        if not urls:
+            raise FtError(
+                "method.rollout.placement: ray, but no rollout engine is known to this rank (rollout-engines.json is "
+                "missing from the run folder): start the job with ft train, which starts the engines on the Ray "
+                "cluster and then the ranks"
+            )
+        return RemoteRollout(urls, section, stop, os.environ.get(TOKEN_ENV), section.rollout.timeout_s)
     if where == "server":
         from finetune.artifacts.run import RunFolder
         from finetune.rollout.server import RemoteRollout

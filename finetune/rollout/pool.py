@@ -87,7 +87,7 @@ def rollout_pool(config, plan, run_dir: Path):
         try:
             wait_ready(Http(address, token, 60), READY_TIMEOUT_S, process)
         except FtError as e:
-            raise FtError(f"{e}; its log ({log_path}) ends:\n{_tail(log_path)}") from None
+            raise FtError(f"{e}; its log ({log_path}) ends:\n{log_tail(log_path)}") from None
         atomic_write_text(folder.rollout_server_path, json.dumps({"url": address, "pid": process.pid}) + "\n")
         os.environ[TOKEN_ENV] = token
         if trainer_devices is not None:
@@ -100,11 +100,12 @@ def rollout_pool(config, plan, run_dir: Path):
             else:
                 os.environ[key] = value
         folder.rollout_server_path.unlink(missing_ok=True)  # the address of a server that no longer runs
-        _stop(process)
+        stop_server(process)
         log.close()
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a server's log, indented, for an error message."""
     text = path.read_text(errors="replace").splitlines()
     return "\n".join("    " + line for line in text[-lines:])
 
@@ -113,7 +114,7 @@ def _reachable(host: str) -> str:
     return socket.gethostname() if host == "0.0.0.0" else host
 
 
-def _stop(process) -> None:
+def stop_server(process) -> None:
     """SIGTERM to vLLM's server (it stops its engines), then whatever is left of its session: the engine processes a
     server that died or hung left behind (ft started them all, in a session of their own)."""
     if process.poll() is None:

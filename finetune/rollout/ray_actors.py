@@ -1,0 +1,116 @@
+"""What runs inside the Ray actors of `placement: ray` (rollout/ray_layout.py places and follows them).
+
+EngineServer  starts vLLM's own server (`vllm serve`, rollout/serve.py) on its node, with the GPUs of its bundle (Ray
+              sets CUDA_VISIBLE_DEVICES for the actor; the server inherits it), binds it to the node's address, waits
+              until it answers and reports its URL; it stops the server with the job.
+RankProcess   runs one trainer rank as torchrun would: `python -m finetune.rank RUN_DIR` in a process of its own with
+              RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... in its environment (set by the launcher), and passes on
+              its error output (Ray shows it on ft train's terminal) keeping the last lines for the launcher's message.
+
+Both keep their process while the launcher calls them again (`wait`, `signal`, `stop`): the actors are threaded
+(max_concurrency 2), so a call that blocks until the process ends does not hold up the others. The token that guards
+the servers reaches both through the job's runtime environment (never an argument), and each process inherits it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+
+TAIL_LINES = 25  # a failed rank's last error lines, in the launcher's message
+
+
+def node_address() -> str:
+    """This node's address in the Ray cluster (what the other nodes reach it at)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EngineServer:
+    """One vLLM server on this actor's node."""
+
+    def __init__(self):
+        self.process = None
+
+    def start(self, spec, command: str | None, gpu: bool, data_parallel: int, log_path: str, timeout_s: float) -> str:
+        from finetune.rollout.factory import TOKEN_ENV
+        from finetune.rollout.serve import server_command, server_env, shown
+        from finetune.rollout.server import Http, wait_ready
+
+        host = node_address()
+        port = free_port(host)
+        cmd = server_command(spec, host, port, command, gpu, data_parallel)
+        token = os.environ.get(TOKEN_ENV)
+        url = f"http://{host}:{port}"
+        with open(log_path, "ab") as log:
+            log.write(f"ft rollout engine: listening on {url} once ready; started as: {shown(cmd)}\n".encode())
+            log.flush()
+            env = server_env(os.environ, token, gpu)
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_ready(Http(url, token, 60), timeout_s, self.process)
+        return url
+
+    def wait(self) -> int:
+        """Block until the server exits; its exit code."""
+        return self.process.wait()
+
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self) -> None:
+        from finetune.rollout.pool import stop_server
+
+        if self.process is not None:
+            stop_server(self.process)
+
+
+class RankProcess:
+    """One trainer rank, in a process of its own on this actor's node."""
+
+    def __init__(self):
+        self.process = None
+
+    def where(self) -> dict:
+        """This node's address, a free port on it (rank 0's is the process group's), and the GPUs Ray gave the actor."""
+        import ray
+
+        host = node_address()
+        gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        return {"address": host, "port": free_port(host), "gpus": [str(g) for g in gpus]}
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> tuple[int, list[str]]:
+        """The rank to its end: its exit code and its last error lines (all of them also go to this actor's stderr)."""
+        self.process = subprocess.Popen(
+            [sys.executable, *argv],
+            env={**os.environ, **env},
+            cwd=cwd if cwd and os.path.isdir(cwd) else None,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        for line in self.process.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n"))
+        return self.process.wait(), list(tail)
+
+    def signal(self, signum: int) -> None:
+        """Pass a stop signal on (the rank finishes its step and saves a checkpoint, as under torchrun)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
