@@ -152,3 +152,27 @@ def test_ft_launch_refuses_a_job_that_runs_on_ray(installed):
     with pytest.raises(FtError, match=r"(?s)placement: ray: ft launch --slurm.*ray start"):
         refuse_ray(make("2x8xH100-80GB", QWEN7B, RAY, text=FULL), "--slurm")
     refuse_ray(make("2x8xH100-80GB", QWEN7B, ["method.rollout.placement=server"], text=FULL), "--slurm")
+
+
+def test_each_rank_sees_its_nodes_gpus_with_its_own_at_local_rank_and_joins_rank_0(installed, tmp_path):
+    """Across two training nodes (a 70B on 4 x 8 GPUs): whatever GPU ids Ray gives the rank actors, each rank's
+    device LOCAL_RANK is its own GPU, it sees exactly its node's ranks' GPUs, and the group meets at rank 0's node."""
+    from finetune.rollout.ray_layout import rank_environment
+
+    p = make("4x8xH100-80GB", "meta-llama/Llama-3.3-70B-Instruct", RAY)
+    ranks = [b for b in bundles(p) if b.role == "rank"]
+    assert p.nodes == 2 and len(ranks) == 16
+    places = [
+        {"address": f"10.0.0.{b.node + 1}", "port": 29400 + b.index, "gpus": [str(7 - b.index % 8)]} for b in ranks
+    ]
+    for b in ranks:
+        env = rank_environment(p, b, places, tmp_path)
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[int(env["LOCAL_RANK"])] == places[b.index]["gpus"][0]
+        assert sorted(visible) == sorted(pl["gpus"][0] for pl, r in zip(places, ranks) if r.node == b.node)
+        assert (env["RANK"], env["WORLD_SIZE"], env["NODE_RANK"]) == (str(b.index), "16", str(b.node))
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["FT_ROLLOUT_NCCL_ADDR"]) == (
+            "10.0.0.1",
+            "29400",
+            "10.0.0.1",
+        )

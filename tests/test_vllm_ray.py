@@ -1,5 +1,5 @@
 """GRPO with `method.rollout.placement: ray` on a local Ray cluster of two nodes (ray.cluster_utils.Cluster on this
-machine), with vLLM's CPU build: ft train pins the trainer's rank to node 0 and the vLLM server to node 1, the '7s'
+machine), with vLLM's CPU build: ft train pins the trainer's two ranks to node 0 and the vLLM server to node 1, the '7s'
 task learns, a server killed mid-run ends the job with a message, after which `ft train --resume` places new actors and
 finishes the run, and the first steps equal those of `placement: server` for the same seed. One test (one cluster, one
 run): each ft train on two cores costs tens of seconds.
@@ -31,7 +31,7 @@ import json, os, signal
 from pathlib import Path
 
 def kill_engine(rank, step):
-    if step == int(os.environ["FT_TEST_KILL_AT"]):
+    if rank == 0 and step == int(os.environ["FT_TEST_KILL_AT"]):
         listing = json.loads((Path(os.environ["FT_TEST_RUN"]) / "rollout-engines.json").read_text())
         os.kill(listing["engines"][0]["pid"], signal.SIGKILL)
 """
@@ -62,7 +62,7 @@ def ray_job(tmp_path, model, steps: int, placement: str = "ray") -> str:
 def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_which_resumes(
     cluster, tmp_path, sft_model
 ):
-    """The sevens task, 40 steps on two Ray nodes (the rank on one, the vLLM server on the other), the server killed
+    """The sevens task, 40 steps on two Ray nodes (two ranks on one, the vLLM server on the other), the server killed
     before step 25: the job ends naming the server and its log; --resume places new actors and trains from the
     checkpoint of step 20 to the end; the mean reward of the last 10 steps is at least twice that of the first 10.
     The first steps equal those of `placement: server` on one machine for the same seed (the same server, requests
@@ -77,10 +77,10 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
         "FT_TEST_KILL_AT": "25",
         "FT_TEST_RUN": str(run),
     }
-    r = ft_train(job, "--hardware", "2x1xcpu", env=env, timeout=900)
+    r = ft_train(job, "--hardware", "2x2xcpu", env=env, timeout=900)
     assert r.returncode != 0
     placed = re.search(
-        r"Ray placement: node 0 = \S+ \((\w+)\): rank 0; node 1 = \S+ \((\w+)\): vLLM server 0", r.stderr
+        r"Ray placement: node 0 = \S+ \((\w+)\): ranks 0-1; node 1 = \S+ \((\w+)\): vLLM server 0", r.stderr
     )
     assert placed and placed.group(1) != placed.group(2), r.stderr[-3000:]  # two nodes of the cluster
     assert re.search(r"the vLLM rollout server at http://[\d.]+:\d+ \(Ray node [\d.]+\) exited", r.stderr), r.stderr[
@@ -88,7 +88,7 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
     ]
     assert "rollout-engine-0.log" in r.stderr and "--resume" in r.stderr and "Traceback" not in r.stderr
     assert not (run / "rollout-engines.json").exists()
-    r = ft_train(job, "--hardware", "2x1xcpu", "--resume", env={"RAY_ADDRESS": cluster}, timeout=900)
+    r = ft_train(job, "--hardware", "2x2xcpu", "--resume", env={"RAY_ADDRESS": cluster}, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     by_step = {g["step"]: g for g in rows(run)}
     assert sorted(by_step) == list(range(1, steps + 1))
@@ -101,7 +101,7 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
     assert (plan["placement"], plan["engines"], plan["engine_nodes"]) == ("ray", 1, 1)
     (tmp_path / "server").mkdir()
     served = ray_job(tmp_path / "server", sft_model, 3, placement="server")
-    r = ft_train(served, "--hardware", "cpu", timeout=600)
+    r = ft_train(served, "--hardware", "cpu:2", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     alone = {g["step"]: g for g in rows(tmp_path / "server" / "run")}
     assert sorted(alone) == [1, 2, 3]

@@ -1,11 +1,13 @@
-"""What runs inside the Ray actors of `placement: ray` (rollout/ray_layout.py places and follows them).
+"""What runs inside the Ray actors of `placement: ray` (rollout/ray_run.py places and follows them).
 
 EngineServer  starts vLLM's own server (`vllm serve`, rollout/serve.py) on its node, with the GPUs of its bundle (Ray
               sets CUDA_VISIBLE_DEVICES for the actor; the server inherits it), binds it to the node's address, waits
               until it answers and reports its URL; it stops the server with the job.
-RankProcess   runs one trainer rank as torchrun would: `python -m finetune.rank RUN_DIR` in a process of its own with
-              RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... in its environment (set by the launcher), and passes on
-              its error output (Ray shows it on ft train's terminal) keeping the last lines for the launcher's message.
+RankProcess   runs one trainer rank as torchrun would: `python -m finetune.rank RUN_DIR` with RANK, WORLD_SIZE,
+              LOCAL_RANK, MASTER_ADDR, ... in its environment (rollout/ray_layout.py), and passes on its error output
+              (Ray shows it on ft train's terminal) keeping the last lines for the launcher's message. The rank runs in
+              a session of its own: what Ray does to its worker's process group never reaches it, and it stops (with a
+              checkpoint) when this worker dies (distributed/lifecycle.py: the parent-death signal).
 
 Both keep their process while the launcher calls them again (`wait`, `signal`, `stop`): the actors are threaded
 (max_concurrency 2), so a call that blocks until the process ends does not hold up the others. The token that guards
@@ -97,6 +99,7 @@ class RankProcess:
             stderr=subprocess.PIPE,
             text=True,
             errors="replace",
+            start_new_session=True,  # only the launcher's signals reach it; it dies with this actor's worker
         )
         tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         for line in self.process.stderr:

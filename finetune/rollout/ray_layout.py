@@ -106,6 +106,39 @@ def assign(wanted: list[Bundle], nodes: list[Node], where: str) -> dict[int, Nod
     return chosen
 
 
+def rank_environment(plan, b: Bundle, places: list[dict], run_dir: Path) -> dict[str, str]:
+    """torchrun's variables for rank `b.index`, from where Ray placed each rank (`places[rank]`: its node's address,
+    a free port there, the GPU ids Ray gave its actor): the process group at rank 0's node; on GPUs, the GPUs of its
+    node's ranks all visible in local-rank order, so that device LOCAL_RANK is its own (as torchrun leaves them), and
+    the address vLLM's NCCL weight transfer reaches rank 0 at."""
+    from finetune.distributed.lifecycle import ENV_STOP_SECONDS
+
+    local = b.index % plan.processes_per_node
+    node_ranks = range(b.index - local, b.index - local + plan.processes_per_node)
+    env = {
+        "RANK": str(b.index),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(plan.processes_per_node),
+        "GROUP_RANK": str(b.node),
+        "NODE_RANK": str(b.node),
+        "MASTER_ADDR": places[0]["address"],
+        "MASTER_PORT": str(places[0]["port"]),
+    }
+    if plan.stop_seconds:  # a stop's checkpoint may take this long (distributed/lifecycle.py)
+        env[ENV_STOP_SECONDS] = str(plan.stop_seconds)
+    if plan.device == "GPU":
+        from finetune.distributed.runtime import nccl_environment
+        from finetune.rollout.nccl import ADDRESS_ENV
+
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(places[r]["gpus"][0] for r in node_ranks)
+        env[ADDRESS_ENV] = places[0]["address"]  # where the servers' workers reach rank 0
+        env.update(nccl_environment(run_dir))
+    else:
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    return env
+
+
 def address(section) -> str:
     """The cluster to join: method.rollout.ray_address, else RAY_ADDRESS, else the one this machine belongs to."""
     return section.ray_address or os.environ.get("RAY_ADDRESS") or "auto"

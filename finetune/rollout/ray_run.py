@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
-from finetune.distributed.lifecycle import ENV_STOP_SECONDS
 from finetune.errors import FtError
 from finetune.rollout.ray_actors import EngineServer, RankProcess
 from finetune.rollout.ray_layout import (
@@ -25,12 +24,14 @@ from finetune.rollout.ray_layout import (
     bundles,
     ended,
     new_token,
+    rank_environment,
     stopped,
     write_engines,
 )
 
 POLL_S = 1.0
 CONNECT_TIMEOUT_S = 10.0  # the cluster's address must answer within this
+SERVER_EXIT_WAIT_S = 5.0  # after a rank failed: time for a server's exit to reach the launcher
 
 
 def run_on_ray(config, plan, run_dir: Path, resume_from: Path | None) -> dict:
@@ -163,40 +164,12 @@ class RayRun:
         argv = ["-m", "finetune.rank", str(self.run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
         running = {}
         for (_, b), actor in zip(actors, self.ranks):
-            env = self._rank_env(b, places)
+            env = rank_environment(self.plan, b, places, self.run_dir)
             running[actor.run.remote(argv, env, os.getcwd())] = ("rank", b.index)
         for _, url, node, log, waiting in self.engines:
             running[waiting] = ("engine", (url, node, log))
         with _catching_stop_signals(self):
             return self._follow(running)
-
-    def _rank_env(self, b, places: list[dict]) -> dict[str, str]:
-        """torchrun's variables for rank `b.index`: the process group at rank 0's node, the node's GPUs all visible
-        with the rank's own at LOCAL_RANK (as torchrun leaves them)."""
-        p = self.plan
-        local = b.index % p.processes_per_node
-        node_ranks = range(b.index - local, b.index - local + p.processes_per_node)
-        env = {
-            "RANK": str(b.index),
-            "WORLD_SIZE": str(p.world_size),
-            "LOCAL_RANK": str(local),
-            "LOCAL_WORLD_SIZE": str(p.processes_per_node),
-            "GROUP_RANK": str(b.node),
-            "NODE_RANK": str(b.node),
-            "MASTER_ADDR": places[0]["address"],
-            "MASTER_PORT": str(places[0]["port"]),
-        }
-        if p.stop_seconds:  # a stop's checkpoint may take this long (distributed/lifecycle.py)
-            env[ENV_STOP_SECONDS] = str(p.stop_seconds)
-        if p.device == "GPU":
-            from finetune.distributed.runtime import nccl_environment
-
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(places[r]["gpus"][0] for r in node_ranks)
-            env["FT_ROLLOUT_NCCL_ADDR"] = places[0]["address"]  # where the servers' workers reach rank 0
-            env.update(nccl_environment(self.run_dir))
-        else:
-            env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-        return env
 
     def _follow(self, running: dict) -> dict:
         """Wait for every rank to end; the first failure (a rank, a server, an actor's node) ends the job."""
@@ -218,24 +191,33 @@ class RayRun:
                     failure = f"the Ray actor of {kind} {what} was lost ({_cause(e)})"
                     break
                 if kind == "engine":
-                    if not asked:
-                        url, node, log = what
-                        failure = (
-                            f"the vLLM rollout server at {url} (Ray node {node}) exited with code {result} while "
-                            f"the job ran; its log ({log}) ends:\n{_tail(Path(log))}"
-                        )
+                    failure = None if asked else _server_exited(what, result)
                     continue
                 ranks -= 1
                 code, tail = result
                 if code:
                     lines = "\n".join("    " + line for line in tail)
                     failure = f"training failed: rank {what} exited with code {code}; its last lines:\n{lines}"
+                    failure = self._server_first(running, failure)
         if failure is not None:
             self._stop_ranks(running)
             raise ended(failure, self.run_dir)
         if asked:
             raise stopped(asked, self.run_dir)
         return {"steps": None, "launched": "ray"}
+
+    def _server_first(self, running: dict, failure: str) -> str:
+        """A rank failed: where a server exited too (a rank that lost it may notice before the launcher does), the
+        server is the cause, named with its log; the rank's lines follow."""
+        import ray
+
+        engines = [ref for ref, (kind, _) in running.items() if kind == "engine"]
+        done, _ = ray.wait(engines, num_returns=len(engines), timeout=SERVER_EXIT_WAIT_S) if engines else ([], [])
+        for ref in done:
+            _, what = running.pop(ref)
+            with contextlib.suppress(ray.exceptions.RayError):
+                return f"{_server_exited(what, ray.get(ref))}\nthen {failure}"
+        return failure
 
     def _stop_ranks(self, running: dict) -> None:
         """The ranks still running: a stop signal (a rank that can finish its step saves a checkpoint), then killed."""
@@ -310,6 +292,14 @@ def _catching_stop_signals(run: RayRun):
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def _server_exited(what: tuple, code: int) -> str:
+    url, node, log = what
+    return (
+        f"the vLLM rollout server at {url} (Ray node {node}) exited with code {code} while the job ran; its log "
+        f"({log}) ends:\n{_tail(Path(log))}"
+    )
 
 
 def _cause(e: Exception) -> str:
