@@ -52,7 +52,8 @@
 #           they agree and every other implementation peaks below 0.6 x plain's; $OUT/loss.json
 #   rollout GRPO's vLLM rollout engine on GPUs, all of tests/test_gpu_rollout.py (not in the default list: it needs
 #           vLLM, in the Python that FT_GPU_CHECK_VLLM_PYTHON names, else $PY; two GPUs for its NCCL test): a colocated engine's sleep mode frees its memory
-#           and wakes with new weights; full weights reach a rollout server over NCCL (two GPUs); $OUT/rollout.log
+#           and wakes with new weights; full weights reach a rollout server over NCCL (two GPUs); placement: ray on a
+#           one-node Ray cluster gives the rank and the server GPUs of their own (two GPUs, Ray installed); $OUT/rollout.log
 # Environment: OUT (default gpu-check-out), FT_GPU_CHECK_WORK (default /tmp/ft-gpu-check: the model, runs; removed at
 # the end unless FT_GPU_CHECK_KEEP=1), FT_GPU_CHECK_BUDGET (seconds for the
 # sections, default 560),

@@ -6,6 +6,9 @@
 - Full weights reach vLLM's own server (`vllm serve --weight-transfer-config '{"backend": "nccl"}'`, started as ft
   train starts it) over NCCL (vLLM's weight-transfer engine and routes) and its log-probs then equal the trainer's.
   NCCL refuses two ranks on one GPU, so this needs two: the trainer on GPU 0, the server on GPU 1.
+- `placement: ray` on a one-node Ray cluster of two GPUs (where Ray is installed): the rank's actor and the server's
+  get GPUs of their own (Ray's CUDA_VISIBLE_DEVICES, passed on to the rank and to `vllm serve`), and the weights reach
+  the server over NCCL at rank 0's node address.
 """
 
 from __future__ import annotations
@@ -123,3 +126,30 @@ def test_full_weights_reach_a_rollout_server_over_nccl(model_dir, tmp_path):
         server.wait(timeout=60)
         log.close()
         print((tmp_path / "server.log").read_text()[-3000:])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="placement: ray needs a GPU to train and one to generate")
+def test_grpo_on_ray_gives_the_rank_and_the_server_gpus_of_their_own(tmp_path, sft_model):
+    pytest.importorskip("ray")
+    import re
+
+    from ray.cluster_utils import Cluster
+
+    from tests.helpers import ft_train
+    from tests.test_vllm_rollout import rows
+    from tests.test_vllm_serve import sevens_job
+
+    job = sevens_job(tmp_path, sft_model, 3)
+    text = open(job).read().replace("placement: server", "placement: ray")
+    open(job, "w").write(text)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 2, "include_dashboard": False})
+    try:
+        r = ft_train(job, env={"RAY_ADDRESS": nodes.address, "CUDA_VISIBLE_DEVICES": "0,1"}, timeout=900)
+    finally:
+        nodes.shutdown()
+    assert r.returncode == 0, r.stderr[-3000:]
+    gpus = re.search(r"Ray GPUs \(as each node numbers them\): rank 0 = (\d+); vLLM server 0 = ([\d,]+)", r.stderr)
+    assert gpus and gpus.group(1) not in gpus.group(2).split(","), r.stderr[-3000:]
+    steps = rows(tmp_path / "run")
+    assert [g["step"] for g in steps] == [1, 2, 3]
+    assert all(g["sync_s"] > 0 and g["logp_mismatch"] < 0.1 for g in steps), steps  # the weights went over NCCL

@@ -23,6 +23,9 @@ import subprocess
 import sys
 
 TAIL_LINES = 25  # a failed rank's last error lines, in the launcher's message
+MASTER_PORT = 29500  # torchrun's default port of the process group, and the ones after it
+SERVER_PORT = 8420  # ft rollout-server's port in the docs, and the ones after it
+PORT_SPAN = 500
 
 
 def node_address() -> str:
@@ -32,8 +35,18 @@ def node_address() -> str:
     return ray.util.get_node_ip_address()
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
+def free_port(host: str, first: int) -> int:
+    """A port nothing listens on, from `first` up: outside the kernel's ephemeral range (32768-60999 on Linux), from
+    which every outgoing connection and every bind to port 0 (Ray's, vLLM's) draws, so that no other process takes it
+    in the seconds before the rank or the server binds it (a port from bind(0) was taken so under load)."""
+    for port in range(first, first + PORT_SPAN):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any port
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -50,7 +63,7 @@ class EngineServer:
         from finetune.rollout.server import Http, wait_ready
 
         host = node_address()
-        port = free_port(host)
+        port = free_port(host, SERVER_PORT)
         cmd = server_command(spec, host, port, command, gpu, data_parallel)
         token = os.environ.get(TOKEN_ENV)
         url = f"http://{host}:{port}"
@@ -68,6 +81,11 @@ class EngineServer:
 
     def pid(self) -> int:
         return self.process.pid
+
+    def gpus(self) -> str:
+        """The GPUs Ray gave this actor, as its node numbers them (Ray sets CUDA_VISIBLE_DEVICES when it creates the
+        actor, and the server inherits it)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def stop(self) -> None:
         from finetune.rollout.pool import stop_server
@@ -88,7 +106,7 @@ class RankProcess:
 
         host = node_address()
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        return {"address": host, "port": free_port(host), "gpus": [str(g) for g in gpus]}
+        return {"address": host, "port": free_port(host, MASTER_PORT), "gpus": [str(g) for g in gpus]}
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> tuple[int, list[str]]:
         """The rank to its end: its exit code and its last error lines (all of them also go to this actor's stderr)."""

@@ -45,7 +45,8 @@ class RayRun:
     def __init__(self, config, plan, run_dir: Path):
         self.config, self.plan, self.run_dir, self.folder = config, plan, run_dir, RunFolder(run_dir)
         self.where = address(config.method.rollout)
-        self.engines: list = []  # (actor, url, node address)
+        self.engines: list = []  # (actor, url, node address, log path, the call that returns when it exits)
+        self.engine_gpus: list[str] = []  # CUDA_VISIBLE_DEVICES of each server's actor (GPUs)
         self.ranks: list = []
         self.group = None
         self.signum = 0
@@ -153,6 +154,7 @@ class RayRun:
             self.engines.append((actor, url, self.nodes[b.node].address, log, actor.wait.remote()))
         pids = ray.get([actor.pid.remote() for actor, *_ in self.engines])
         write_engines(self.run_dir, [(url, node, pid) for (_, url, node, _, _), pid in zip(self.engines, pids)])
+        self.engine_gpus = ray.get([actor.gpus.remote() for actor, *_ in self.engines]) if gpu else []
 
     # ---------------------------------------------------------------- the ranks
     def train(self, resume_from: Path | None) -> dict:
@@ -161,6 +163,10 @@ class RayRun:
         actors = [(i, b) for i, b in enumerate(self.layout) if b.role == "rank"]
         self.ranks = [self._actor(RankProcess, i) for i, _ in actors]
         places = ray.get([a.where.remote() for a in self.ranks])
+        if self.plan.device == "GPU":  # each node numbers its own GPUs
+            ranks = ", ".join(f"rank {b.index} = {p['gpus'][0]}" for (_, b), p in zip(actors, places))
+            servers = ", ".join(f"vLLM server {i} = {g}" for i, g in enumerate(self.engine_gpus))
+            sys.stderr.write(f"Ray GPUs (as each node numbers them): {ranks}; {servers}\n")
         argv = ["-m", "finetune.rank", str(self.run_dir), *(["--resume-from", str(resume_from)] if resume_from else [])]
         running = {}
         for (_, b), actor in zip(actors, self.ranks):
