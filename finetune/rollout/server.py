@@ -41,7 +41,9 @@ from finetune.rollout import Completion
 
 MAX_IN_FLIGHT = 512  # requests one rank keeps open at once (vLLM queues what it cannot batch yet)
 READY_TIMEOUT_S = 600  # a server given by URL may still be loading its model
-LOG_HINT = "its log: rollout-server.log in the run folder when ft train started it"
+LOG_HINT = (
+    "its log: rollout-server.log in the run folder when ft train started it (placement: ray: rollout-engine-N.log)"
+)
 
 
 class ServerError(FtError):
