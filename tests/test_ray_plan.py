@@ -76,6 +76,9 @@ def test_on_cpu_nodes_the_engine_gets_a_node_of_its_own(installed):
         1,
     )
     assert "node 1" in two.decision("rollout.placement").reason
+    four = make("2x2xcpu", "ft-tiny", TINY)  # two processes on node 0, its second node the server's
+    assert (four.world_size, four.rollout.engine_nodes) == (2, 1)
+    assert four.decision("world_size").reason == "1 node × 2 processes (the 4 processes less the rollout pool's 2)"
     one = make("cpu:2", "ft-tiny", TINY)
     assert (one.rollout.engine_nodes, one.world_size) == (0, 2)
     assert "one vLLM server on node 0" in rollout_line(one)

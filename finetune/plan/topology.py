@@ -58,7 +58,8 @@ def choose_topology(
     if rollout_gpus:
         last = out[-1] if out else None
         if last is not None and last.field == "world_size":
-            pool = f" (the {hw.world_size} GPUs less the rollout pool's {rollout_gpus})"
+            units = "processes" if hw.is_cpu else "GPUs"  # on CPU nodes: placement ray's node for the server
+            pool = f" (the {hw.world_size} {units} less the rollout pool's {rollout_gpus})"
             out[-1] = replace(last, reason=last.reason.replace(" (all the hardware has)", "") + pool)
     return replace(topo, rollout_gpus=rollout_gpus, engine=engine)
 
@@ -91,7 +92,8 @@ def _choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topol
             f"to {hw.devices_per_node} or auto"
         )
     source = "auto" if d.nodes == "auto" and d.processes_per_node == "auto" else "config"
-    why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {unit}{'s' if ppn > 1 else ''}"
+    units = "processes" if hw.is_cpu else "GPUs"
+    why = f"{nodes} node{'s' if nodes > 1 else ''} × {ppn} {units if ppn > 1 else unit}"
     out.append(
         Decision("world_size", nodes * ppn, why + (" (all the hardware has)" if source == "auto" else ""), source)
     )
