@@ -82,6 +82,12 @@ class EngineServer:
     def pid(self) -> int:
         return self.process.pid
 
+    def node(self) -> str:
+        """The id of the node Ray placed this actor on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def gpus(self) -> str:
         """The GPUs Ray gave this actor, as its node numbers them (Ray sets CUDA_VISIBLE_DEVICES when it creates the
         actor, and the server inherits it)."""
@@ -101,12 +107,18 @@ class RankProcess:
         self.process = None
 
     def where(self) -> dict:
-        """This node's address, a free port on it (rank 0's is the process group's), and the GPUs Ray gave the actor."""
+        """This node's address and id, a free port on it (rank 0's is the process group's), and the GPUs Ray gave the
+        actor."""
         import ray
 
         host = node_address()
         gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-        return {"address": host, "port": free_port(host, MASTER_PORT), "gpus": [str(g) for g in gpus]}
+        return {
+            "address": host,
+            "port": free_port(host, MASTER_PORT),
+            "gpus": [str(g) for g in gpus],
+            "node": ray.get_runtime_context().get_node_id(),
+        }
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> tuple[int, list[str]]:
         """The rank to its end: its exit code and its last error lines (all of them also go to this actor's stderr)."""

@@ -153,6 +153,8 @@ class RayRun:
                 ) from None
             self.engines.append((actor, url, self.nodes[b.node].address, log, actor.wait.remote()))
         pids = ray.get([actor.pid.remote() for actor, *_ in self.engines])
+        engines = [b for b in self.layout if b.role == "engine"]
+        self._check_nodes(engines, ray.get([actor.node.remote() for actor, *_ in self.engines]))
         write_engines(self.run_dir, [(url, node, pid) for (_, url, node, _, _), pid in zip(self.engines, pids)])
         self.engine_gpus = ray.get([actor.gpus.remote() for actor, *_ in self.engines]) if gpu else []
 
@@ -163,6 +165,7 @@ class RayRun:
         actors = [(i, b) for i, b in enumerate(self.layout) if b.role == "rank"]
         self.ranks = [self._actor(RankProcess, i) for i, _ in actors]
         places = ray.get([a.where.remote() for a in self.ranks])
+        self._check_nodes([b for _, b in actors], [p["node"] for p in places])
         if self.plan.device == "GPU":  # each node numbers its own GPUs
             ranks = ", ".join(f"rank {b.index} = {p['gpus'][0]}" for (_, b), p in zip(actors, places))
             servers = ", ".join(f"vLLM server {i} = {g}" for i, g in enumerate(self.engine_gpus))
@@ -176,6 +179,18 @@ class RayRun:
             running[waiting] = ("engine", (url, node, log))
         with _catching_stop_signals(self):
             return self._follow(running)
+
+    def _check_nodes(self, placed: list, ids: list[str]) -> None:
+        """Each actor runs on the node its bundle's label selector names: a Ray that ignores the selectors (before
+        2.50) would let a placement group pack bundles elsewhere, breaking the plan's split."""
+        for b, got in zip(placed, ids):
+            want = self.nodes[b.node]
+            if got != want.id:
+                raise FtError(
+                    f"method.rollout.placement: ray: Ray placed {b.role} {b.index} on node {got[:8]}, not on "
+                    f"{want.address} ({want.id[:8]}) as its bundle's label selector asks.\n    fix: pip install "
+                    "'ray>=2.50' on every node (earlier versions ignore placement groups' label selectors)"
+                )
 
     def _follow(self, running: dict) -> dict:
         """Wait for every rank to end; the first failure (a rank, a server, an actor's node) ends the job."""
