@@ -67,9 +67,8 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
         lifecycle.report(LOST_PEERS, 0, message=str(e))
         raise
-    except (
-        Exception
-    ):  # failing, its error said next: the launcher's stop of the other ranks must not interrupt its exit
+    except Exception:
+        # failing, its error said next: the launcher's stop of the other ranks must not interrupt its exit
         lifecycle.ignore_stop_signals()
         raise
     return 0
