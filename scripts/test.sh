@@ -33,7 +33,7 @@ if [ "$fast" = 0 ]; then
     bash scripts/setup-vllm.sh
     vllm_log=$(mktemp)
     # its own process group, stopped with the script (Ctrl-C): no vLLM server outlives an interrupted run
-    trap 'kill -TERM -- "-$vllm_pid" 2>/dev/null; rm -f "$vllm_log"' EXIT
+    trap 'kill -TERM -- "-$vllm_pid" 2>/dev/null || true; rm -f "$vllm_log"' EXIT
     OMP_NUM_THREADS=1 setsid -w .venv-vllm/bin/python -m pytest -q -n 2 --dist loadfile -p no:cacheprovider -m vllm \
       tests/test_vllm_generate.py tests/test_vllm_rollout.py tests/test_vllm_serve.py tests/test_vllm_merged.py \
       tests/test_vllm_ray.py >"$vllm_log" 2>&1 &
