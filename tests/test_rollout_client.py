@@ -80,22 +80,33 @@ def two_servers():
 
 def test_every_prompt_is_in_flight_at_once_shared_out_over_the_servers_and_answered_in_order(two_servers):
     client = RemoteRollout([s.url for s in two_servers], SECTION, stop=[0], token="s3cret")
-    prompts = [[10], [11], [12], [13], [14]]
+    prompts = [[10], [11], [11], [12], [12]]  # three groups: one sample of 10, two of 11, two of 12
     got = client.generate(prompts, seed=100)
-    assert [c.ids for c in got] == [[10, 100], [11, 101], [12, 102], [13, 103], [14, 104]]
+    assert [c.ids for c in got] == [[10, 100], [11, 101], [11, 102], [12, 103], [12, 104]]
     assert all(c.logps == [-0.5, -0.25] for c in got)
     first, second = (sorted(b["prompt"][0] for b in s.seen) for s in two_servers)
-    assert (first, second) == ([10, 11, 12], [13, 14])  # contiguous shares: a group's prompts stay together
+    # balanced by expected tokens, each group whole on one server: the two groups of two apart, then 10 on the first
+    # of the two equally loaded servers
+    assert (first, second) == ([10, 11, 11], [12, 12])
     body = two_servers[0].seen[0]
     assert body["model"] == "base" and body["stop_token_ids"] == [0] and body["logprobs"] == 0
     assert body["return_token_ids"] is True and body["max_tokens"] == 3
     client.close()
 
 
-def test_shares_are_even_and_contiguous():
-    assert balance(5, 2) == [0, 0, 0, 1, 1]
-    assert balance(4, 4) == [0, 1, 2, 3]
-    assert balance(2, 3) == [0, 1]
+def test_servers_get_equal_expected_tokens_and_a_prompts_samples_stay_together():
+    short, long_ = [1] * 4, [2] * 60
+    # two groups of four samples, a long prompt and a short one: each group whole on a server of its own
+    assert balance([long_] * 4 + [short] * 4, 2, new_tokens=16) == [0] * 4 + [1] * 4
+    # one long group against three short ones: the short ones share the other server (4x76 against 3x4x20 tokens)
+    prompts = [long_] * 4 + [short] * 4 + [[3] * 4] * 4 + [[4] * 4] * 4
+    where = balance(prompts, 2, new_tokens=16)
+    assert where == [0] * 4 + [1] * 12
+    # by count alone (equal shares of 8) one server would get 4x76 + 4x20 tokens and the other 8x20
+    loads = [sum(len(p) + 16 for p, w in zip(prompts, where) if w == k) for k in (0, 1)]
+    assert max(loads) / min(loads) < 1.3
+    assert balance([[5]] * 3, 4, new_tokens=8) == [0, 0, 0]  # one group: one server, never split
+    assert balance([[1], [2], [3], [4]], 4, new_tokens=8) == [0, 1, 2, 3]  # equal groups: one each, in order
 
 
 def test_a_wrong_token_and_an_unreachable_server_are_reported_with_the_fix():

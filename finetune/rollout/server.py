@@ -3,8 +3,9 @@
 Generation: each prompt is one `/v1/completions` request (prompt as token ids, its own seed, the sampled token's
 log-prob and the completion's token ids returned), and every request of every trainer rank is in flight at once, so
 that vLLM's continuous batching batches them; nothing is serialised on the trainer's side. With several servers
-(`method.rollout.url` as a list: data-parallel engines), each rank's prompts are split into equal contiguous shares
-(a group's repeated prompts stay on one server, for its prefix cache), and the completions come back in prompt order.
+(`method.rollout.url` as a list: data-parallel engines), each rank's prompts are balanced by expected length
+(balance: a group's repeated prompts stay on one server, for its prefix cache), and the completions come back in
+prompt order.
 
 Weights, through vLLM's own routes (rollout/serve.py enables them):
     adapter        rank 0 writes it (RUN/rollout/adapter-<version>), every server loads it as a new LoRA
@@ -50,10 +51,23 @@ class ServerError(FtError):
     """A rollout server answered with an error, or did not answer."""
 
 
-def balance(count: int, servers: int) -> list[int]:
-    """The server of each of `count` prompts: equal contiguous shares, the larger ones first."""
-    share, extra = divmod(count, servers)
-    return [s for s in range(servers) for _ in range(share + (s < extra))]
+def balance(prompts: list[list[int]], servers: int, new_tokens: int) -> list[int]:
+    """The server of each prompt, balanced by expected length: a group (a run of equal prompts: one prompt's samples)
+    stays on one server, so that its prompt is computed once there (prefix cache); groups go, the costliest first, to
+    the server with the least expected tokens (prompt and completion: len(prompt) + new_tokens each) so far. The
+    completions come back in prompt order whatever server made them."""
+    groups, start = [], 0
+    for j in range(1, len(prompts) + 1):
+        if j == len(prompts) or prompts[j] != prompts[start]:
+            groups.append((start, j))
+            start = j
+    cost = {g: (g[1] - g[0]) * (len(prompts[g[0]]) + new_tokens) for g in groups}
+    load, where = [0] * servers, [0] * len(prompts)
+    for g in sorted(groups, key=lambda g: -cost[g]):  # stable: equal costs keep prompt order
+        server = min(range(servers), key=lambda k: load[k])
+        load[server] += cost[g]
+        where[g[0] : g[1]] = [server] * (g[1] - g[0])
+    return where
 
 
 class Http:
@@ -145,7 +159,7 @@ class RemoteRollout:
     # ---------------------------------------------------------------- generation
     def generate(self, prompts: list[list[int]], seed: int) -> list[Completion]:
         """One request per prompt, all in flight at once; prompt j draws from seed + j (as a colocated engine)."""
-        where = balance(len(prompts), len(self.servers))
+        where = balance(prompts, len(self.servers), self.s.max_new_tokens)
         with self.lock:
             adapter = self.adapter  # the rollout's adapter, whatever update comes while it generates
         futures = [self.pool.submit(self._complete, where[j], p, seed + j, adapter) for j, p in enumerate(prompts)]
