@@ -11,6 +11,20 @@ from finetune.plan.rollout import unservable
 TOKEN_ENV = "FT_ROLLOUT_TOKEN"  # a shared secret between trainer and server (never written anywhere)
 
 
+NO_SERVER = {  # a rank that finds no rollout server to send its prompts to, by placement
+    "ray": (
+        "method.rollout.placement: ray, but no rollout engine is known to this rank (rollout-engines.json is "
+        "missing from the run folder): start the job with ft train, which starts the engines on the Ray cluster and "
+        "then the ranks"
+    ),
+    "server": (
+        "method.rollout.placement: server, but no rollout server is known to this rank: set method.rollout.url to a "
+        "running vLLM server (`ft rollout-server JOB` starts one), or let ft train start one (placement: server "
+        "without url)"
+    ),
+}
+
+
 def placement(plan, section) -> tuple[str, str]:
     """(engine, placement): the plan's (the planner places the rollouts of every method that samples)."""
     if plan.rollout is None:
@@ -32,30 +46,15 @@ def create_engine(section, context):
         return TransformersRollout(context.engine, context.tokenizer, section, context.device, context.autocast)
     servable(context)
     stop = stop_ids(context.tokenizer)
-    if where == "ray":  # the servers ft train started as Ray actors (rollout/ray_run.py)
+    if where in ("ray", "server"):  # vLLM servers: given by url, or started by ft train (rollout/ray_run.py, pool.py)
         from finetune.artifacts.run import RunFolder
         from finetune.rollout.server import RemoteRollout
 
-        urls = RunFolder(context.folder).rollout_engines()
+        folder = RunFolder(context.folder)
+        urls = folder.rollout_engines() if where == "ray" else section.rollout.url or folder.rollout_server()
         if not urls:
-            raise FtError(
-                "method.rollout.placement: ray, but no rollout engine is known to this rank (rollout-engines.json is "
-                "missing from the run folder): start the job with ft train, which starts the engines on the Ray "
-                "cluster and then the ranks"
-            )
+            raise FtError(NO_SERVER[where])
         return RemoteRollout(urls, section, stop, os.environ.get(TOKEN_ENV), section.rollout.timeout_s)
-    if where == "server":
-        from finetune.artifacts.run import RunFolder
-        from finetune.rollout.server import RemoteRollout
-
-        url = section.rollout.url or RunFolder(context.folder).rollout_server()  # the one ft train started
-        if not url:
-            raise FtError(
-                "method.rollout.placement: server, but no rollout server is known to this rank: set "
-                "method.rollout.url to a running vLLM server (`ft rollout-server JOB` starts one), or let ft train "
-                "start one (placement: server without url)"
-            )
-        return RemoteRollout(url, section, stop, os.environ.get(TOKEN_ENV), section.rollout.timeout_s)
     import torch
 
     from finetune.rollout.vllm import VllmRollout, prepare_environment
