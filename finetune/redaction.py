@@ -46,6 +46,11 @@ _HASH_KEY = re.compile(r"commit|revision|sha|hash|fingerprint|digest|checksum", 
 SECRET_VARIABLE = re.compile(r"(?:^|_)(?:KEYS?|PASS|PASSPHRASE)(?:_|$)", re.IGNORECASE)
 
 
+def secret_variable(name: str) -> bool:
+    """Whether an environment variable's name says it holds a secret (HF_TOKEN, WANDB_API_KEY, SSH_KEY, DB_PASS)."""
+    return bool(SECRET_KEY.search(name) or SECRET_VARIABLE.search(name))
+
+
 def redact(obj: Any, _key: str = "", config: Any = None) -> Any:
     """A copy of `obj` with secrets replaced by "***": values of secret-looking keys, and secret-looking strings.
 

@@ -179,3 +179,20 @@ def test_each_rank_sees_its_nodes_gpus_with_its_own_at_local_rank_and_joins_rank
             "29400",
             "10.0.0.1",
         )
+
+
+def test_secrets_reach_the_actors_as_call_arguments_and_never_the_runtime_environment(monkeypatch):
+    """Ray's runtime-env agent writes a job's runtime environment into its log: ft train's secret-named variables and
+    the rollout token go to the actors' calls instead (rollout/ray_actors.py sets them in its processes' env)."""
+    from finetune.rollout.factory import TOKEN_ENV
+    from finetune.rollout.ray_layout import actor_env
+
+    monkeypatch.setenv("HF_HOME", "/models")
+    monkeypatch.setenv("HF_TOKEN", "hf_abc")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    monkeypatch.setenv("FT_STEP_HOOK", "hook.py:f")
+    monkeypatch.setenv("UNRELATED_PASSWORD", "x")  # not forwarded at all
+    public, secrets = actor_env("t0ken")
+    assert public["HF_HOME"] == "/models" and public["FT_STEP_HOOK"] == "hook.py:f"
+    assert secrets == {"HF_TOKEN": "hf_abc", "WANDB_API_KEY": "0" * 40, TOKEN_ENV: "t0ken"}
+    assert not set(public) & set(secrets) and "UNRELATED_PASSWORD" not in public

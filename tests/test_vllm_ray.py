@@ -14,6 +14,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -47,9 +48,12 @@ def cluster():
     nodes.add_node(num_cpus=2)
     nodes.wait_for_nodes()
     try:
-        yield nodes.address
+        yield nodes
     finally:
         nodes.shutdown()
+
+
+SECRET = "ft-test-secret-7c1e9a2b"
 
 
 def ray_job(tmp_path, model, steps: int, placement: str = "ray") -> str:
@@ -72,7 +76,8 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
     hook = tmp_path / "kill.py"
     hook.write_text(KILL_HOOK)
     env = {
-        "RAY_ADDRESS": cluster,
+        "RAY_ADDRESS": cluster.address,
+        "WANDB_API_KEY": SECRET,  # a tracker's key in ft train's environment: the ranks get it, Ray's logs never
         "FT_STEP_HOOK": f"{hook}:kill_engine",
         "FT_TEST_KILL_AT": "25",
         "FT_TEST_RUN": str(run),
@@ -88,7 +93,11 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
     ]
     assert "rollout-engine-0.log" in r.stderr and "--resume" in r.stderr and "Traceback" not in r.stderr
     assert not (run / "rollout-engines.json").exists()
-    r = ft_train(job, "--hardware", "2x2xcpu", "--resume", env={"RAY_ADDRESS": cluster}, timeout=900)
+    logs = Path(cluster.head_node.get_logs_dir_path())
+    assert any(logs.rglob("runtime_env*.log"))  # where Ray writes each job's runtime environment
+    for path in [p for p in logs.rglob("*") if p.is_file()] + [p for p in run.rglob("*") if p.is_file()]:
+        assert SECRET.encode() not in path.read_bytes(), path  # secrets go to the actors' calls, not their env
+    r = ft_train(job, "--hardware", "2x2xcpu", "--resume", env={"RAY_ADDRESS": cluster.address}, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     by_step = {g["step"]: g for g in rows(run)}
     assert sorted(by_step) == list(range(1, steps + 1))
@@ -114,7 +123,7 @@ def test_grpo_on_ray_learns_as_a_server_run_and_a_killed_engine_ends_the_job_whi
         urllib.request.urlopen(url + "/health", timeout=5)  # the resumed run's server was stopped with it
     import ray
 
-    ray.init(address=cluster)
+    ray.init(address=cluster.address)
     try:  # the placement groups of both runs were removed
         from ray.util.placement_group import placement_group_table
 

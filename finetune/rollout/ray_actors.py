@@ -11,7 +11,8 @@ RankProcess   runs one trainer rank as torchrun would: `python -m finetune.rank 
 
 Both keep their process while the launcher calls them again (`wait`, `signal`, `stop`): the actors are threaded
 (max_concurrency 2), so a call that blocks until the process ends does not hold up the others. The token that guards
-the servers reaches both through the job's runtime environment (never an argument), and each process inherits it.
+the servers, and any secret-named variable of ft train's environment, reach both as a call's argument and from there
+only the process's environment: Ray's runtime-env agent writes the job's runtime environment into its log.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class EngineServer:
     def __init__(self):
         self.process = None
 
-    def start(self, spec, command: str | None, gpu: bool, data_parallel: int, log_path: str, timeout_s: float) -> str:
+    def start(
+        self, spec, command: str | None, gpu: bool, data_parallel: int, log_path: str, timeout_s: float, secrets: dict
+    ) -> str:
         from finetune.rollout.factory import TOKEN_ENV
         from finetune.rollout.serve import server_command, server_env, shown
         from finetune.rollout.server import Http, wait_ready
@@ -65,12 +68,12 @@ class EngineServer:
         host = node_address()
         port = free_port(host, SERVER_PORT)
         cmd = server_command(spec, host, port, command, gpu, data_parallel)
-        token = os.environ.get(TOKEN_ENV)
+        token = secrets.get(TOKEN_ENV)
         url = f"http://{host}:{port}"
         with open(log_path, "ab") as log:
             log.write(f"ft rollout engine: listening on {url} once ready; started as: {shown(cmd)}\n".encode())
             log.flush()
-            env = server_env(os.environ, token, gpu)
+            env = server_env({**os.environ, **secrets}, token, gpu)
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_ready(Http(url, token, 60), timeout_s, self.process)
         return url
@@ -120,11 +123,11 @@ class RankProcess:
             "node": ray.get_runtime_context().get_node_id(),
         }
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str | None) -> tuple[int, list[str]]:
+    def run(self, argv: list[str], env: dict[str, str], cwd: str | None, secrets: dict) -> tuple[int, list[str]]:
         """The rank to its end: its exit code and its last error lines (all of them also go to this actor's stderr)."""
         self.process = subprocess.Popen(
             [sys.executable, *argv],
-            env={**os.environ, **env},
+            env={**os.environ, **env, **secrets},
             cwd=cwd if cwd and os.path.isdir(cwd) else None,
             stderr=subprocess.PIPE,
             text=True,

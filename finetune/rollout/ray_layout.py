@@ -144,10 +144,16 @@ def address(section) -> str:
     return section.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
 
 
-def actor_env(token: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
-    env[TOKEN_ENV] = token
-    return env
+def actor_env(token: str) -> tuple[dict[str, str], dict[str, str]]:
+    """What every actor's processes get from ft train's environment: (the job's runtime environment, the secrets).
+    The secrets (the rollout token, secret-named variables: trackers' keys, hub tokens) go to each actor's call and
+    from there to its process only: Ray's runtime-env agent writes a runtime environment into its log."""
+    from finetune.redaction import secret_variable
+
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
+    hidden = {k: v for k, v in forwarded.items() if secret_variable(k)}
+    hidden[TOKEN_ENV] = token
+    return {k: v for k, v in forwarded.items() if k not in hidden}, hidden
 
 
 def ended(message: str, run_dir: Path) -> FtError:

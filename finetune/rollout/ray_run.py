@@ -50,6 +50,7 @@ class RayRun:
         self.ranks: list = []
         self.group = None
         self.signum = 0
+        self.secrets: dict[str, str] = {}  # for the actors' processes, never their runtime environment (ray_layout)
 
     # ---------------------------------------------------------------- the cluster and the placement group
     def __enter__(self) -> RayRun:
@@ -60,9 +61,8 @@ class RayRun:
 
         reachable(self.where)
         try:
-            ray.init(
-                address=self.where, runtime_env={"env_vars": actor_env(new_token())}, logging_level=logging.WARNING
-            )
+            public, self.secrets = actor_env(new_token())
+            ray.init(address=self.where, runtime_env={"env_vars": public}, logging_level=logging.WARNING)
         except (ConnectionError, RuntimeError) as e:
             raise FtError(
                 f"method.rollout.placement: ray: cannot join the Ray cluster at {self.where} ({e}).\n    fix: start "
@@ -141,7 +141,12 @@ class RayRun:
             dp = max(1, r.engines // (r.engine_nodes or 1)) if gpu else 1
             log = str(self.folder.rollout_engine_log_path(b.index))
             calls.append(
-                (actor, b, log, actor.start.remote(spec, c.method.rollout.command, gpu, dp, log, READY_TIMEOUT_S))
+                (
+                    actor,
+                    b,
+                    log,
+                    actor.start.remote(spec, c.method.rollout.command, gpu, dp, log, READY_TIMEOUT_S, self.secrets),
+                )
             )
         for actor, b, log, call in calls:
             try:
@@ -174,7 +179,7 @@ class RayRun:
         running = {}
         for (_, b), actor in zip(actors, self.ranks):
             env = rank_environment(self.plan, b, places, self.run_dir)
-            running[actor.run.remote(argv, env, os.getcwd())] = ("rank", b.index)
+            running[actor.run.remote(argv, env, os.getcwd(), self.secrets)] = ("rank", b.index)
         for _, url, node, log, waiting in self.engines:
             running[waiting] = ("engine", (url, node, log))
         with _catching_stop_signals(self):
