@@ -57,20 +57,28 @@ def test_padded_rows_where_rows_matter_or_the_config_says(overrides):
         assert p.attn_implementation == "sdpa"
 
 
-def test_a_padding_free_micro_batch_has_no_padding_and_gives_the_padded_loss_and_gradients():
+@pytest.mark.parametrize("trained", ["after a prompt", "every token"])
+def test_a_padding_free_micro_batch_has_no_padding_and_gives_the_padded_loss_and_gradients(trained):
+    """Also where a row's first token is trained (train_on: all, completion data): concatenated, the previous row's
+    last position must not learn to predict it, and the step's trained tokens stay those of the padded batch."""
     import datasets
 
     from finetune.attention import register
     from finetune.methods.head import LossHead
     from finetune.methods.sft import SFT
 
-    rows = datasets.Dataset.from_list(make_examples([23, 9, 17, 30, 12, 5], seed=4))
+    examples = make_examples([23, 9, 17, 30, 12, 5], seed=4)
+    if trained == "every token":
+        examples = [{**e, "labels": list(e["input_ids"])} for e in examples]
+    rows = datasets.Dataset.from_list(examples)
     model = tiny_llama(register()).train()
     padded = SFT(0, "sdpa_varlen", 3).micro_batches(rows, list(range(6)))
     flat = SFT(0, "sdpa_varlen", 3, padding_free=True).micro_batches(rows, list(range(6)))
     assert [b["input_ids"].shape for b in padded] == [(3, 23), (3, 30)]
     assert [b["input_ids"].shape for b in flat] == [(1, 49), (1, 47)]  # every token real, nothing padded
     assert [b["num_tokens"] for b in flat] == [b["num_tokens"] for b in padded] == [49, 47]
+    sft = SFT(0, "sdpa_varlen", 3)
+    assert [sft.tokens(b) for b in flat] == [sft.tokens(b) for b in padded]  # the loss's divisor
 
     def summed(batches):
         model.zero_grad(set_to_none=True)

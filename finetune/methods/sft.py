@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from finetune.data.collate import collate
+from finetune.data.masking import IGNORE
 from finetune.methods import Context, pixels, register
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import causal_lm_loss, trained_tokens
@@ -57,7 +58,9 @@ class SFT:
         for i in range(0, len(rows), self.micro):
             chunk = rows[i : i + self.micro]
             if self.padding_free:  # each row one sample of its own: the collator concatenates them (varlen)
-                chunk = [{**r, "seq_lens": [len(r["input_ids"])]} for r in chunk]
+                # a row's first label is no row's target once concatenated (the previous row's last position would
+                # predict it), as in a padded batch, where nothing precedes it: IGNORE, as packing does
+                chunk = [{**r, "labels": [IGNORE, *r["labels"][1:]], "seq_lens": [len(r["input_ids"])]} for r in chunk]
             batch = collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index)
             if self.images is not None:  # the rows' images, in the order their tokens appear in the batch
                 self.images.add(batch, [r.get("images") or [] for r in chunk], "seq_lens" in chunk[0])
