@@ -7,6 +7,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError, HardwareError, set_run_dir
@@ -27,7 +28,6 @@ def hardware_for(description: str | None):
 
 def model_facts(model) -> object:
     """Architecture facts for the config's model section (local folder, catalog, or hub)."""
-    from pathlib import Path
 
     from finetune.catalog import ModelNotFound
     from finetune.models import facts
@@ -47,12 +47,25 @@ def compile_plan(
     config_path: str | os.PathLike, overrides: Iterable[str] = (), hardware: str | None = None, config=None
 ) -> Plan:
     """Config file -> Plan, raising FtError subclasses with user-facing messages. `config`: the Config already loaded
-    from `config_path` (with `overrides`), not parsed again."""
+    from `config_path` (with `overrides`), not parsed again. A run folder's config.yaml is planned as ft train planned
+    it, for what its data.json says the prepared rows held (images, trained share): the same plan as its plan.json."""
     from finetune.config import load
     from finetune.plan import plan
 
     config = config or load(config_path, overrides)
-    return plan(config, hardware_for(hardware), model_facts(config.model), str(config_path))
+    folder = RunFolder(Path(config_path).parent)
+    recorded = folder.data_summary() if Path(config_path).name == folder.config_path.name else {}
+    images, share = _data_facts(recorded, config)
+    facts = model_facts(config.model)
+    return plan(config, hardware_for(hardware), facts, str(config_path), images_per_sample=images, trained_share=share)
+
+
+def _data_facts(summary: dict, config) -> tuple[int | None, float | None]:
+    """What a prepared data set's summary (data.preprocess) tells the planner: the most images a row holds, where
+    data.image.per_sample does not say, and the largest share of a row's positions trained; None where unknown."""
+    most = int(summary.get("max_images_per_row") or 0)
+    images = most if config.data.image.per_sample is None and most > 0 else None
+    return images, summary.get("most_trained_share")
 
 
 def run_preprocess(
@@ -129,17 +142,16 @@ def run_train(
     role: NodeRole | None = None,
     allow_changes: bool = False,
 ) -> dict:
-    """`ft train`: plan once, prepare the data once per node, write the run folder, then start the ranks from it
+    """`ft train`: prepare the data once per node, plan once for it, write the run folder, then start the ranks from it
     (in this process, or through torchrun). Ranks never see the job file, the CLI or the hardware probe.
 
     Node 0 owns the run folder: it holds the folder's lock (runlock.py) from before it reads, removes or writes
     anything there until its last rank has exited; the other nodes only prepare their data and start their ranks,
     which join the lock."""
     import sys
-    from pathlib import Path
 
     from finetune.config import load
-    from finetune.data.preprocess import prepare
+    from finetune.data.preprocess import prepare, training_tokenizer
     from finetune.launch.stopping import stopped_before_launch
     from finetune.plan.launch import launch_command
     from finetune.resume import overwrite_run, resume_checks
@@ -150,7 +162,8 @@ def run_train(
     with contextlib.ExitStack() as held:
         with stopped_before_launch():  # a signal while planning or preparing: stop, saying so
             config = load(config_path, overrides)
-            job_plan, tokens = _plan_for_nodes(config, hardware, role, config_path)
+            facts = model_facts(config.model)  # a model that cannot be read is named before anything else
+            tokens = training_tokenizer(config)  # the tokens a template adds: known before the data is read
             run_dir = Path(config.output.dir).expanduser()
             resuming = resume or config.output.resume == "auto"
             lock = None
@@ -161,7 +174,7 @@ def run_train(
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
-            job_plan = _plan_for_images(job_plan, prepared, config, hardware, role, config_path, tokens)
+            job_plan = _plan_for_data(prepared, config, facts, hardware, role, config_path, tokens)  # once
             _check_rows(job_plan, prepared)
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
@@ -221,30 +234,41 @@ def refuse_ray(job_plan, how: str) -> None:
         )
 
 
-def _plan_for_images(job_plan, prepared, config, hardware, role: NodeRole, config_path, tokens):
-    """The plan again where the prepared rows hold more images than it assumed (1, before the data was read), before
-    the run folder is written: the ranks still see one plan, sized for the data's images. data.image.per_sample, where
-    set, is kept: more images in a row than it says is an error naming it. Where every row holds an image, the plan
-    says so (plan.image_free_rows: DDP needs no search for unused parameters)."""
+def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_path, tokens):
+    """The job's one plan, made once the data is prepared and before the run folder is written, for what the prepared
+    rows tell: the most images a row holds, where data.image.per_sample does not say (more than it says is an error
+    naming it), and the largest share of a row's positions trained (plan/search.py trained_share: the plain loss's
+    logits of the trained positions only). Where every row holds an image, the plan says so (plan.image_free_rows: DDP
+    needs no search for unused parameters)."""
+    most = int(prepared.summary.get("max_images_per_row") or 0)
+    asked = config.data.image.per_sample
+    if asked is not None and most > asked:
+        raise FtError(
+            f"data.image.per_sample: {asked}, but a prepared row holds {most} images; the plan would size memory for "
+            f"fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it (ft train then plans "
+            "for the prepared rows' most)"
+        )
+    images, share = _data_facts(prepared.summary, config)
+    job_plan = _plan_for_nodes(config, hardware, role, config_path, tokens, images, share, facts)[0]
     if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
         job_plan = dataclasses.replace(job_plan, image_free_rows=False)
-    most = int(prepared.summary.get("max_images_per_row") or 0)
-    if not job_plan.images_per_sample or most <= job_plan.images_per_sample:
-        return job_plan
-    if config.data.image.per_sample is not None:
-        raise FtError(
-            f"data.image.per_sample: {config.data.image.per_sample}, but a prepared row holds {most} images; the plan "
-            f"would size memory for fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it "
-            "(ft train then plans for the prepared rows' most)"
-        )
-    again = _plan_for_nodes(config, hardware, role, config_path, tokens, images=most)[0]
-    return dataclasses.replace(again, image_free_rows=job_plan.image_free_rows)
+    return job_plan
 
 
-def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, images: int | None = None):
+def _plan_for_nodes(
+    config,
+    hardware,
+    role: NodeRole,
+    config_path,
+    tokens=None,
+    images: int | None = None,
+    trained_share: float | None = None,
+    facts=None,
+):
     """The plan of this job on the nodes `role` says it has, and the training tokenizer (data.preprocess.Tokens):
     the tokens it gains (a template's markers) are known before the data is prepared, so the plan trains the grown
-    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample)."""
+    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample); `trained_share`: the largest
+    share of a prepared row's positions trained."""
     from finetune.data.preprocess import training_tokenizer
     from finetune.plan import plan as make_plan
 
@@ -253,10 +277,18 @@ def _plan_for_nodes(config, hardware, role: NodeRole, config_path, tokens=None, 
         from finetune.plan.topology import with_hardware
 
         hw = with_hardware(hw, nodes=role.nnodes)
-    facts = model_facts(config.model)
+    facts = facts or model_facts(config.model)
     tokens = tokens or training_tokenizer(config)
     new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
-    job_plan = make_plan(config, hw, facts, str(config_path), new_tokens=new_tokens, images_per_sample=images)
+    job_plan = make_plan(
+        config,
+        hw,
+        facts,
+        str(config_path),
+        new_tokens=new_tokens,
+        images_per_sample=images,
+        trained_share=trained_share,
+    )
     if job_plan.nodes > 1 and role.master_addr is None and not on_ray(job_plan):
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
@@ -419,7 +451,6 @@ def check_job(config_path, overrides: Iterable[str] = ()):
 def _check_model_rules(config, config_path: str) -> None:
     """The rules that need the model's facts (finetune/config/moe_checks.py), where they are known without the hub
     (a local folder or a catalog name); ft plan runs them for every model."""
-    from pathlib import Path
 
     from finetune.catalog import lookup
     from finetune.config.moe_checks import moe_problems
@@ -438,7 +469,6 @@ def _check_model_rules(config, config_path: str) -> None:
 def write_launch_script(config_path, overrides, hardware, out, time_limit: str, partition: str | None):
     """`ft launch --slurm`: check the job as `ft validate` does, plan for the cluster's hardware and write the sbatch
     script. The run folder, where Slurm writes the job's log (sbatch does not make that folder), exists afterwards."""
-    from pathlib import Path
 
     from finetune.artifacts.run import check_output_dir, refuse_foreign
     from finetune.files import atomic_write_text
@@ -467,7 +497,6 @@ def write_generate_script(
 ):
     """`ft launch generate --slurm -- ARGS`: the sbatch script that runs `ft generate ARGS` (checked by the CLI; its
     --out is `output`) on the nodes of `hardware` (one, or several sharing a filesystem)."""
-    from pathlib import Path
 
     from finetune.files import atomic_write_text
     from finetune.launch.slurm import Allocation, generate_script

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from finetune.errors import FtError
-from finetune.methods.head import LossHead, loss_head
+from finetune.methods.head import POSITIONS, LossHead, loss_head, trained_positions
 
 VOCAB = 1000
 
@@ -37,7 +37,7 @@ def llama(tied: bool = False, vocab: int = VOCAB, hidden: int = 32, layers: int 
 
 def sft_batch(trained: bool = True) -> dict:
     """3 rows of 20 tokens, the first 8 of each untrained, the second row not trained at all, the last row padded
-    after 14 tokens: 11 + 0 + 5 = 16 trained targets (or none)."""
+    after 14 tokens: 12 + 0 + 6 = 18 trained targets (or none)."""
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (3, 20), generator=gen)
     mask = torch.ones_like(ids)
@@ -68,7 +68,7 @@ def assert_same(a: tuple, b: tuple, rel: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("chunk", [1, 7, 8, 1000])  # 16 trained targets: chunks that divide it, that do not, and one
+@pytest.mark.parametrize("chunk", [1, 6, 7, 1000])  # 18 trained targets: chunks that divide it, that do not, and one
 def test_chunked_sft_loss_and_every_gradient_equal_plain(tied, chunk):
     model, batch = llama(tied), sft_batch()
     plain = loss_and_grads(model, lambda: LossHead().summed_nll(model, batch))
@@ -78,13 +78,103 @@ def test_chunked_sft_loss_and_every_gradient_equal_plain(tied, chunk):
     assert float(plain[1]["model.embed_tokens.weight"].abs().max()) > 0
 
 
+def every_position_nll(model, batch: dict) -> torch.Tensor:
+    """The summed next-token loss from the model's own logits of every position, as a hand-written loop computes it."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)).float(), batch["labels"][:, 1:].reshape(-1), reduction="sum"
+    )
+
+
+def head_rows(model) -> list[int]:
+    """The positions each call of the model's output head runs on (recorded into the returned list)."""
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, output: rows.append(args[0].shape[:-1].numel()))
+    return rows
+
+
+def with_positions(batch: dict, head: LossHead) -> dict:
+    """The batch as SFT collates it for `head` (methods/sft.py): its host inputs added."""
+    return {**batch, **head.host_inputs(batch)}
+
+
+def one_row(batch: dict) -> dict:
+    """The first and third rows of `batch` concatenated into one, as packed or padding-free micro-batches are (the
+    third's padding dropped, its first label IGNORE): 12 + 6 trained targets."""
+    lengths = (20, 14)
+    row = {k: torch.cat([batch[k][0], batch[k][2][: lengths[1]]])[None] for k in ("input_ids", "attention_mask")}
+    labels = batch["labels"][2][: lengths[1]].clone()
+    labels[0] = -100
+    row["labels"] = torch.cat([batch["labels"][0], labels])[None]
+    return row
+
+
+def test_the_trained_positions_are_built_on_the_host_for_one_row_and_the_plain_loss_only():
+    batch = one_row(sft_batch())
+    positions = trained_positions(batch["labels"])
+    expected = [*range(7, 19), *range(20 + 7, 20 + 13)]  # each predicts a trained label of its own sample
+    assert positions.tolist() == expected and positions.device.type == "cpu"
+    assert list(LossHead().host_inputs(batch)) == [POSITIONS]
+    assert LossHead().host_inputs(sft_batch()) == {}  # several padded rows: every position
+    assert LossHead("chunked", 4).host_inputs(batch) == {}
+    assert LossHead(whole_rows=False).host_inputs(batch) == {}  # context parallelism: a rank holds part of each row
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_plain_loss_asks_the_model_for_the_trained_positions_only_with_the_same_loss_and_gradients(tied):
+    model, head = llama(tied), LossHead()
+    batch = with_positions(one_row(sft_batch()), head)
+    reference = loss_and_grads(model, lambda: every_position_nll(model, batch))
+    calls = head_rows(model)
+    for _ in range(2):
+        assert_same(reference, loss_and_grads(model, lambda: head.summed_nll(model, batch)))
+    assert calls == [18, 18]  # one call of the model's own head a pass, on the 18 trained positions
+
+
+def test_plain_loss_on_the_trained_positions_keeps_what_the_model_does_to_its_logits():
+    """A model that transforms its logits after the head (a scale: Cohere's logit_scale, Granite's logits_scaling)
+    does so on the positions asked for, as on every position."""
+    model, head = llama(), LossHead()
+
+    class Scaled(type(model)):
+        def forward(self, *args, logits_to_keep=0, **kwargs):
+            out = super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model.__class__ = Scaled
+    batch = with_positions(one_row(sft_batch()), head)
+    reference = loss_and_grads(model, lambda: every_position_nll(model, batch))
+    calls = head_rows(model)
+    assert_same(reference, loss_and_grads(model, lambda: head.summed_nll(model, batch)))
+    assert calls == [18]
+
+
+def test_plain_loss_keeps_every_position_for_a_model_whose_forward_takes_no_positions():
+    model, head = llama(), LossHead()
+
+    class Older(type(model)):
+        def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, **kwargs):
+            kwargs.pop("logits_to_keep", None)
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
+
+    model.__class__ = Older
+    batch = with_positions(one_row(sft_batch()), head)
+    reference = loss_and_grads(model, lambda: every_position_nll(model, batch))
+    calls = head_rows(model)
+    assert_same(reference, loss_and_grads(model, lambda: head.summed_nll(model, batch)))
+    assert calls == [34]  # the model's own head over every position of the row
+
+
 def test_a_batch_without_trained_tokens_gives_zero_loss_and_gradients_that_reach_every_parameter():
     model, batch = llama(), sft_batch(trained=False)
     plain = loss_and_grads(model, lambda: LossHead().summed_nll(model, batch))
     chunked = loss_and_grads(model, lambda: LossHead("chunked", 4).summed_nll(model, batch))
-    assert float(chunked[0]) == float(plain[0]) == 0.0
-    assert chunked[1].keys() == plain[1].keys()  # DDP waits for every parameter's gradient, zero or not
-    assert all(float(g.abs().max()) == 0 for g in chunked[1].values())
+    empty = with_positions(one_row(batch), LossHead())
+    selected = loss_and_grads(model, lambda: LossHead().summed_nll(model, empty))
+    assert float(chunked[0]) == float(plain[0]) == float(selected[0]) == 0.0
+    assert chunked[1].keys() == plain[1].keys() == selected[1].keys()  # DDP waits for every gradient, zero or not
+    assert all(float(g.abs().max()) == 0 for g in [*chunked[1].values(), *selected[1].values()])
 
 
 def test_chunked_loss_equals_plain_for_lora_parameters_and_a_lora_wrapped_head():
@@ -203,6 +293,16 @@ def test_chunked_loss_keeps_one_chunk_of_logits_where_plain_holds_all_of_them(tm
     assert chunked < 1.3 * chunk * vocab * per_logit
     assert chunked < plain / 5
 
+    # the plain loss on the trained positions only (one row of two samples, a prompt of 160 tokens each): those
+    # positions' logits, as the estimate counts them (plan/transients.py logits_bytes: t · trained_share · V · (a + 8))
+    head, labels = LossHead(), ids.clone()
+    labels[:, :160] = -100
+    prompted = {"input_ids": ids.reshape(1, -1), "labels": labels.reshape(1, -1)}
+    prompted = with_positions({**prompted, "attention_mask": torch.ones_like(prompted["input_ids"])}, head)
+    selected = peak_bytes(lambda: head.summed_nll(model, prompted).backward(), tmp_path)
+    trained = 2 * (256 - 160)
+    assert 0.9 * trained * vocab * per_logit < selected < 1.3 * trained * vocab * per_logit
+
 
 # ---------------------------------------------------------------- a training run
 @pytest.mark.slow
@@ -235,7 +335,13 @@ def test_a_chunked_training_run_gives_the_plain_runs_losses(tmp_path):
 # ---------------------------------------------------------------- what cannot run, said before training
 def plan_for(implementation: str, **kw):
     fields = dict(
-        loss_implementation=implementation, loss_chunk_tokens=0, device="GPU", backend="single", sharding=None
+        loss_implementation=implementation,
+        loss_chunk_tokens=0,
+        device="GPU",
+        backend="single",
+        sharding=None,
+        context_parallel=1,
+        tensor_parallel=1,
     )
     return SimpleNamespace(**{**fields, **kw})
 

@@ -52,7 +52,19 @@ def test_estimate_is_within_band_of_measured_training_memory():
             f"{adapter}, {name}: estimated {d['estimated'] / 2**20:.0f} MiB, measured {d['measured'] / 2**20:.0f} MiB, "
             f"ratio {ratio:.2f}"
         )
-        assert 0.8 <= ratio <= 1.25, (adapter, name, d["breakdown"])
-    plain = measured["full", "plain"]["measured"]
-    for name in SAVERS.keys() - {"plain"}:  # each saver saves memory, measured, as the planner says it does
-        assert measured["full", name]["measured"] < plain, name
+        # LoRA: its resident peak holds 0.5-0.7 GiB of glibc's heap that no tensor uses (free bytes between live
+        # buffers, mallinfo2's fordblks at the peak; 0.25 GiB with full fine-tuning): one CPU process keeps the
+        # buffers a step frees, up to 32 MiB, in the heap for the next step (distributed/hostmem.py
+        # keep_freed_memory), and LoRA's adapter-sized temporaries leave more of it between live ones. The tensors
+        # at the peak are the same 0.75x of the estimate as full fine-tuning's, which the estimate does not model
+        # past that (it depends on the order of the step's allocations, not on the setup). Measured 0.77-0.81 since
+        # the plain loss's logits count the trained positions only (0.84-0.87 when they counted every position).
+        low = 0.7 if adapter == "lora" else 0.8
+        assert low <= ratio <= 1.25, (adapter, name, d["breakdown"])
+    plain = measured["full", "plain"]
+    for name in SAVERS.keys() - {"plain"}:  # each saver saves memory, measured, where the planner says it does
+        if measured["full", name]["estimated"] < plain["estimated"]:
+            assert measured["full", name]["measured"] < plain["measured"], name
+    # the plain loss holds the logits of the trained positions only (46% of a row here), fewer than the chunked loss's
+    # chunk (half a micro-batch): the chunked loss saves nothing on these rows, and the planner says so
+    assert measured["full", "chunked loss"]["estimated"] > plain["estimated"]

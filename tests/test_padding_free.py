@@ -91,3 +91,10 @@ def test_a_padding_free_micro_batch_has_no_padding_and_gives_the_padded_loss_and
     assert float(loss_a) > 0 and torch.allclose(loss_a, loss_b, rtol=1e-5)
     for name, grad in grads_a.items():
         assert torch.allclose(grad, grads_b[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_the_planner_knows_which_kernels_get_packed_rows_as_one_row():
+    from finetune.data.collate import VARLEN_IMPLS
+    from finetune.plan.planner import VARLEN_KERNELS
+
+    assert set(VARLEN_KERNELS) == set(VARLEN_IMPLS)  # the plain loss's logits are sized for one-row micro-batches

@@ -412,6 +412,48 @@ def test_savers_are_explained_and_pinned_values_are_kept():
     assert auto.loss_implementation == "chunked" and "without it" in auto.decision("loss_implementation").reason
 
 
+def test_the_plain_loss_logits_are_sized_by_the_prepared_rows_trained_share_where_each_micro_batch_is_one_row():
+    """Where each SFT micro-batch is one row of packed samples, the plain loss asks the model for the trained
+    positions' logits only (methods/head.py), so they are sized by the largest share of a prepared row's positions
+    trained; before the data is read every position is counted, and the plan says so. A sharded head runs them as well
+    (the model's own head call). Unpacked rows, packed rows apart by masks and other methods keep every position."""
+
+    def both(overrides, model="meta-llama/Llama-3.1-8B", hardware="1xH100-80GB", text=MINIMAL):
+        config = loads(
+            text, overrides=[f"model.name={model}", "train.loss_implementation=plain", *overrides], environ={}
+        )
+        return [plan(config, parse(hardware), lookup(model), trained_share=s) for s in (None, 0.25)]
+
+    def logits(p):
+        return p.estimate.device["logits and loss"]
+
+    fixed = ["train.micro_batch_size=2", "train.gradient_checkpointing=true", "train.compile=false"]
+    before, after = both(fixed)
+    assert logits(after) == pytest.approx(0.25 * logits(before), rel=1e-6)
+    assert "sized for every position of a row (ft train sizes" in before.decision("loss_implementation").reason
+    assert "sized for 25.0% of a row's positions" in after.decision("loss_implementation").reason
+    ddp = both([*fixed, "train.global_batch_size=16"], hardware="8xH100-80GB")  # each rank its own rows
+    assert ddp[0].backend == "ddp" and logits(ddp[1]) == pytest.approx(0.25 * logits(ddp[0]), rel=1e-6)
+    sharded = both(
+        [*fixed, "distributed.backend=fsdp"], model="meta-llama/Llama-3.3-70B-Instruct", hardware="8xH100-80GB"
+    )
+    assert sharded[0].backend == "fsdp" and logits(sharded[1]) == pytest.approx(0.25 * logits(sharded[0]), rel=1e-6)
+
+    unpacked = both([*fixed, "data.packing=false"])  # padded or padding-free rows: the head on every position
+    assert logits(unpacked[0]) == logits(unpacked[1])
+    assert "trained positions" not in unpacked[1].decision("loss_implementation").reason
+    padded = both([*fixed, "model.attn_implementation=sdpa"])  # packed rows of seq_len apart by 4-D masks
+    assert padded[1].attn_implementation == "sdpa" and logits(padded[0]) == logits(padded[1])  # several rows a batch
+    assert "trained positions" not in padded[1].decision("loss_implementation").reason
+    preference = (
+        MINIMAL.replace("format: chat", "format: preference")
+        .replace("{name: sft}", "{name: dpo}")
+        .replace("packing: true", "packing: false")
+    )
+    dpo = both(fixed, text=preference)
+    assert logits(dpo[0]) == logits(dpo[1]) and "trained positions" not in dpo[1].decision("loss_implementation").reason
+
+
 def test_optimizer_in_backward_needs_one_process_and_no_clipping():
     with pytest.raises(PlanError, match="optimizer_in_backward: true needs one process"):
         make(["train.optimizer_in_backward=true", "train.max_grad_norm=0"], hardware="8xH100-80GB")

@@ -413,18 +413,55 @@ def test_secrets_from_the_environment_appear_nowhere_under_the_run_folder(tmp_pa
     assert "${FT_TEST_RUN_SECRET}" in (run / "config.yaml").read_text()
 
 
+def test_the_prepared_data_records_the_largest_share_of_a_rows_positions_trained(tmp_path):
+    """The summary's most_trained_share bounds the share of trained positions in any row the loss sees: rounded up,
+    over the samples, which a packed row (or a padding-free micro-batch of rows) cannot exceed."""
+    from finetune.config import load
+    from finetune.data.preprocess import prepare
+
+    for packing in (False, True):
+        text = job_text(tmp_path, "lora").replace(
+            "  seq_len: 48\n", f"  seq_len: 48\n  packing: {str(packing).lower()}\n"
+        )
+        prepared = prepare(load(write_job(tmp_path, text)))
+        shares = [sum(t != -100 for t in labels[1:]) / len(labels) for labels in prepared.train["labels"]]
+        assert 0 < max(shares) <= prepared.summary["most_trained_share"] < 1
+        if not packing:
+            assert prepared.summary["most_trained_share"] - max(shares) < 1e-4
+
+
+@pytest.mark.slow
+def test_ft_plan_of_a_packed_runs_saved_config_gives_its_plan_sized_for_the_prepared_rows(tmp_path):
+    """ft train plans for the prepared rows' trained share (the plain loss's logits of the trained positions of packed
+    rows); ft plan of the run folder's config.yaml reads the share its data.json recorded and gives the same plan, while
+    the job file alone (no data read) is planned for every position."""
+    from finetune.plan.plan import Plan
+    from finetune.workflow import compile_plan
+
+    text = job_text(tmp_path, "full", steps=1).replace("  seq_len: 48\n", "  seq_len: 48\n  packing: true\n")
+    train(tmp_path, text)
+    run = tmp_path / "run"
+    recorded = Plan.from_json(json.loads((run / "plan.json").read_text()))
+    assert "of a row's positions (the largest share" in recorded.decision("loss_implementation").reason
+    assert compile_plan(run / "config.yaml", hardware="cpu").to_json() == recorded.to_json()
+    unread = compile_plan(tmp_path / "job.yaml", hardware="cpu")
+    assert unread.estimate.device["logits and loss"] > recorded.estimate.device["logits and loss"]
+
+
 @pytest.mark.slow
 def test_a_job_whose_data_adds_tokens_is_planned_once_with_the_grown_embeddings(tmp_path, monkeypatch):
-    """The tokens the data pipeline adds are known before planning: ft train plans once, and that plan (the one in
-    plan.json, which the ranks run) trains the grown embeddings."""
+    """The tokens the data pipeline adds, and the share of a row's positions trained, are known before planning: ft
+    train plans once, and that plan (the one in plan.json, which the ranks run) trains the grown embeddings and sizes
+    the plain loss's logits by the prepared rows' trained share."""
     import finetune.plan
     from finetune.plan.plan import Plan
 
     planned, real = [], finetune.plan.plan
     monkeypatch.setattr(finetune.plan, "plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
     text = job_text(tmp_path, "lora", steps=1).replace(
-        "  seq_len: 48\n", "  seq_len: 48\n  add_special_tokens: [<t>]\n"
+        "  seq_len: 48\n", "  seq_len: 48\n  add_special_tokens: [<t>]\n  packing: true\n"
     )
     train(tmp_path, text)
     recorded = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
     assert len(planned) == 1 and planned[0].train_embeddings and recorded == planned[0]
+    assert "largest share of a prepared row" in recorded.decision("loss_implementation").reason

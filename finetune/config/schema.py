@@ -126,6 +126,21 @@ class DataSection(Section):
     image: ImageSection = ImageSection()
     """Image sizing for vision-language models (their processor's resolution rules)."""
 
+    # the largest share of a prepared row's positions trained (never a job file's key): the planner is given it once
+    # the data is prepared (ft train), and sizes the plain loss's logits by it (plan/transients.py)
+    _trained_share: float | None = PrivateAttr(default=None)
+
+    def trained_share(self) -> float | None:
+        """The largest share of a prepared row's positions that are trained; None before the data is prepared."""
+        return self._trained_share
+
+    def with_trained_share(self, share: float | None) -> DataSection:
+        """This section as planned for prepared rows of which at most `share` of a row's positions are trained (None:
+        every position, as before the data is prepared)."""
+        data = self.model_copy()
+        data._trained_share = None if share is None else min(1.0, max(0.0, float(share)))
+        return data
+
 
 # ---------------------------------------------------------------- adapter, quantization
 class AdapterSection(Section):

@@ -8,6 +8,7 @@ collective while another tokenizes. The cache key covers everything that changes
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -375,10 +376,12 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
     pct = (
         {f"p{p}": ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))] for p in (50, 90, 99)} if ordered else {}
     )
-    trained = 0
+    trained, share = 0, 0.0
     label_cols = [c for c in train.column_names if c.endswith("labels")]
     for col in label_cols[:1]:
-        trained = sum(sum(1 for t in labels[1:] if t != IGNORE) for labels in train[col][:])
+        for labels in train[col][:]:
+            n = sum(1 for t in labels[1:] if t != IGNORE)
+            trained, share = trained + n, max(share, n / max(1, len(labels)))
     return {
         "records_read": counts["read"],
         "skipped_unreadable": counts["skipped_unreadable"],
@@ -395,5 +398,8 @@ def _summary(counts: Counter, train, lengths: list[int], seq_len: int) -> dict:
         },
         "tokens_per_epoch": sum(ordered),
         "trained_tokens_per_epoch": trained,
+        # the largest share of a row's positions trained (rounded up): ft train plans with it, sizing the plain loss's
+        # logits (plan/transients.py); packed rows, and micro-batches of rows, hold no larger share than their samples
+        "most_trained_share": min(1.0, math.ceil(share * 10_000) / 10_000) if label_cols else 1.0,
         "padding_efficiency": round(sum(ordered) / max(1, len(ordered) * seq_len), 4),
     }

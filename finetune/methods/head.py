@@ -1,9 +1,17 @@
 """Next-token losses and log-probabilities of a batch: the output head and the cross-entropy, as the plan says.
 
-`plain` runs the model's own head over every position: the logits (tokens × vocabulary) in the compute dtype, their
-fp32 copy and the gradients of both exist at once, about t·V·(a+8) bytes. The others ask the model for the logits
-of one position only (`logits_to_keep=1`) and take the final hidden states from its decoder's output (a forward
-hook, removed after the call); untrained positions (labels IGNORE) contribute nothing and are dropped first.
+`plain` materialises the logits (positions × vocabulary) at once: in the compute dtype, their fp32 copy and the
+gradients of both, about t·V·(a+8) bytes. For a summed loss (SFT) over a micro-batch of one row (packed rows,
+concatenated: methods/sft.py) it asks the model for the logits of the trained positions only: a prompt's positions
+predict nothing the loss reads, and on instruction data they are most of a row. The model's own forward takes them
+(transformers' `logits_to_keep` as a tensor of positions: the hidden states are sliced before its head), so its head
+and whatever it does to the logits (a scale, a softcap) run as always, and a sharded head (FSDP2, ZeRO-3) is called as
+the engine schedules it. The positions come from the host (`host_inputs`, built from the collated labels before the
+batch moves), so that selecting them never waits for the device. Rows split over context- or tensor-parallel ranks,
+padded micro-batches of several rows and per-token log-probabilities run the head over every position. The others
+ask the model for the logits of one position only (`logits_to_keep=1`) and take the final hidden states from its
+decoder's output (a forward hook, removed after the call); untrained positions (labels IGNORE) contribute nothing
+and are dropped first.
 - `chunked` (pure torch, any device) runs the head MODULE and the fp32 cross-entropy over `chunk_tokens` trained
   tokens at a time inside activation checkpointing: one chunk's logits exist at a time, in the forward pass and
   again when the backward pass recomputes them. Calling the module (not its weight) keeps FSDP2 / ZeRO-3 hooks working.
@@ -18,6 +26,7 @@ logit softcap (config.final_logit_softcapping: Gemma 2) is applied as the model 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import weakref
 from dataclasses import dataclass
@@ -34,6 +43,7 @@ from finetune.models import causal_lm
 PACKAGES = {"liger": ("liger_kernel", "liger-kernel"), "cut_cross_entropy": ("cut_cross_entropy", "cut-cross-entropy")}
 IMPLEMENTATIONS = ("plain", "chunked", *PACKAGES)
 _KEY = "train.loss_implementation"
+POSITIONS = "trained_positions"  # a micro-batch's key: the positions whose next token is trained (`trained_positions`)
 
 
 @dataclass(frozen=True)
@@ -56,24 +66,41 @@ class Head:
 class LossHead:
     """Computes what the methods need from the logits, never holding more of them than `implementation` allows."""
 
-    def __init__(self, implementation: str = "plain", chunk_tokens: int = 0, rows: int = 0):
+    def __init__(self, implementation: str = "plain", chunk_tokens: int = 0, rows: int = 0, whole_rows: bool = True):
         """`rows`: the most positions a micro-batch is expected to have (the plan's micro-batch of seq_len tokens),
-        from which ZeRO-3 counts its chunks (`chunk_count`)."""
+        from which ZeRO-3 counts its chunks (`chunk_count`). `whole_rows`: each rank holds its micro-batches' rows
+        whole (False under context parallelism, and under tensor parallelism, whose sequence-parallel regions split
+        them), so that the plain loss may ask for their trained positions only."""
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"unknown loss implementation {implementation!r} (known: {', '.join(IMPLEMENTATIONS)})")
         if implementation == "chunked" and chunk_tokens < 1:
             raise ValueError("a chunked loss needs chunk_tokens >= 1 (plan.loss_chunk_tokens)")
         self.implementation, self.chunk_tokens = implementation, chunk_tokens
         self.calls = -(-rows // chunk_tokens) if implementation == "chunked" else 0  # the head's calls per micro-batch
+        self._selects = implementation == "plain" and whole_rows  # the plain loss may ask for trained positions only
         self._checked = weakref.WeakSet()  # models whose logits were compared with head(hidden) once
+
+    def host_inputs(self, batch: dict) -> dict:
+        """What `summed_nll` reads from a collated micro-batch, computed from its host tensors before the batch moves to
+        the device: for a micro-batch of one row (methods/sft.py: packed rows, concatenated), the positions whose next
+        token is trained (`trained_positions`); nothing for several rows or where the plain loss does not select."""
+        if not self._selects or batch["labels"].shape[0] != 1:
+            return {}
+        return {POSITIONS: trained_positions(batch["labels"])}
 
     def summed_nll(self, model, batch: dict) -> torch.Tensor:
         """Sum of the next-token cross-entropy (fp32) over the trained tokens of the batch."""
         if self.implementation == "plain":
             inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-            logits = model(**inputs, use_cache=False).logits
             # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
-            targets = next_tokens(batch).to(logits.device)
+            targets = next_tokens(batch)
+            if POSITIONS in batch and takes_positions(causal_lm(model)):  # the trained positions' logits only
+                keep = batch[POSITIONS].to(targets.device)
+                logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
+                targets = targets.index_select(-1, keep)
+            else:
+                logits = model(**inputs, use_cache=False).logits
+            targets = targets.to(logits.device)
             return F.cross_entropy(
                 logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
             )
@@ -142,6 +169,25 @@ def next_tokens(batch: dict) -> torch.Tensor:
     return F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE)
 
 
+def trained_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions of a one-row micro-batch whose next token is trained: from the collated labels on the host (on the
+    device, sizing the result would read it)."""
+    return (next_tokens({"labels": labels})[0] != IGNORE).nonzero().view(-1)
+
+
+@functools.cache
+def _forward_takes_positions(cls: type) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def takes_positions(lm) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs: an int, or a tensor of the
+    positions to compute logits for, modeling_utils.slice_logits_to_keep)."""
+    return _forward_takes_positions(type(lm))
+
+
 def chunk_count(head: Head, rows: int, chunk_tokens: int, job: int = 1) -> int:
     """How many chunks: enough for `rows`, at least one. Under ZeRO-3 the job's count: at least `job` (the plan's
     micro-batch, or the most an earlier call needed), and the most any rank needs. DeepSpeed all-gathers the head's
@@ -193,7 +239,9 @@ def loss_head(plan, per_token: bool) -> LossHead:
                 f"log-probabilities with their gradients: set {_KEY}: cut_cross_entropy or chunked"
             )
     if implementation != "chunked":
-        return LossHead(implementation, plan.loss_chunk_tokens)
+        # no rank holds part of a row's positions
+        whole = getattr(plan, "context_parallel", 1) == 1 and getattr(plan, "tensor_parallel", 1) == 1
+        return LossHead(implementation, plan.loss_chunk_tokens, whole_rows=whole)
     return LossHead(implementation, plan.loss_chunk_tokens, plan.micro_batch_size * plan.seq_len)
 
 

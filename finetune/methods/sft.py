@@ -54,7 +54,7 @@ class SFT:
         """Collated micro-batches for one step's rows on this rank."""
         rows = dataset.select(indices)[:]
         rows = [dict(zip(rows, values)) for values in zip(*rows.values())]
-        out = []
+        out, packed = [], bool(rows) and "seq_lens" in rows[0] and not self.padding_free
         for i in range(0, len(rows), self.micro):
             chunk = rows[i : i + self.micro]
             if self.padding_free:  # each row one sample of its own: the collator concatenates them (varlen)
@@ -64,7 +64,10 @@ class SFT:
             batch = collate(chunk, self.pad_id, self.attn, masks=self.masks, sample_index=self.sample_index)
             if self.images is not None:  # the rows' images, in the order their tokens appear in the batch
                 self.images.add(batch, [r.get("images") or [] for r in chunk], "seq_lens" in chunk[0])
-            out.append({**batch, "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
+            # packed rows: the trained positions the loss asks the model for, from the host before train.py moves the
+            # batch (methods/head.py host_inputs; the planner sizes their logits: planner.one_row_batches)
+            trained = self.head.host_inputs(batch) if packed else {}
+            out.append({**batch, **trained, "num_tokens": sum(len(r["input_ids"]) for r in chunk)})
         return out
 
     def tokens(self, batch: dict) -> int:

@@ -26,6 +26,7 @@ from finetune.plan.search import (
     describe,
     device_capacity,
     fits,
+    head_on_trained,
     host_shortfall,
     setup,
 )
@@ -119,7 +120,8 @@ def record_savers(
         "liger": "Liger's fused linear-cross-entropy kernel is installed: no logits tensor, no recomputation cost",
         "cut_cross_entropy": "Cut Cross Entropy's fused kernel is installed: no logits tensor, no recomputation cost",
     }
-    out.append(_choice("loss_implementation", v.loss, t.loss_implementation, loss_why[v.loss]))
+    loss = _choice("loss_implementation", v.loss, t.loss_implementation, loss_why[v.loss])
+    out.append(replace(loss, reason=loss.reason + _trained_why(config, fit)) if v.loss == "plain" else loss)
     k, layers = v.checkpoint_layers, m.num_layers
     out.append(_choice("gradient_checkpointing", k > 0, t.gradient_checkpointing, _checkpointing_why(undo)))
     out.append(
@@ -146,6 +148,23 @@ def record_savers(
         + ("" if hw.is_cpu or topo.world > 1 or t.max_grad_norm == 0 else " (it needs max_grad_norm: 0)")
     )
     out.append(_choice("optimizer_in_backward", v.optimizer_in_backward, t.optimizer_in_backward, in_backward_why))
+
+
+def _trained_why(config: Config, fit: Fit) -> str:
+    """How many positions' logits the plain loss holds where it asks the model for the trained positions' only (one row
+    a micro-batch: planner.one_row_batches, search.head_on_trained), and where that share comes from."""
+    share = config.data.trained_share()
+    if share is None or not head_on_trained(config, fit.candidate):
+        return ""
+    if share == 1:
+        return (
+            "; it asks the model for the trained positions' logits only, sized for every position of a row (ft train "
+            "sizes them by the largest share of a prepared row's positions trained)"
+        )
+    return (
+        f"; it asks the model for the trained positions' logits only, sized for {share:.1%} of a row's positions (the "
+        "largest share of a prepared row's positions trained)"
+    )
 
 
 def _checkpointing_why(undo: _Undo) -> str:

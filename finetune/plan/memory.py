@@ -48,7 +48,9 @@ activations    row * images per sample * patches per image (the largest image th
                flight. Both add the tower's output for the projector, a*P*h_v; a cross-attention tower (Llama 3.2
                Vision) also a*P*(h + 2*kv*C): the projected tiles and the keys and values of C cross layers.
 logits         t*V*(a + 8): the logits, their fp32 upcast and the fp32 gradient of the loss (t*V*8 when the
-               logits are fp32 already: the upcast is the same tensor); chunked: one chunk
+               logits are fp32 already: the upcast is the same tensor); of the trained positions only, t*s*V*(a + 8),
+               where the plain loss of SFT gets one packed row a micro-batch (planner.one_row_batches): s the
+               largest share of a prepared row's positions trained (1 before the data is prepared); chunked: one chunk
                of that plus the final hidden states; a fused kernel: the hidden states and their gradient.
                A reward model's score head (plan.head score): the final hidden states and their gradient, t*h*(a+4).
                Published runs on transformers <= 4.44 (Setup.loss_copies): t*V*12 (fp32 upcast, shifted copy,

@@ -51,6 +51,7 @@ def plan(
     new_tokens: int = 0,
     speeds: Links | None = None,
     images_per_sample: int | None = None,
+    trained_share: float | None = None,
 ) -> Plan:
     """Compile `config` for `hardware`; raise PlanError when it cannot run there.
 
@@ -59,6 +60,8 @@ def plan(
     speeds: link speeds inside and between nodes (default: what the hardware knows, else plan/comm.py's).
     images_per_sample: the most images any prepared row holds (ft train, once the data is prepared), where
     data.image.per_sample does not say.
+    trained_share: the largest share of a prepared row's positions that are trained (ft train, once the data is
+    prepared): the plain loss's logits are sized by it where it runs the head on those only; unknown, every position.
     """
     speeds = speeds or links(hardware)
     config, images_why = with_images(config, images_per_sample)
@@ -91,6 +94,8 @@ def plan(
         trains_images(config, model),
         varlen_fast(hardware, precision),
     )
+    if one_row_batches(config, attn):  # the loss's logits: of the trained positions (every one until data is read)
+        config = config.model_copy(update={"data": config.data.with_trained_share(trained_share or 1.0)})
     outcome = search(expert_parallel.confined(config, topo, model), hardware, model, topo, precision, batch, speeds)
     fit = outcome.chosen
     if fit is None:
@@ -388,6 +393,17 @@ def with_images(config: Config, prepared: int | None) -> tuple[Config, str]:
         data = config.data.model_copy(update={"image": image.model_copy(update={"per_sample": prepared})})
         return config.model_copy(update={"data": data}), "the most images any prepared row holds"
     return config, (
-        "assumed: the data is not prepared yet (ft train plans again with the most images any prepared row holds; "
+        "assumed: the data is not prepared yet (ft train plans for the most images any prepared row holds; "
         "data.image.per_sample sets it)"
     )
+
+
+# the kernels whose packed rows the collator concatenates into one (data/collate.py VARLEN_IMPLS, which imports torch)
+VARLEN_KERNELS = ("flash_attention_2", "sdpa_varlen")
+
+
+def one_row_batches(config: Config, attn) -> bool:
+    """Whether every micro-batch is one row whose trained positions the plain loss asks the model for (methods/head.py,
+    methods/sft.py): packed rows, concatenated for a varlen kernel. Unpacked rows, padded or padding-free, keep the head
+    over every position."""
+    return config.data.packing and attn.kernel in VARLEN_KERNELS

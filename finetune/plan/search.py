@@ -277,6 +277,7 @@ def setup(
         pure_bf16=savers.pure_bf16,
         compensation=compensation(config) if savers.pure_bf16 else "none",
         loss=savers.estimator_loss,
+        trained_share=trained_share(config, cand),
         loss_chunk_tokens=chunk_tokens(m) if m is not None and savers.loss == "chunked" else 0,
         activation_offload=savers.activation_offload,
         optimizer_in_backward=savers.optimizer_in_backward,
@@ -306,6 +307,21 @@ def setup(
         context_parallel=cand.cp,
         **vision_split(config, m, cand.adapter),
     )
+
+
+def head_on_trained(config: Config, cand: Candidate) -> bool:
+    """Whether the plain loss asks the model for the trained positions' logits only (methods/head.py): a loss summed
+    over tokens and each row whole on the rank (no tensor or context parallelism). Whether each micro-batch is one row
+    the planner has said already, by giving the section its trained share (planner.one_row_batches)."""
+    return config.method.summed_loss and cand.tp == 1 and cand.cp == 1
+
+
+def trained_share(config: Config, cand: Candidate) -> float:
+    """The share of a micro-batch's positions whose logits the plain loss holds: where it runs the head on the trained
+    positions only, the largest share of a prepared row's positions trained (every position before the data is
+    prepared: an upper bound); else every position."""
+    share = config.data.trained_share()
+    return share if share is not None and head_on_trained(config, cand) else 1.0
 
 
 def vision_split(config, m: ModelFacts | None, adapter: str) -> dict:

@@ -51,6 +51,7 @@ class Setup:
     pure_bf16: bool = False
     compensation: str = "none"
     loss: str = "plain"  # plain | chunked | fused
+    trained_share: float = 1.0  # the plain loss's positions with logits: the trained ones only (methods/head.py)
     loss_chunk_tokens: int = 0
     checkpoint_layers: int | None = None  # None: all layers when gradient_checkpointing, else none
     activation_offload: bool = False

@@ -177,9 +177,10 @@ def _layer_rounding(m: ModelFacts, s: Setup, a: int) -> float:
 
 
 def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """The output head and loss: plain materialises t·V logits, their fp32 copy and its fp32 gradient; chunked holds one
-    chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states' fp32
-    gradient."""
+    """The output head and loss: plain materialises t·V logits, their fp32 copy and its fp32 gradient (of the trained
+    positions only where methods/head.py runs the head on those: `trained_share` of t, from the prepared rows); chunked
+    holds one chunk of those plus the final hidden states it recomputes from; a fused kernel only the hidden states'
+    fp32 gradient."""
     t, h, v = tokens_per_micro_batch(s), m.hidden_size, m.vocab_size
     if s.head == "score":  # a reward model: one score per sequence, read from the last hidden states
         return t * h * (a + 4)
@@ -194,7 +195,7 @@ def logits_bytes(m: ModelFacts, s: Setup, a: int) -> float:
         return min(t, s.loss_chunk_tokens or t) * v * per_logit + t * h * (a + 4)
     if s.loss == "fused":
         return t * h * (a + 8)
-    return t * v * per_logit
+    return t * s.trained_share * v * per_logit
 
 
 def vision_activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:

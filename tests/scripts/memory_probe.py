@@ -83,8 +83,8 @@ train: {{global_batch_size: 16, micro_batch_size: 16, max_steps: 2{extra}}}
 output: {{dir: {tmp / f"run-{index}"}}}
 """
     config = loads(text)
-    p = plan(config, parse("cpu"), model_facts(config.model))
-    prepared = prepare(config)
+    prepared = prepare(config)  # planned as ft train plans once the data is prepared: with the rows' trained share
+    p = plan(config, parse("cpu"), model_facts(config.model), trained_share=prepared.summary["most_trained_share"])
     base = rss()
     job = setup(config, p, prepared)
     # the optimizer state is created at the end of the first step: the second is the first to peak with it
