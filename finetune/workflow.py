@@ -235,11 +235,14 @@ def refuse_ray(job_plan, how: str) -> None:
 
 
 def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_path, tokens):
-    """The job's one plan, made once the data is prepared and before the run folder is written, for what the prepared
-    rows tell: the most images a row holds, where data.image.per_sample does not say (more than it says is an error
-    naming it), and the largest share of a row's positions trained (plan/search.py trained_share: the plain loss's
-    logits of the trained positions only). Where every row holds an image, the plan says so (plan.image_free_rows: DDP
-    needs no search for unused parameters)."""
+    """The job's one plan on the nodes `role` says it has, made once the data is prepared and before the run folder is
+    written, for what the prepared rows tell: the tokens the template adds (`tokens`, data.preprocess.Tokens), so that
+    the plan trains the grown embeddings; the most images a row holds, where data.image.per_sample does not say (more
+    than it says is an error naming it); and the largest share of a row's positions trained (plan/search.py
+    trained_share: the plain loss's logits of the trained positions only). Where every row holds an image, the plan
+    says so (plan.image_free_rows: DDP needs no search for unused parameters)."""
+    from finetune.plan import plan
+
     most = int(prepared.summary.get("max_images_per_row") or 0)
     asked = config.data.image.per_sample
     if asked is not None and most > asked:
@@ -249,52 +252,21 @@ def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_pat
             "for the prepared rows' most)"
         )
     images, share = _data_facts(prepared.summary, config)
-    job_plan = _plan_for_nodes(config, hardware, role, config_path, tokens, images, share, facts)[0]
-    if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
-        job_plan = dataclasses.replace(job_plan, image_free_rows=False)
-    return job_plan
-
-
-def _plan_for_nodes(
-    config,
-    hardware,
-    role: NodeRole,
-    config_path,
-    tokens=None,
-    images: int | None = None,
-    trained_share: float | None = None,
-    facts=None,
-):
-    """The plan of this job on the nodes `role` says it has, and the training tokenizer (data.preprocess.Tokens):
-    the tokens it gains (a template's markers) are known before the data is prepared, so the plan trains the grown
-    embeddings. `images`: the most images a prepared row holds (plan.images_per_sample); `trained_share`: the largest
-    share of a prepared row's positions trained."""
-    from finetune.data.preprocess import training_tokenizer
-    from finetune.plan import plan as make_plan
-
     hw = hardware_for(hardware)
-    if role.nnodes and role.nnodes != hw.nodes:
+    if role.nnodes and role.nnodes != hw.nodes:  # the nodes this run was started on
         from finetune.plan.topology import with_hardware
 
         hw = with_hardware(hw, nodes=role.nnodes)
-    facts = facts or model_facts(config.model)
-    tokens = tokens or training_tokenizer(config)
     new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
-    job_plan = make_plan(
-        config,
-        hw,
-        facts,
-        str(config_path),
-        new_tokens=new_tokens,
-        images_per_sample=images,
-        trained_share=trained_share,
-    )
+    job_plan = plan(config, hw, facts, str(config_path), new_tokens, images_per_sample=images, trained_share=share)
     if job_plan.nodes > 1 and role.master_addr is None and not on_ray(job_plan):
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
             "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
         )
-    return job_plan, tokens
+    if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
+        job_plan = dataclasses.replace(job_plan, image_free_rows=False)
+    return job_plan
 
 
 def _resume_from(run_dir, role: NodeRole, resuming: bool, resume: bool, overwrite: bool):
