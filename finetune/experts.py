@@ -12,11 +12,13 @@
   (`expert_count`, `experts_per_token`); routers differ (Gemma 4's has no weight of its own, only its config).
 - Shared experts and dense MLP layers are nn.Linear layers like the attention projections.
 
-peft 0.21 rewrites targets of MoE families whose checkpoints transformers 5 converts (Mixtral, Qwen3-MoE,
-Qwen3-Next, DeepSeek-V3, GLM-4-MoE, ...): a target module named gate_proj, up_proj or down_proj becomes the fused
-expert parameter of that name, so the dense MLPs and shared experts would silently lose their adapter (peft issue
-3711), and `all-linear` adds the router's weight. `adapter_targets` asks peft's own conversion which linear layers it
-would drop and adapts their weights through `target_parameters` instead, so that every intended layer is adapted.
+peft rewrites the targets of MoE families whose checkpoints transformers 5 converts (Mixtral, Qwen3-MoE,
+Qwen3-Next, DeepSeek-V3, GLM-4-MoE, ...). peft 0.21 turns a target module named gate_proj, up_proj or down_proj into
+the fused expert parameter of that name, so the dense MLPs and shared experts would silently lose their adapter (peft
+issue 3711), and `all-linear` adds the router's weight; peft 0.22 keeps a target that names only linear layers.
+`adapter_targets` asks the installed peft's own conversion which linear layers it would drop and adapts their weights
+through `target_parameters` instead, so that every intended layer is adapted whichever peft is installed (with 0.22,
+none is dropped, and under a 4/8-bit base those layers are quantized like the attention projections).
 """
 
 from __future__ import annotations

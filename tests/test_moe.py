@@ -9,6 +9,7 @@ metrics.jsonl, and the refusals `ft validate` and `ft plan` give before a step r
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -386,12 +387,35 @@ def test_a_4bit_base_reads_the_models_structure_only_where_the_plan_says_it_is_m
     config, plan = load(job), compile_plan(job, hardware="cpu")
     assert plan.moe and plan.quantization == "nf4"
     kept = kept_modules(config.model, plan, str(models("deepseek_v3")))
-    assert "lm_head" in kept and any("shared_experts" in name for name in kept)
+    # the dense MLP and the shared experts stay 16-bit exactly where the installed peft adapts them by parameter
+    by_parameter = adapted_by_parameter(models("deepseek_v3"), ("model.layers.0.mlp.down_proj", SHARED_UP))
+    assert "lm_head" in kept
+    for name in ("model.layers.0.mlp.down_proj", SHARED_UP):
+        assert (re.escape(name) in kept) == (name in by_parameter), (name, kept)
     assert kept_modules(config.model, dataclasses.replace(plan, moe=False), str(tmp_path / "not-a-model")) == []
     dense = compile_plan(
         write_job(tmp_path, job_text(tmp_path, "ft-tiny", data, "{type: qlora}"), "d.yaml"), hardware="cpu"
     )
     assert not dense.moe
+
+
+SHARED_UP = "model.layers.1.mlp.shared_experts.up_proj"
+
+
+def adapted_by_parameter(folder, names: tuple[str, ...]) -> set[str]:
+    """Those of the linear layers `names` that the installed peft's conversion of targets for transformers 5 MoE
+    checkpoints takes out of target_modules (peft 0.21 does for a dense MLP's and the shared experts' down/up
+    projections, peft issue 3711; 0.22 keeps them): ft then adapts their weights through target_parameters."""
+    from peft import LoraConfig
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    gates = [n.replace(".up_proj", ".gate_proj") for n in names if n.endswith(".up_proj")]  # fused with up_proj
+    trial = LoraConfig(target_modules=[*names, *gates])
+    convert_peft_config_for_transformers(trial, lm, None)
+    return {n for n in names if n not in set(trial.target_modules or ())}
 
 
 def snapshot(model) -> dict[str, torch.Tensor]:
@@ -450,8 +474,16 @@ def test_qlora_on_an_moe_model_keeps_the_experts_and_what_peft_adapts_by_paramet
     while hasattr(experts, "base_layer"):
         experts = experts.base_layer
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float32  # fused experts: never quantized
-    for linear in (layers[0].mlp.down_proj, layers[1].mlp.shared_experts.up_proj):  # adapted through ParamWrapper
-        assert type(linear.base_layer) is torch.nn.Linear and linear.base_layer.weight.dtype == torch.float32
+    by_parameter = adapted_by_parameter(models("deepseek_v3"), ("model.layers.0.mlp.down_proj", SHARED_UP))
+    for name, linear in (
+        ("model.layers.0.mlp.down_proj", layers[0].mlp.down_proj),
+        (SHARED_UP, layers[1].mlp.shared_experts.up_proj),
+    ):
+        assert hasattr(linear, "base_layer"), name  # adapted, however the installed peft reaches it
+        if name in by_parameter:  # lora.ParamWrapper adapts a plain weight: bitsandbytes must leave it as it is
+            assert type(linear.base_layer) is torch.nn.Linear and linear.base_layer.weight.dtype == torch.float32
+        else:  # an adapted linear layer over a 4-bit base, like the attention's
+            assert isinstance(linear.base_layer, bnb.nn.Linear4bit), name
     losses = [train_step(job)["loss"] for _ in range(8)]
     assert losses[-1] < losses[0], losses
 

@@ -138,8 +138,9 @@ def moe_notes(config, facts, adapter: str, quantization: str) -> list[tuple[str,
             (
                 "expert weights",
                 f"16-bit (the {quantization} base quantizes linear layers)",
-                "bitsandbytes quantizes nn.Linear layers only: the fused expert weights stay 16-bit, and so do "
-                "the MLP layers peft adapts through target_parameters (peft 0.21 cannot adapt a 4-bit weight there)",
+                "bitsandbytes quantizes nn.Linear layers only: the fused expert weights stay 16-bit, and so does "
+                "any linear layer the installed peft adapts only through target_parameters, which cannot wrap a 4-bit "
+                "weight (peft 0.21 does so for the dense MLPs and shared experts of converted MoE families)",
             )
         )
     return out
