@@ -48,24 +48,31 @@ def compile_plan(
 ) -> Plan:
     """Config file -> Plan, raising FtError subclasses with user-facing messages. `config`: the Config already loaded
     from `config_path` (with `overrides`), not parsed again. A run folder's config.yaml is planned as ft train planned
-    it, for what its data.json says the prepared rows held (images, trained share): the same plan as its plan.json."""
+    it, for what its data.json says the prepared rows held (added tokens, images, trained share): the same plan as its
+    plan.json."""
     from finetune.config import load
-    from finetune.plan import plan
 
     config = config or load(config_path, overrides)
     folder = RunFolder(Path(config_path).parent)
     recorded = folder.data_summary() if Path(config_path).name == folder.config_path.name else {}
-    images, share = _data_facts(recorded, config)
-    facts = model_facts(config.model)
-    return plan(config, hardware_for(hardware), facts, str(config_path), images_per_sample=images, trained_share=share)
+    return _plan_for_summary(config, hardware_for(hardware), model_facts(config.model), config_path, recorded)
 
 
-def _data_facts(summary: dict, config) -> tuple[int | None, float | None]:
-    """What a prepared data set's summary (data.preprocess) tells the planner: the most images a row holds, where
-    data.image.per_sample does not say, and the largest share of a row's positions trained; None where unknown."""
+def _plan_for_summary(config, hw, facts, config_path, summary: dict) -> Plan:
+    """The plan for what a prepared data set's summary (data.preprocess; {} where none is known) tells the planner:
+    the tokens the template adds beyond the config's own (the plan trains the grown embeddings), the most images a
+    row holds where data.image.per_sample does not say, the largest share of a row's positions trained, and whether
+    every row holds an image (plan.image_free_rows: DDP then needs no search for unused parameters)."""
+    from finetune.plan import plan
+
     most = int(summary.get("max_images_per_row") or 0)
     images = most if config.data.image.per_sample is None and most > 0 else None
-    return images, summary.get("most_trained_share")
+    new_tokens = max(0, len(summary.get("added_tokens") or ()) - len(config.data.add_special_tokens))
+    share = summary.get("most_trained_share")
+    job_plan = plan(config, hw, facts, str(config_path), new_tokens, images_per_sample=images, trained_share=share)
+    if job_plan.vision and summary.get("rows_without_images") == 0:
+        job_plan = dataclasses.replace(job_plan, image_free_rows=False)
+    return job_plan
 
 
 def run_preprocess(
@@ -174,7 +181,7 @@ def run_train(
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
-            job_plan = _plan_for_data(prepared, config, facts, hardware, role, config_path, tokens)  # once
+            job_plan = _plan_for_data(prepared, config, facts, hardware, role, config_path)  # once
             _check_rows(job_plan, prepared)
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
@@ -234,15 +241,11 @@ def refuse_ray(job_plan, how: str) -> None:
         )
 
 
-def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_path, tokens):
+def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_path):
     """The job's one plan on the nodes `role` says it has, made once the data is prepared and before the run folder is
-    written, for what the prepared rows tell: the tokens the template adds (`tokens`, data.preprocess.Tokens), so that
-    the plan trains the grown embeddings; the most images a row holds, where data.image.per_sample does not say (more
-    than it says is an error naming it); and the largest share of a row's positions trained (plan/search.py
-    trained_share: the plain loss's logits of the trained positions only). Where every row holds an image, the plan
-    says so (plan.image_free_rows: DDP needs no search for unused parameters)."""
-    from finetune.plan import plan
-
+    written, for what the prepared rows tell (`_plan_for_summary`: the tokens the template adds, the most images a
+    row holds, more than data.image.per_sample says being an error naming it, the largest share of a row's positions
+    trained, image-free rows). `ft plan` of the run folder's config.yaml reads the same summary from data.json."""
     most = int(prepared.summary.get("max_images_per_row") or 0)
     asked = config.data.image.per_sample
     if asked is not None and most > asked:
@@ -251,21 +254,17 @@ def _plan_for_data(prepared, config, facts, hardware, role: NodeRole, config_pat
             f"fewer than the data has.\n    fix: set data.image.per_sample: {most}, or remove it (ft train then plans "
             "for the prepared rows' most)"
         )
-    images, share = _data_facts(prepared.summary, config)
     hw = hardware_for(hardware)
     if role.nnodes and role.nnodes != hw.nodes:  # the nodes this run was started on
         from finetune.plan.topology import with_hardware
 
         hw = with_hardware(hw, nodes=role.nnodes)
-    new_tokens = len(tokens.added) - len(config.data.add_special_tokens)  # the template's, beyond the config's own
-    job_plan = plan(config, hw, facts, str(config_path), new_tokens, images_per_sample=images, trained_share=share)
+    job_plan = _plan_for_summary(config, hw, facts, config_path, prepared.summary)
     if job_plan.nodes > 1 and role.master_addr is None and not on_ray(job_plan):
         raise FtError(
             f"the plan spans {job_plan.nodes} nodes: run ft train on every node with --node-rank and "
             "--master-addr (the address of node 0), or under SLURM (ft launch --slurm writes the script)"
         )
-    if job_plan.vision and prepared.summary.get("rows_without_images") == 0:
-        job_plan = dataclasses.replace(job_plan, image_free_rows=False)
     return job_plan
 
 

@@ -449,19 +449,29 @@ def test_ft_plan_of_a_packed_runs_saved_config_gives_its_plan_sized_for_the_prep
 
 
 @pytest.mark.slow
-def test_a_job_whose_data_adds_tokens_is_planned_once_with_the_grown_embeddings(tmp_path, monkeypatch):
-    """The tokens the data pipeline adds, and the share of a row's positions trained, are known before planning: ft
-    train plans once, and that plan (the one in plan.json, which the ranks run) trains the grown embeddings and sizes
-    the plain loss's logits by the prepared rows' trained share."""
+@pytest.mark.parametrize("added", ["config", "template"])
+def test_a_job_whose_data_adds_tokens_is_planned_once_with_the_grown_embeddings(tmp_path, monkeypatch, added):
+    """The tokens the data pipeline adds (data.add_special_tokens, or a built-in template's tokens that the tokenizer
+    lacks), and the share of a row's positions trained, are known before planning: ft train plans once, and that plan
+    (the one in plan.json, which the ranks run) trains the grown embeddings and sizes the plain loss's logits by the
+    prepared rows' trained share. ft plan of the run folder's config.yaml gives the same plan from its data.json."""
     import finetune.plan
     from finetune.plan.plan import Plan
+    from finetune.tiny import build_tokenizer
+    from finetune.workflow import compile_plan
 
     planned, real = [], finetune.plan.plan
     monkeypatch.setattr(finetune.plan, "plan", lambda *a, **k: planned.append(real(*a, **k)) or planned[-1])
-    text = job_text(tmp_path, "lora", steps=1).replace(
-        "  seq_len: 48\n", "  seq_len: 48\n  add_special_tokens: [<t>]\n  packing: true\n"
-    )
+    text = job_text(tmp_path, "lora", steps=1).replace("  seq_len: 48\n", "  seq_len: 48\n  packing: true\n")
+    if added == "config":
+        text = text.replace("  seq_len: 48\n", "  seq_len: 48\n  add_special_tokens: [<t>]\n")
+    else:  # a tokenizer without ChatML's tokens: the template adds <|im_start|> and <|im_end|>
+        build_tokenizer(tmp_path / "bare", extra_special=())
+        text = text.replace("{name: ft-tiny}", f"{{name: ft-tiny, tokenizer: {tmp_path / 'bare'}}}")
+        text = text.replace("  seq_len: 48\n", "  seq_len: 48\n  template: chatml\n")
     train(tmp_path, text)
-    recorded = Plan.from_json(json.loads((tmp_path / "run" / "plan.json").read_text()))
+    run = tmp_path / "run"
+    recorded = Plan.from_json(json.loads((run / "plan.json").read_text()))
     assert len(planned) == 1 and planned[0].train_embeddings and recorded == planned[0]
     assert "largest share of a prepared row" in recorded.decision("loss_implementation").reason
+    assert compile_plan(run / "config.yaml", hardware="cpu").to_json() == recorded.to_json()
