@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory):
     """One vLLM server for the module, started as ft train starts it (an adapter of rank 8 servable)."""
-    spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=128, lora_rank=8)
+    spec = EngineSpec(model=str(model_dir), tokenizer=str(model_dir), dtype="fp32", max_model_len=512, lora_rank=8)
     port = free_port()
     log_path = tmp_path_factory.mktemp("serve-log") / "server.log"
     with open(log_path, "wb") as log:
@@ -124,7 +124,9 @@ def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    section = type("Section", (), {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 96})()
+    # long completions: on a CPU the engine takes about a millisecond a step for all 32, so the update lands
+    # mid-generation however long the pause takes to arrive
+    section = type("Section", (), {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 480})()
     rollout = RemoteRollout(served, section, stop=[], token=TOKEN)
     rollout.update(Weights(one_training_step(model), Runtime(), tmp_path / "rollout", version=6, adapter=False))
     old = copy.deepcopy(model)
@@ -132,8 +134,8 @@ def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, 
     with ThreadPoolExecutor(1) as pool:
         generated = metric(served, "generation_tokens_total")
         generating = pool.submit(rollout.generate, prompts, 11)
-        while metric(served, "generation_tokens_total") < generated + 16 * len(prompts) and not generating.done():
-            time.sleep(0.02)  # until the requests are well into their completions
+        while metric(served, "generation_tokens_total") < generated + 8 * len(prompts) and not generating.done():
+            time.sleep(0.02)  # until the requests are into their completions
         Http(served, TOKEN, 30).call("/pause?mode=keep")  # frozen mid-generation; the update pauses and resumes
         trainer = one_training_step(model)
         rollout.update(Weights(trainer, Runtime(), tmp_path / "rollout", version=7, adapter=False))

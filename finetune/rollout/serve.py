@@ -7,6 +7,14 @@ trainer needs: `VLLM_SERVER_DEV_MODE=1` (the weight-transfer, `/collective_rpc`,
 `/pause`/`/resume` routes; vLLM registers them only in dev mode: entrypoints/launchers/api_server/routers.py) and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (`/v1/load_lora_adapter`). The shared secret reaches vLLM as `VLLM_API_KEY`
 through the environment, never on the command line.
+
+On a CPU the server's model runs inside its engine process: `--distributed-executor-backend uni` with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` in its environment. Otherwise vLLM's CPU platform replaces `uni` with its
+multiprocess executor (platforms/cpu.py, 0.32), which starts a third process for one worker (another import of vLLM
+and torch, ~6 CPU-s a start) and whose worker then busy-waits on the shared-memory queue for a second after every
+call (distributed/device_communicators/shm_broadcast.py SpinCondition, busy_loop_s=1): about a core-second a rollout
+taken from the trainer's cores. The OpenAI server keeps its own engine process either way (AsyncLLM); only the worker
+moves into it. The server on a CPU always has one worker (no tensor-parallel flags there).
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ def server_command(
         args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
         args += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(spec.kv_cache_bytes or CPU_KV_CACHE_BYTES))]
+        args += ["--distributed-executor-backend", "uni"]  # the worker in the engine process (see the module text)
     return args
 
 
@@ -91,6 +100,7 @@ def server_env(base: dict, token: str | None, gpu: bool) -> dict:
         env["VLLM_API_KEY"] = token
     if not gpu:
         env.setdefault(CPU_CORES_ENV, ",".join(map(str, core_share(0, 1))))
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # keeps `uni`: the worker in the engine process (module text)
     return env
 
 
