@@ -12,7 +12,7 @@ On a CPU the server's model runs inside its engine process: `--distributed-execu
 `VLLM_ENABLE_V1_MULTIPROCESSING=0` in its environment. Otherwise vLLM's CPU platform replaces `uni` with its
 multiprocess executor (platforms/cpu.py, 0.32), which starts a third process for one worker (another import of vLLM
 and torch, ~6 CPU-s a start) and whose worker then busy-waits on the shared-memory queue for a second after every
-call (distributed/device_communicators/shm_broadcast.py SpinCondition, busy_loop_s=1): about a core-second a rollout
+call (distributed/device_communicators/shm_broadcast.py SpinCondition, busy_loop_s=1): up to a core-second a rollout
 taken from the trainer's cores. The OpenAI server keeps its own engine process either way (AsyncLLM); only the worker
 moves into it. The server on a CPU always has one worker (no tensor-parallel flags there).
 """
