@@ -67,7 +67,7 @@ def _plan_for_summary(config, hw, facts, config_path, summary: dict) -> Plan:
 
     most = int(summary.get("max_images_per_row") or 0)
     images = most if config.data.image.per_sample is None and most > 0 else None
-    new_tokens = max(0, len(summary.get("added_tokens") or ()) - len(config.data.add_special_tokens))
+    new_tokens = len(summary.get("added_tokens") or ()) - len(config.data.add_special_tokens)  # the template's
     share = summary.get("most_trained_share")
     job_plan = plan(config, hw, facts, str(config_path), new_tokens, images_per_sample=images, trained_share=share)
     if job_plan.vision and summary.get("rows_without_images") == 0:
