@@ -197,11 +197,11 @@ output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 10}}
 def test_grpo_through_vllm_serve_learns_asynchronously_and_a_killed_server_ends_the_job_which_resumes(
     tmp_path, sft_model
 ):
-    """The sevens task, 40 steps, asynchronous with two rollouts generated ahead (the server takes weights while it
+    """The sevens task, 30 steps, asynchronous with two rollouts generated ahead (the server takes weights while it
     generates), the server ft train started killed before step 25: the job ends with the server named; --resume starts
     a new server and trains from the checkpoint of step 20 (and the two rollouts it kept) to the end; the mean reward
     of the last 10 steps is at least twice that of the first 10, and the lag is the schedule's."""
-    steps, run = 40, tmp_path / "run"
+    steps, run = 30, tmp_path / "run"  # the last 10 all trained after the resume
     job = sevens_job(tmp_path, sft_model, steps)
     placed = [
         "--hardware",
