@@ -80,6 +80,10 @@ def apply_adapter(model, adapter: AdapterSection, plan):
         raise
     if plan.pure_bf16:
         trained_in_bf16(model)
+    if getattr(plan, "sparse_dropout", False):  # on a CPU: only the dropped positions drawn (finetune/dropout.py)
+        from finetune.dropout import use_sparse_dropout
+
+        use_sparse_dropout(model)
     return model
 
 

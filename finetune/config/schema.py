@@ -154,7 +154,8 @@ class AdapterSection(Section):
     alpha: Bounded(float, gt=0, le=2**20) = 32
     """LoRA scaling numerator (scale = alpha / r, or alpha / sqrt(r) with rslora)."""
     dropout: Bounded(float, ge=0, lt=1) = 0.05
-    """Dropout on the adapter's input."""
+    """Dropout on the adapter's input. On a CPU ft draws only the dropped positions (the same distribution; torch's
+    dropout draws a number for every element), shown in `ft plan`."""
     target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = "all-linear"
     """Modules that get an adapter: `all-linear` (every linear layer of the decoder, not the output head) or a list of
     names such as [q_proj, v_proj]."""

@@ -147,6 +147,8 @@ class Plan:
     # the LoRA dropout trained with: adapter.dropout, or 0 where the adapter reaches an MoE model's fused experts
     # (config/moe_checks.py lora_dropout); 0 for full fine-tuning; None in plans written before it was recorded
     lora_dropout: float | None = 0.0
+    # on a CPU, that dropout draws only the dropped positions (finetune/dropout.py) instead of torch's per-element draw
+    sparse_dropout: bool = False
     # a vision-language model trained through its processor (config/vision_checks.py trains_images): loaded as an
     # image-text-to-text model; what of its vision side trains: none | projector | all
     vision: bool = False

@@ -129,6 +129,8 @@ def plan(
     shapes = geometry(config, model)
     lr = choose_lr(config, fit.candidate.adapter, decisions)
     decisions.extend(attention_decisions)
+    dropout = lora_dropout(config.adapter, model, c.adapter)
+    sparse = sparse_dropout(hardware, dropout, compiled, decisions)
     s = replace(s, expert_parallel=ep)
     accumulation = s.accumulation
     step = traffic(fit, topo, model, s)
@@ -167,7 +169,8 @@ def plan(
         image_tokens=shapes.tokens if shapes else 0,
         image_patches=shapes.patches if shapes else 0,
         images_per_sample=images_per_sample_of(config) if shapes else 0,
-        lora_dropout=lora_dropout(config.adapter, model, c.adapter),
+        lora_dropout=dropout,
+        sparse_dropout=sparse,
         estimate=fit.estimate,
         device_capacity_bytes=device_capacity(hardware),
         host_capacity_bytes=host_capacity(hardware),
@@ -374,6 +377,23 @@ def choose_lr(config: Config, adapter: str, out: list[Decision]) -> float:
     lr, why = config.method.default_lr(full=adapter == "full")
     out.append(Decision("lr", lr, why))
     return lr
+
+
+def sparse_dropout(hw: Hardware, dropout: float, compiled: bool, out: list[Decision]) -> bool:
+    """Whether LoRA dropout draws only the dropped positions (finetune/dropout.py): on a CPU, where torch's dropout
+    draws a random number for every element; not in compiled layers (its drop count varies with each draw)."""
+    if not hw.is_cpu or dropout <= 0 or compiled:
+        return False
+    out.append(
+        Decision(
+            "adapter.dropout",
+            f"{dropout:g}, sparse draws",
+            "on a CPU, torch's dropout draws a random number for every element of each adapter's input, which costs "
+            "more than the adapter's own products; ft draws only the dropped positions (geometric gaps between them: "
+            "the same distribution, each element dropped with the same probability)",
+        )
+    )
+    return True
 
 
 def _train_embeddings(config: Config) -> Config:
