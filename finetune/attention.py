@@ -100,10 +100,13 @@ def _per_sample(query, key, value, cu, dropout_p, scaling, window=None):
         if _last_bounds[0] is not cu:
             _last_bounds[:] = [cu, cu.tolist()]
         bounds = _last_bounds[1]
+    # split, not sliced: the backward pass then concatenates the samples' gradients once, where each slice's backward
+    # would fill a zero tensor of the whole row (per sample: 1.65x the attention's CPU time at 11 samples a row)
+    sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     parts = [
-        _causal(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p, scaling, window)
-        for s, e in zip(bounds[:-1], bounds[1:])
-        if e > s
+        _causal(q, k, v, dropout_p, scaling, window)
+        for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
+        if q.shape[2]
     ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
 
