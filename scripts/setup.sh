@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 STAMP=.venv/.ft-installed
+# Compiled torch extensions (DeepSpeed's CPU op) live in this environment: torch's default folder (~/.cache) is shared
+# by every environment and checkout on the machine, and one built against another environment's paths is rebuilt
+EXTENSIONS=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch-extensions}
 digest() { if command -v sha256sum >/dev/null; then sha256sum; else shasum -a 256; fi; }
 wanted=$(cat pyproject.toml scripts/setup.sh | digest | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$wanted" ] && [ "${FT_REINSTALL:-0}" != 1 ]; then
@@ -36,9 +39,9 @@ else
 fi
 DS_BUILD_OPS=${DS_BUILD_OPS:-0} python -m pip install --quiet -e ".[test]"  # DeepSpeed compiles the ops it uses on first use
 # Without a GPU, DeepSpeed's CPU accelerator compiles its shared-memory collective op when a job first starts its
-# backend (~35 s on 2 cores, cached under ~/.cache/torch_extensions for this environment): compiled once here rather
-# than inside whichever DeepSpeed job or test comes first. A failure here only leaves it to that first job.
-DS_ACCELERATOR=cpu python - <<'PY' || echo "note: DeepSpeed's CPU op was not compiled now; the first DeepSpeed job compiles it"
+# backend (~35 CPU-s, cached in $EXTENSIONS; scripts/test.sh points TORCH_EXTENSIONS_DIR there): compiled once here
+# rather than inside whichever DeepSpeed job or test comes first. A failure here only leaves it to that first job.
+TORCH_EXTENSIONS_DIR=$EXTENSIONS DS_ACCELERATOR=cpu python - <<'PY' ||
 import importlib.util, torch
 if importlib.util.find_spec("deepspeed") and not torch.cuda.is_available():
     import deepspeed
@@ -47,5 +50,6 @@ if importlib.util.find_spec("deepspeed") and not torch.cuda.is_available():
     if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
         builder.load(verbose=False)
 PY
+  echo "note: DeepSpeed's CPU op was not compiled now; the first DeepSpeed job compiles it"
 python -c "import finetune, torch, transformers, peft; print(f'ft environment ready: torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}')"
 echo "$wanted" > "$STAMP"

@@ -12,6 +12,8 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 bash scripts/setup.sh
 . .venv/bin/activate
+# where scripts/setup.sh compiled DeepSpeed's CPU op for this environment (the DeepSpeed tests' jobs load it from there)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.venv/torch-extensions}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # Python's bytecode cache: the many ft processes the tests start compile ft's modules once, not each time
 unset PYTHONDONTWRITEBYTECODE
