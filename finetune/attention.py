@@ -16,6 +16,9 @@ to the `sliding_window` tokens up to each query, as transformers' masks have it:
 (sliding_window - 1, 0); per sample, a banded causal mask. Attention sinks (`s_aux`) are not SDPA's: the planner
 never runs a model with sinks on sdpa_varlen (plan/attention.py), and a call with them is refused.
 
+A call that is not over the packed row runs as attn_implementation sdpa would: a bidirectional module (a vision
+tower, to which a vision-language model passes the row's keyword arguments) or one over another length than the row.
+
 No mask is materialised and no compute goes to padding or to cross-sample blocks. Registration uses
 transformers' public extension point; nothing of transformers is patched.
 """
@@ -91,15 +94,28 @@ def _causal(q, k, v, dropout_p, scaling, window=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
 
 
-def _per_sample(query, key, value, cu, dropout_p, scaling, window=None):
-    """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample. The boundaries come from the host
-    (`host_bounds`, which ft's collator attaches to cu and its to_device keeps); cu given without them is read once
-    per batch."""
+def _bounds(cu) -> list[int]:
+    """The sample boundaries on the host: `host_bounds`, which ft's collator attaches to cu and its to_device keeps;
+    cu given without them is read once per batch."""
     bounds = getattr(cu, "host_bounds", None)
     if bounds is None:
         if _last_bounds[0] is not cu:
             _last_bounds[:] = [cu, cu.tolist()]
         bounds = _last_bounds[1]
+    return bounds
+
+
+def _over_the_row(query, cu) -> bool:
+    """Whether the call attends over the packed row that cu marks (its length, cu's last boundary); a device cu without
+    the host's boundaries is taken at its word (reading it would wait for the device)."""
+    if getattr(cu, "host_bounds", None) is None and cu.device.type != "cpu":
+        return True
+    return query.shape[2] == _bounds(cu)[-1]
+
+
+def _per_sample(query, key, value, cu, dropout_p, scaling, window=None):
+    """(1, H, T, D) tensors -> (1, T, Hq, D), one causal SDPA call per sample."""
+    bounds = _bounds(cu)
     # split, not sliced: the backward pass then concatenates the samples' gradients once, where each slice's backward
     # would fill a zero tensor of the whole row (per sample: 1.65x the attention's CPU time at 11 samples a row)
     sizes = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
@@ -130,9 +146,10 @@ def sdpa_varlen_attention(
     """query (B, Hq, T, D), key/value (B, Hkv, T, D) -> attention output (B, T, Hq, D); B is 1 when packed."""
     dropout_p = dropout if module.training else 0.0
     cu = kwargs.get("cu_seq_lens_q")
-    if (
-        cu is None
-    ):  # not packed (generation with a KV cache, padded batches): exactly what attn_implementation sdpa does
+    # Exactly what attn_implementation sdpa does where the call is not over the packed row: not packed (generation with
+    # a KV cache, padded batches), or a bidirectional module (a vision tower's, which a vision-language model passes
+    # the row's keyword arguments on to) or one over another sequence than the row (its image patches)
+    if cu is None or not getattr(module, "is_causal", True) or not _over_the_row(query, cu):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(

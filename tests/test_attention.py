@@ -374,3 +374,21 @@ def test_packed_rows_give_the_attention_their_sample_boundaries_from_the_host():
         for _ in range(3):
             without = _per_sample(q, q, q, bare, 0.0, None)
     assert Reads.count == 1 and torch.equal(with_host, without)
+
+
+def test_a_bidirectional_module_or_another_sequence_attends_as_sdpa_does_beside_a_packed_row():
+    """A vision-language model passes the packed row's keyword arguments on to its vision tower: an attention module
+    that is not causal, over its image's patches (another length than the row), attends over all of them as sdpa
+    would, never causally sample by sample along the row's boundaries."""
+    q, k, v, cu = rand_qkv(LENGTHS, hq=2)  # as many key heads as query heads: transformers' sdpa repeats none here
+    tower = Module().eval()
+    tower.is_causal = False
+    out, _ = attention.sdpa_varlen_attention(tower, q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu)
+    whole = F.scaled_dot_product_attention(q, k, v, scale=SCALE).transpose(1, 2)
+    torch.testing.assert_close(out, whole)
+    patches = rand_qkv([5], hq=2, seed=1)[:3]  # 5 positions beside a row of sum(LENGTHS)
+    out, _ = attention.sdpa_varlen_attention(Module().eval(), *patches, None, scaling=SCALE, cu_seq_lens_q=cu)
+    causal = F.scaled_dot_product_attention(*patches, scale=SCALE, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, causal)  # the module's own causal attention over its 5 positions, not row samples
+    packed, _ = attention.sdpa_varlen_attention(Module().eval(), q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu)
+    torch.testing.assert_close(packed, reference(q, k, v, LENGTHS, SCALE))  # the row itself: sample by sample

@@ -275,6 +275,7 @@ def test_packed_samples_with_images_give_the_logits_each_gives_alone(tmp_path, v
     packed row (positions restarting, attention kept inside the sample) are the ones it gives alone."""
     from transformers import AutoModelForImageTextToText
 
+    from finetune.attention import register
     from finetune.data.collate import collate
     from finetune.data.preprocess import prepare
     from finetune.methods.loss import MODEL_INPUTS
@@ -290,24 +291,31 @@ def test_packed_samples_with_images_give_the_logits_each_gives_alone(tmp_path, v
     packed = prepare(load(path, overrides=["data.seq_len=96", "data.packing=true"]))
     alone = {(tuple(r["input_ids"]), tuple(r["images"])): r for r in plain.train}
     model = AutoModelForImageTextToText.from_pretrained(str(vlm / "model")).eval()
+    # ft's padding-free attention over the packed row (one row, sample boundaries): the vision tower, to which LLaVA
+    # passes the row's keyword arguments, still attends over all of an image's patches
+    varlen = AutoModelForImageTextToText.from_pretrained(str(vlm / "model"), attn_implementation=register()).eval()
     pixels, pad = Pixels(packed.processor), packed.tokenizer.pad_token_id
     image_id = packed.tokenizer.convert_tokens_to_ids("<image>")
 
-    def logits(row, is_packed):
-        batch = pixels.add(collate([row], pad, "sdpa"), [list(row["images"])], packed=is_packed)
+    def logits(row, is_packed, kernel="sdpa"):
+        batch = pixels.add(collate([row], pad, kernel), [list(row["images"])], packed=is_packed)
         with torch.no_grad():
-            return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits[0]
+            net = varlen if kernel == "sdpa_varlen" else model
+            return net(**{k: batch[k] for k in MODEL_INPUTS if k in batch}).logits[0]
 
     checked = 0
     for row in packed.train:
         if len(row["seq_lens"]) < 2:
             continue
         together, start, used = logits(row, True), 0, 0
+        flat = logits(row, True, "sdpa_varlen")
         for n in row["seq_lens"]:
             ids = tuple(row["input_ids"][start : start + n])
             images = tuple(row["images"][used : used + ids.count(image_id) // 16])  # 16 tokens per image
             sample = alone[(ids, images)]
-            torch.testing.assert_close(together[start : start + n], logits(sample, False), atol=1e-5, rtol=1e-5)
+            expected = logits(sample, False)
+            torch.testing.assert_close(together[start : start + n], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(flat[start : start + n], expected, atol=1e-5, rtol=1e-5)
             start, used, checked = start + n, used + len(images), checked + 1
         assert used == len(row["images"])
     assert checked >= 4
