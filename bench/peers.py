@@ -22,6 +22,7 @@ the same (ft's unpacked rows already run padding-free on a CPU).
 
 The job's shape is an option, each taking a comma-separated list; every combination is a job of its own with its
 own table: --vocab (rows of the embeddings and the head: 0 keeps the tokenizer's; more pads both), --layers, --width,
+--seq-len (data.seq_len: rows cut there, packed rows that long),
 --format (instruction: alpaca records through data.template alpaca, and the prompt written out by hand in the plain
 loop; chat: the same records as user/assistant messages through ChatML, written out by hand in the plain loop),
 --template (builtin: the built-in's name; file: the same Jinja in a file that data.template names), and --dropout
@@ -47,7 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SEQ_LEN, MICRO, RANK, ALPHA, LR = 256, 4, 8, 16, 1.0e-4
+MICRO, RANK, ALPHA, LR = 4, 8, 16, 1.0e-4
 TIMELINE = "PEERS_TIMELINE"  # the file the step stamps go to
 PEERS = {"axolotl": "axolotl", "LLaMA-Factory": "llamafactory", "trl": "trl"}
 WORDS = (
@@ -107,12 +108,14 @@ class Shape:
     format: str = "instruction"  # instruction (alpaca) | chat (ChatML)
     template: str = "builtin"  # builtin | file
     dropout: float = 0.0
+    seq_len: int = 256
 
     def title(self) -> str:
         vocab = self.vocab or "the tokenizer's"
         return (
             f"vocabulary {vocab}, {self.layers} layers of width {self.width}, {self.format} records through "
-            f"{'a template file' if self.template == 'file' else 'the built-in template'}, LoRA dropout {self.dropout}"
+            f"{'a template file' if self.template == 'file' else 'the built-in template'}, "
+            f"LoRA dropout {self.dropout}, seq_len {self.seq_len}"
         )
 
 
@@ -133,14 +136,14 @@ def read_stamps(path: Path) -> dict[int, tuple[float, float]]:
 
 
 # ---------------------------------------------------------------- the plain loop (a child process)
-def plain_batches(rows: list[tuple[list[int], list[int]]], pad: int, packing: bool):
+def plain_batches(rows: list[tuple[list[int], list[int]]], pad: int, packing: bool, seq_len: int):
     """Micro-batches (ids, labels, mask) forever: padded rows, or the samples concatenated into seq_len rows."""
     import torch
 
     if packing:
         ids = [t for r in rows for t in r[0]]
         labels = [t for r in rows for t in r[1]]
-        rows = [(ids[i : i + SEQ_LEN], labels[i : i + SEQ_LEN]) for i in range(0, len(ids) - SEQ_LEN + 1, SEQ_LEN)]
+        rows = [(ids[i : i + seq_len], labels[i : i + seq_len]) for i in range(0, len(ids) - seq_len + 1, seq_len)]
     while True:
         for k in range(0, len(rows) - MICRO + 1, MICRO):
             chunk = rows[k : k + MICRO]
@@ -152,7 +155,9 @@ def plain_batches(rows: list[tuple[list[int], list[int]]], pad: int, packing: bo
             )
 
 
-def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str, chat: bool, dropout: float) -> None:
+def plain_child(
+    model_dir: str, data: str, steps: int, packing: bool, out: str, chat: bool, dropout: float, seq_len: int
+) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,9 +173,9 @@ def plain_child(model_dir: str, data: str, steps: int, packing: bool, out: str, 
         else:
             prompt = tok(alpaca_prompt(record), add_special_tokens=False)["input_ids"]
             reply = tok(record["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        rows.append(((prompt + reply)[:SEQ_LEN], ([-100] * len(prompt) + reply)[:SEQ_LEN]))
+        rows.append(((prompt + reply)[:seq_len], ([-100] * len(prompt) + reply)[:seq_len]))
     random.Random(0).shuffle(rows)
-    batches = plain_batches(rows, tok.pad_token_id, packing)
+    batches = plain_batches(rows, tok.pad_token_id, packing, seq_len)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     lora = LoraConfig(
@@ -202,7 +207,7 @@ def ft_job(folder: Path, model: Path, data: Path, packing: bool, steps: int, cac
         template.write_text(BUILTIN[name].jinja)
     job.write_text(f"""
 model: {{name: {model}}}
-data: {{datasets: [{{path: {data}, format: {shape.format}}}], template: {template}, seq_len: {SEQ_LEN},
+data: {{datasets: [{{path: {data}, format: {shape.format}}}], template: {template}, seq_len: {shape.seq_len},
   packing: {str(packing).lower()}, cache_dir: {cache}}}
 adapter: {{type: lora, r: {RANK}, alpha: {ALPHA}, dropout: {shape.dropout}, target_modules: all-linear}}
 train: {{global_batch_size: {MICRO}, micro_batch_size: {MICRO}, max_steps: {steps}, lr: {LR},
@@ -255,7 +260,7 @@ def run_plain(folder: Path, model: Path, data: Path, packing: bool, steps: int, 
     out = folder / "tokens.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "plain", "--model", str(model)]
     command += ["--data", str(data), "--steps", str(steps), "--out", str(out)] + (["--packing"] if packing else [])
-    command += ["--format", shape.format, "--dropout", str(shape.dropout)]
+    command += ["--format", shape.format, "--dropout", str(shape.dropout), "--seq-len", str(shape.seq_len)]
     started, ended, stamps = child(command, folder)
     written = json.loads(out.read_text())
     tokens = dict(enumerate(written["tokens"], start=1))
@@ -308,14 +313,15 @@ def shapes(args) -> list[Shape]:
         return [kind(v) for v in str(text).split(",") if v.strip()]
 
     return [
-        Shape(vocab, layers, width, fmt, template, dropout)
-        for vocab, layers, width, fmt, template, dropout in itertools.product(
+        Shape(vocab, layers, width, fmt, template, dropout, seq_len)
+        for vocab, layers, width, fmt, template, dropout, seq_len in itertools.product(
             values(args.vocab, int),
             values(args.layers, int),
             values(args.width, int),
             values(args.format, str),
             values(args.template, str),
             values(args.dropout, float),
+            values(args.seq_len, int),
         )
     ]
 
@@ -325,11 +331,11 @@ def bench_shape(args, shape: Shape, tmp: Path, data: Path) -> None:
 
     model = tmp / "model"
     params = build_llama(
-        model, vocab=shape.vocab, hidden=shape.width, layers=shape.layers, tied=False, max_positions=SEQ_LEN
+        model, vocab=shape.vocab, hidden=shape.width, layers=shape.layers, tied=False, max_positions=shape.seq_len
     )
     print(
         f"\n## {shape.title()}\nmodel: {params / 1e6:.1f}M parameters; {args.records} records; micro-batch {MICRO}, "
-        f"seq_len {SEQ_LEN}, LoRA r {RANK} on all linear projections, fp32, 1 thread; {args.steps} steps per run",
+        f"seq_len {shape.seq_len}, LoRA r {RANK} on all linear projections, fp32, 1 thread; {args.steps} steps per run",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name in TOOLS}
@@ -389,6 +395,7 @@ def main() -> None:
     parser.add_argument("--format", default="instruction", help="instruction (alpaca) | chat (ChatML), a list")
     parser.add_argument("--template", default="builtin", help="builtin | file (the same Jinja in a file), a list")
     parser.add_argument("--dropout", default="0.0", help="LoRA dropout in both tools, a list")
+    parser.add_argument("--seq-len", default="256", help="data.seq_len (rows are cut there and packed to it), a list")
     parser.add_argument("--child", choices=["plain"], help=argparse.SUPPRESS)
     for flag in ("--model", "--data", "--out"):
         parser.add_argument(flag, help=argparse.SUPPRESS)
@@ -396,7 +403,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         plain_child(
-            args.model, args.data, args.steps, args.packing, args.out, args.format == "chat", float(args.dropout)
+            args.model,
+            args.data,
+            args.steps,
+            args.packing,
+            args.out,
+            args.format == "chat",
+            float(args.dropout),
+            int(args.seq_len),
         )
     else:
         bench(args)
