@@ -3,12 +3,12 @@
 peft drops out each adapter's input with `nn.Dropout`. On a CPU, torch draws one random number per element of that
 input (`bernoulli_`, ~5 ns an element on one core) and then makes two more passes over it (scale, multiply): on a small
 model that costs about what every matrix product costs (a packed LoRA SFT step of a 4-layer, width-256 Llama with
-dropout 0.05 on its seven projections: `bernoulli_` 18% of the step and multiplications 14%, all matrix products
-37%). `SparseDropout` keeps the same distribution,
-each element dropped on its own with probability p and the rest scaled by 1 / (1 - p), and draws only where the drops
-fall: the gaps between consecutive dropped elements of a flattened input are geometric, so about p·n uniform numbers
-give every dropped position (inverse transform, float64). The kept elements are scaled in one pass and the dropped
-ones zeroed in place; the backward pass does the same to the gradient.
+dropout 0.05 on its seven projections: `bernoulli_` 18% of the step and multiplications 14%, all matrix products 37%).
+
+`SparseDropout` keeps the same distribution, each element dropped on its own with probability p and the rest scaled by
+1 / (1 - p), and draws only where the drops fall: the gaps between consecutive dropped elements of a flattened input
+are geometric, so about p·n uniform numbers give every dropped position (inverse transform, float64). The kept
+elements are scaled in one pass and the dropped ones zeroed in place; the backward pass does the same to the gradient.
 
 Random numbers come from torch's default CPU generator, whose state ft's checkpoints keep and which
 torch.utils.checkpoint restores before a layer recomputes: a resumed run and a recomputed layer draw the same drops.
