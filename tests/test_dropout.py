@@ -183,3 +183,43 @@ def test_apply_adapter_follows_the_plan():
         model = apply_adapter(tiny_llama("sdpa"), section, plan)
         kinds = {type(d) for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values()}
         assert kinds == ({SparseDropout} if sparse else {torch.nn.Dropout})
+
+
+@pytest.mark.slow
+def test_a_run_stopped_and_resumed_draws_the_drops_of_the_uninterrupted_one(tmp_path):
+    """LoRA dropout 0.05 on a CPU (sparse draws): the checkpoint keeps the generator's state, so a run stopped at step 3
+    and resumed ends with the uninterrupted run's weights, and both differ from a run without dropout."""
+    import signal
+
+    from finetune import checkpoint
+    from finetune.errors import Stopped
+    from finetune.train import SignalStop, run, setup
+    from tests.helpers import job_text, setup_job
+
+    text = job_text(tmp_path, "lora", steps=6).replace("save_steps: 0", "save_steps: 100")
+    config, p, prepared, job = setup_job(tmp_path, text.replace("dropout: 0.0", "dropout: 0.05"))
+    assert p.sparse_dropout and any(isinstance(m, SparseDropout) for m in job.model.modules())
+    (tmp_path / "run").mkdir()
+    run(job, tmp_path / "run")
+    straight = {n: t.detach().clone() for n, t in job.model.named_parameters() if t.requires_grad}
+
+    stop = SignalStop()
+
+    def hook(step, total, row):
+        if step == 3:
+            stop.signum = signal.SIGTERM
+
+    (tmp_path / "run2").mkdir()
+    with pytest.raises(Stopped):
+        run(setup(config, p, prepared), tmp_path / "run2", on_step=hook, stop=stop)
+    resumed_job = setup(config, p, prepared)
+    run(resumed_job, tmp_path / "run2", resume_from=checkpoint.latest(tmp_path / "run2"))
+    resumed = {n: t.detach() for n, t in resumed_job.model.named_parameters() if t.requires_grad}
+    assert max((straight[n] - resumed[n]).abs().max().item() for n in straight) == 0.0
+
+    (tmp_path / "plain" / "run").mkdir(parents=True)
+    plain_config, plain_plan, plain_data, plain_job = setup_job(tmp_path / "plain", text)
+    assert not plain_plan.sparse_dropout
+    run(plain_job, tmp_path / "plain" / "run")
+    without = {n: t.detach() for n, t in plain_job.model.named_parameters() if t.requires_grad}
+    assert max((straight[n] - without[n]).abs().max().item() for n in straight) > 1e-4  # the drops changed training
