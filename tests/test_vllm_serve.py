@@ -125,7 +125,8 @@ def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, 
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     # long completions: on a CPU the engine takes about a millisecond a step for all 32, so the update lands
-    # mid-generation however long the pause takes to arrive
+    # mid-generation of most of them on a quiet machine (31 of 32); beside the other tests the pause can arrive after
+    # most have finished (2 of 32 once)
     section = type("Section", (), {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 480})()
     rollout = RemoteRollout(served, section, stop=[], token=TOKEN)
     rollout.update(Weights(one_training_step(model), Runtime(), tmp_path / "rollout", version=6, adapter=False))
@@ -140,7 +141,7 @@ def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, 
         trainer = one_training_step(model)
         rollout.update(Weights(trainer, Runtime(), tmp_path / "rollout", version=7, adapter=False))
         completions = generating.result()
-    straddled = 0
+    straddled = resumed = 0
     for prompt, c in zip(prompts, completions):
         assert len(c.ids) == len(c.logps) > 0  # none aborted (the client refuses a completion cut short)
         seq = prompt + c.ids
@@ -154,7 +155,10 @@ def test_requests_in_flight_keep_generating_across_a_full_weight_update(served, 
                 versions.append(int(new_fits))
         assert versions == sorted(versions), versions  # the old weights' tokens, then the new weights'
         straddled += 0 < sum(versions) < len(versions)
-    assert straddled >= len(prompts) // 2  # frozen mid-generation: most have tokens of both
+        resumed += sum(versions) > 0
+    # frozen mid-generation, not restarted: of the requests that generated after the update, most hold tokens of both
+    # weights (a request started again from its prompt would hold the new weights' only)
+    assert straddled >= max(1, resumed // 2), (straddled, resumed)
     assert largest_gap(rollout.score(SEQUENCES), trainer_logps(model, SEQUENCES)) < 1e-4
 
 
