@@ -25,8 +25,7 @@ vllm = pytest.importorskip("vllm")
 from finetune.distributed.runtime import Runtime  # noqa: E402
 from finetune.rollout.vllm import EngineSpec, VllmRollout, prepare_environment  # noqa: E402
 from finetune.rollout.weights import Weights  # noqa: E402
-
-SEQUENCES = [[3, 17, 42, 8, 99, 5, 61, 7, 250, 31], [12, 6, 200, 19, 4, 77, 90]]
+from tests.rollout_helpers import SEQUENCES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +135,7 @@ def test_grpo_on_ray_gives_the_rank_and_the_server_gpus_of_their_own(tmp_path, s
     from ray.cluster_utils import Cluster
 
     from tests.helpers import ft_train
-    from tests.test_vllm_rollout import rows
-    from tests.test_vllm_serve import sevens_job
+    from tests.rollout_helpers import rows, sevens_job
 
     job = sevens_job(tmp_path, sft_model, 3)
     text = open(job).read().replace("placement: server", "placement: ray")

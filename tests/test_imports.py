@@ -182,3 +182,15 @@ def test_only_the_run_folder_module_joins_its_names_to_a_path():
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (text := named(node.right)):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} {text!r}")
     assert not found, "run folder names outside RunFolder: " + "; ".join(found)
+
+
+def test_no_test_file_imports_another():
+    """Test files share builders through tests/helpers.py and tests/*_helpers.py, never by importing one another: a
+    test file imported elsewhere runs its module-level code (skips, marks, fixtures) in the importer too."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            found += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names if n.startswith("tests.test_")]
+    assert not found, "test files importing test files: " + "; ".join(found)

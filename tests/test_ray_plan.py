@@ -13,7 +13,7 @@ from finetune.plan import rollout as placement
 from finetune.plan.plan import Plan
 from finetune.report import print_plan, rollout_line
 from finetune.rollout.ray_layout import Bundle, Node, assign, bundles
-from tests.test_rollout_plan import FULL, GRPO, make
+from tests.rollout_helpers import FULL, GRPO, make
 
 QWEN7B = "Qwen/Qwen2.5-7B-Instruct"
 RAY = ["method.rollout.placement=ray"]

@@ -162,11 +162,13 @@ def test_the_server_command_carries_the_jobs_engine_settings_and_never_the_token
     assert flags["--model"] == "/m" and flags["--max-model-len"] == "96" and flags["--max-lora-rank"] == "16"
     assert "--kv-cache-memory-bytes" in cpu and "--weight-transfer-config" not in cpu
     assert cpu[cpu.index("--distributed-executor-backend") + 1] == "uni"  # on a CPU: the worker in the engine process
+    assert {"--enforce-eager", "--no-enable-chunked-prefill"} <= set(cpu)  # the CPU engine's settings (ft generate's)
     gpu = server_command(spec, "0.0.0.0", 8421, "vllm serve", True, data_parallel=4)
     assert gpu[:2] == ["vllm", "serve"] and json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {
         "backend": "nccl"
     }
     assert gpu[gpu.index("--data-parallel-size") + 1] == "4" and "--distributed-executor-backend" not in gpu
+    assert "--no-enable-chunked-prefill" not in gpu and "--enforce-eager" not in gpu
     env = server_env({"PATH": "/bin", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, "s3cret", gpu=False)
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # else vLLM's CPU platform turns `uni` back into processes
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, None, gpu=True)

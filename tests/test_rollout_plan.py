@@ -9,10 +9,8 @@ from dataclasses import asdict
 import pytest
 
 from finetune.catalog import lookup
-from finetune.config import loads
 from finetune.errors import ConfigError, PlanError
 from finetune.hardware import parse
-from finetune.plan import plan
 from finetune.plan import rollout as placement
 from finetune.plan.cost import generation_seconds
 from finetune.plan.memory import ROLLOUT, ROLLOUT_HOST, GiB, Setup, estimate
@@ -20,27 +18,15 @@ from finetune.plan.plan import Plan, RolloutPlan
 from finetune.plan.search import device_capacity
 from finetune.report import print_plan, rollout_line
 from tests.helpers import MINIMAL
+from tests.rollout_helpers import LLAMA8B, make
 
-GRPO = (
-    MINIMAL.replace(
-        "method: {name: sft}", "method: {name: grpo, rewards: [{function: exact_match}], max_new_tokens: 512}"
-    )
-    .replace("format: chat", "format: prompt_only")
-    .replace("  packing: true\n", "")
-)
-FULL = GRPO.replace("adapter: {type: lora, r: 16, alpha: 32, target_modules: all-linear}", "adapter: {type: full}")
-LLAMA8B, LLAMA70B, QWEN = "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.3-70B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"
+LLAMA70B, QWEN = "meta-llama/Llama-3.3-70B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct"
 
 
 @pytest.fixture
 def vllm(monkeypatch):
     """Plans as where vLLM is installed (the test environment has none)."""
     monkeypatch.setattr(placement, "vllm_installed", lambda: True)
-
-
-def make(hardware, model=LLAMA8B, overrides=(), text=GRPO) -> Plan:
-    cfg = loads(text, overrides=[f"model.name={model}", *overrides], environ={})
-    return plan(cfg, parse(hardware), lookup(model))
 
 
 def decision(p: Plan, field: str):

@@ -138,6 +138,29 @@ def test_an_interrupted_run_resumes_to_the_same_file(outputs, model_dir, prompts
     assert out.read_bytes() == outputs["model", "vllm"].read_bytes() and not parts.exists()
 
 
+def test_sampled_batches_longer_than_one_engine_step_on_a_cpu(model_dir, tmp_path):
+    """24 seeded prompts of ~300 tokens sampled in one batch: more prompt tokens than vLLM prefills in one step. With
+    chunked prefill, vLLM cuts the last prefill short and rewinds that request's own generator, which a CPU generator
+    cannot do ("CPU Generator does not use offset": the engine dies). ft's CPU engines schedule without cutting; the
+    same seeds give the same file again."""
+    from finetune.tiny import write_jsonl
+
+    long = [{"id": f"l{i:02d}", "prompt": f"{i} + {i} = " + "and then " * 100} for i in range(24)]
+    prompts = write_jsonl(long, tmp_path / "long.jsonl")
+    sampled = Sampling(max_new_tokens=MAX_NEW, temperature=1.0, seed=5)
+    files = []
+    for name in ("first", "again"):
+        out = tmp_path / f"{name}.jsonl"
+        spec = GenerateJob(
+            resolve(str(model_dir)), PromptSpec(str(prompts)), str(out), sampled, batch_size=24, engine="vllm"
+        )
+        result = generate(spec, processes=1, progress=False)
+        assert result.rows == 24 and result.generated == 24
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
+    assert len(set(completions(tmp_path / "first.jsonl"))) > 12  # sampled, not one answer for all
+
+
 def test_ft_eval_with_vllm_scores_like_transformers(outputs, model_dir, prompts_file, tmp_path):
     from finetune.infer.commands import EvalOptions, run_eval
 

@@ -22,8 +22,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("ray")
 
 from tests.helpers import ft_train  # noqa: E402
-from tests.test_vllm_rollout import rows  # noqa: E402
-from tests.test_vllm_serve import sevens_job  # noqa: E402
+from tests.rollout_helpers import rows, sevens_job  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -22,10 +22,9 @@ from finetune.distributed.runtime import Runtime  # noqa: E402
 from finetune.rollout.vllm import EngineSpec, VllmRollout, prepare_environment  # noqa: E402
 from finetune.rollout.weights import Weights  # noqa: E402
 from tests.helpers import REPO, ft_train  # noqa: E402
+from tests.rollout_helpers import SEQUENCES, largest_gap, one_training_step, rows, trainer_logps  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-SEQUENCES = [[3, 17, 42, 8, 99, 5, 61, 7, 250, 31], [12, 6, 200, 19, 4, 77, 90]]
 
 
 @pytest.fixture(scope="module")
@@ -43,33 +42,6 @@ def engine(model_dir):
     rollout = VllmRollout(spec, stop=[0])
     yield rollout
     rollout.close()
-
-
-def trainer_logps(model, sequences) -> list[list[float]]:
-    out = []
-    with torch.no_grad():
-        for seq in sequences:
-            logps = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
-            out.append([logps[i - 1, t].item() for i, t in enumerate(seq) if i > 0])
-    return out
-
-
-def largest_gap(a, b) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-
-
-def one_training_step(model):
-    """ft's engine around `model`, after one AdamW step on a next-token loss (every trained parameter moves)."""
-    from finetune.distributed.engine import TorchEngine
-
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=2e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    engine = TorchEngine(model, optimizer, scheduler, 1.0, False, torch.device("cpu"))
-    ids = torch.tensor(SEQUENCES[:1])
-    model(input_ids=ids, labels=ids).loss.backward()
-    engine.step()
-    return engine
 
 
 def test_greedy_rollouts_equal_transformers(engine, model_dir):
@@ -137,10 +109,6 @@ train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.
 output: {{dir: {tmp_path / name}, log_steps: 1, save_steps: 0}}
 {extra}""")
     return str(path)
-
-
-def rows(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def rises(got: list[float], window: int) -> bool:

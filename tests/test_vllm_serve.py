@@ -30,7 +30,7 @@ from finetune.rollout.server import Http, RemoteRollout, wait_ready  # noqa: E40
 from finetune.rollout.vllm import EngineSpec  # noqa: E402
 from finetune.rollout.weights import Weights  # noqa: E402
 from tests.helpers import free_port, ft_train  # noqa: E402
-from tests.test_vllm_rollout import SEQUENCES, largest_gap, one_training_step, rows, trainer_logps  # noqa: E402
+from tests.rollout_helpers import SEQUENCES, largest_gap, one_training_step, rows, sevens_job, trainer_logps  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TOKEN = "s3cret"
@@ -171,31 +171,6 @@ def kill_server(rank, step):
         server = json.loads((Path(os.environ["KILL_RUN"]) / "rollout-server.json").read_text())
         os.kill(server["pid"], signal.SIGKILL)
 """
-
-
-SEVENS = """
-def sevens(completions, **_):
-    return [float(c.count("7")) for c in completions]
-"""
-
-
-def sevens_job(tmp_path, model, steps: int) -> str:
-    """GRPO that rewards each '7' a completion writes (the SFT model writes few: a reward with room to double)."""
-    from finetune.tiny import prompt_records, write_jsonl
-
-    prompts = write_jsonl(prompt_records(8, seed=5), tmp_path / "prompts.jsonl")
-    (tmp_path / "sevens.py").write_text(SEVENS)
-    path = tmp_path / "sevens.yaml"
-    path.write_text(f"""
-model: {{name: {model}}}
-data: {{datasets: [{{path: {prompts}, format: prompt_only}}], seq_len: 64, cache_dir: {tmp_path / "cache"}}}
-method: {{name: grpo, engine: vllm, num_generations: 8, max_new_tokens: 8, rollout: {{placement: server}},
-  rewards: [{{function: {tmp_path}/sevens.py:sevens}}]}}
-adapter: {{type: full}}
-train: {{global_batch_size: 64, micro_batch_size: 32, max_steps: {steps}, lr: 1.0e-4, scheduler: constant}}
-output: {{dir: {tmp_path / "run"}, log_steps: 1, save_steps: 10}}
-""")
-    return str(path)
 
 
 def test_grpo_through_vllm_serve_learns_asynchronously_and_a_killed_server_ends_the_job_which_resumes(

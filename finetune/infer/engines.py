@@ -233,8 +233,8 @@ class VllmEngine:
             "dtype": vllm_dtype(dtype, gpu),
             "max_model_len": context_length(source, longest + sampling.max_new_tokens),
         }
-        if not gpu:  # no CUDA graphs to capture on CPU; a KV cache of a known size instead of a share of the RAM
-            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+        if not gpu:
+            kwargs.update(cpu_engine_args())
         if images_per_prompt:
             kwargs["limit_mm_per_prompt"] = {"image": images_per_prompt}
         self.lora = None
@@ -294,6 +294,22 @@ def vllm_dtype(name: str, gpu: bool) -> str:
     if name not in names:
         raise FtError(f"--dtype {name!r}: expected one of {', '.join(DTYPES)}")
     return names[name]
+
+
+def cpu_engine_args(kv_cache_bytes: int | None = None) -> dict:
+    """vLLM's engine settings on a CPU, for every engine ft starts there (ft generate, colocated rollouts, the rollout
+    server): eager (no CUDA graphs to capture), a KV cache of a known size instead of a share of the RAM, and no
+    chunked prefill. A request that carries a seed (ft seeds every one) samples from its own generator, and vLLM
+    rewinds that generator after the step of a prefill it cut short (`gen.set_offset(gen.get_offset() - 4)`,
+    v1/worker/gpu_model_runner.py `_bookkeeping_sync`, 0.32), which only CUDA's generators have: on a CPU the engine
+    dies with "CPU Generator does not use offset" the first time the prompts waiting, or requests preempted by a
+    weight update, hold more tokens than one step takes. Without chunked prefill the scheduler waits for room instead
+    of cutting a prefill, and a step takes at least max_model_len tokens (vLLM raises it to that)."""
+    return {
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": int(kv_cache_bytes or CPU_KV_CACHE_BYTES),
+        "enable_chunked_prefill": False,
+    }
 
 
 def context_length(source, needed: int) -> int | None:

@@ -48,7 +48,7 @@ def server_command(
     spec: EngineSpec, host: str, port: int, command: str | None, gpu: bool, data_parallel: int = 1
 ) -> list[str]:
     """`vllm serve` with the job's model and engine settings (the model as --model: both launchers accept it)."""
-    from finetune.infer.engines import CPU_KV_CACHE_BYTES, vllm_dtype
+    from finetune.infer.engines import cpu_engine_args, vllm_dtype
 
     args = [
         *launcher(command),
@@ -83,7 +83,11 @@ def server_command(
         args += ["--gpu-memory-utilization", str(spec.memory_share or 0.9)]
         args += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     else:
-        args += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(spec.kv_cache_bytes or CPU_KV_CACHE_BYTES))]
+        for key, value in cpu_engine_args(spec.kv_cache_bytes).items():  # the colocated engine's, as flags
+            flag = key.replace("_", "-")
+            args += (
+                [f"--{flag}"] if value is True else [f"--no-{flag}"] if value is False else [f"--{flag}", str(value)]
+            )
         args += ["--distributed-executor-backend", "uni"]  # the worker in the engine process (see the module text)
     return args
 

@@ -60,7 +60,7 @@ def build_llm(spec: EngineSpec):
     """The vLLM engine for `spec` (vLLM imported here: the training image may lack it)."""
     import torch
 
-    from finetune.infer.engines import CPU_KV_CACHE_BYTES, vllm_dtype
+    from finetune.infer.engines import cpu_engine_args, vllm_dtype
 
     gpu = torch.cuda.is_available()
     try:
@@ -86,7 +86,7 @@ def build_llm(spec: EngineSpec):
     if gpu:
         kwargs.update(gpu_memory_utilization=spec.memory_share or 0.9, enable_sleep_mode=spec.sleep)
     else:
-        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=int(spec.kv_cache_bytes or CPU_KV_CACHE_BYTES))
+        kwargs.update(cpu_engine_args(spec.kv_cache_bytes))
     return LLM(**kwargs)
 
 
