@@ -299,7 +299,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def __init__(self, model, groups: list[dict], make, lr: float):
         super().__init__(groups, {"lr": lr})
         names = {p: n for n, p in model.named_parameters()}
-        self.optimizers, self._owner, self._handles = {}, {}, []
+        self.optimizers, self._owner = {}, {}
         self._square_sum = None
         index = 0
         for number, group in enumerate(self.param_groups):
@@ -307,7 +307,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self.optimizers[names[p]] = make([{**group, "params": [p]}], index)
                 # the group by its number: load_state_dict replaces the group dicts
                 self._owner[p] = (self.optimizers[names[p]], number)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._step_parameter))
+                p.register_post_accumulate_grad_hook(self._step_parameter)
                 index += 1
 
     @torch.no_grad()
@@ -327,8 +327,3 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """The L2 norm of the gradients applied since the last call (0.0 when there were none)."""
         total, self._square_sum = self._square_sum, None
         return 0.0 if total is None else float(total.sqrt())
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

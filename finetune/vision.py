@@ -209,16 +209,7 @@ def image_marker(processor) -> str:
     return getattr(processor, "image_token", None) or PLACEHOLDER
 
 
-def count_placeholders(messages: list[dict]) -> int:
-    return sum(m["content"].count(PLACEHOLDER) for m in messages)
-
-
 # ---------------------------------------------------------------- models and processors
-def is_vision_language(config: dict) -> bool:
-    """Whether a model config (config.json as a dict) describes a vision-language model: one with a vision tower."""
-    return isinstance(config.get("vision_config"), dict)
-
-
 def load_processor(model_section, path: str, image=None):
     """The model's own processor (chat template, image processor, image tokens) from `path`, its image side sized by
     `image` (data.image, see `sized`)."""
