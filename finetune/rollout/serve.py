@@ -85,9 +85,10 @@ def server_command(
     else:
         for key, value in cpu_engine_args(spec.kv_cache_bytes).items():  # the colocated engine's, as flags
             flag = key.replace("_", "-")
-            args += (
-                [f"--{flag}"] if value is True else [f"--no-{flag}"] if value is False else [f"--{flag}", str(value)]
-            )
+            if isinstance(value, bool):
+                args.append(f"--{flag}" if value else f"--no-{flag}")
+            else:
+                args += [f"--{flag}", str(value)]
         args += ["--distributed-executor-backend", "uni"]  # the worker in the engine process (see the module text)
     return args
 
