@@ -162,7 +162,7 @@ def test_the_server_command_carries_the_jobs_engine_settings_and_never_the_token
     assert flags["--model"] == "/m" and flags["--max-model-len"] == "96" and flags["--max-lora-rank"] == "16"
     assert "--kv-cache-memory-bytes" in cpu and "--weight-transfer-config" not in cpu
     assert cpu[cpu.index("--distributed-executor-backend") + 1] == "uni"  # on a CPU: the worker in the engine process
-    assert {"--enforce-eager", "--no-enable-chunked-prefill"} <= set(cpu)  # the CPU engine's settings (ft generate's)
+    assert {"--enforce-eager", "--no-enable-chunked-prefill", "--no-enable-prefix-caching"} <= set(cpu)  # ft generate's
     gpu = server_command(spec, "0.0.0.0", 8421, "vllm serve", True, data_parallel=4)
     assert gpu[:2] == ["vllm", "serve"] and json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {
         "backend": "nccl"

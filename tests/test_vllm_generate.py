@@ -161,6 +161,37 @@ def test_sampled_batches_longer_than_one_engine_step_on_a_cpu(model_dir, tmp_pat
     assert len(set(completions(tmp_path / "first.jsonl"))) > 12  # sampled, not one answer for all
 
 
+def test_a_hybrid_model_builds_an_engine_with_fts_cpu_settings(tmp_path):
+    """vLLM caches a hybrid model's prefixes (linear-attention layers' states) only with chunked prefill and refuses the
+    engine otherwise; ft's CPU settings, which turn chunked prefill off, turn prefix caching off with it. vLLM's own
+    configuration of a tiny Qwen3-Next (one linear-attention layer, one full) is built from them."""
+    from transformers import Qwen3NextConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from finetune.infer.engines import cpu_engine_args
+    from finetune.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(tmp_path))
+    Qwen3NextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=512,
+    ).save_pretrained(str(tmp_path))
+    config = EngineArgs(model=str(tmp_path), max_model_len=256, **cpu_engine_args()).create_engine_config()
+    assert config.model_config.is_hybrid
+    assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
+
+
 def test_ft_eval_with_vllm_scores_like_transformers(outputs, model_dir, prompts_file, tmp_path):
     from finetune.infer.commands import EvalOptions, run_eval
 

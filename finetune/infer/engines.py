@@ -298,17 +298,23 @@ def vllm_dtype(name: str, gpu: bool) -> str:
 
 def cpu_engine_args(kv_cache_bytes: int | None = None) -> dict:
     """vLLM's engine settings on a CPU, for every engine ft starts there (ft generate, colocated rollouts, the rollout
-    server): eager (no CUDA graphs to capture), a KV cache of a known size instead of a share of the RAM, and no
-    chunked prefill. A request that carries a seed (ft seeds every one) samples from its own generator, and vLLM
-    rewinds that generator after the step of a prefill it cut short (`gen.set_offset(gen.get_offset() - 4)`,
-    v1/worker/gpu_model_runner.py `_bookkeeping_sync`, 0.32), which only CUDA's generators have: on a CPU the engine
-    dies with "CPU Generator does not use offset" the first time the prompts waiting, or requests preempted by a
-    weight update, hold more tokens than one step takes. Without chunked prefill the scheduler waits for room instead
-    of cutting a prefill, and a step takes at least max_model_len tokens (vLLM raises it to that)."""
+    server): eager (no CUDA graphs to capture), a KV cache of a known size instead of a share of the RAM, and neither
+    chunked prefill nor prefix caching.
+
+    A request that carries a seed (ft seeds every one) samples from its own generator, and vLLM rewinds that generator
+    after the step of a prefill it cut short (`gen.set_offset(gen.get_offset() - 4)`, v1/worker/gpu_model_runner.py
+    `_bookkeeping_sync`, 0.32), which only CUDA's generators have: on a CPU the engine dies with "CPU Generator does
+    not use offset" the first time the prompts waiting, or requests preempted by a weight update, hold more tokens than
+    one step takes. Without chunked prefill the scheduler waits for room instead of cutting a prefill, and a step takes
+    at least max_model_len tokens (vLLM raises it to that). A hybrid model (linear-attention or Mamba layers) caches
+    prefixes only with chunked prefill (model_executor/models/config.py MambaModelConfig: "Chunked prefill is required
+    for mamba cache mode 'align'"), so prefix caching is off too; ft empties that cache before each batch and after
+    each weight update anyway, so only prompts repeated within one batch (a GRPO group's) lose its reuse."""
     return {
         "enforce_eager": True,
         "kv_cache_memory_bytes": int(kv_cache_bytes or CPU_KV_CACHE_BYTES),
         "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
     }
 
 
