@@ -365,3 +365,22 @@ def test_a_run_folder_cannot_turn_on_remote_code(model_dir, tmp_path, modules_ca
         )
     )
     assert marker.exists()
+
+
+def test_vllm_on_a_cpu_generates_linear_attention_layers_in_bf16(tmp_path):
+    """vLLM's CPU kernel for gated delta-net layers takes bf16 only: `--dtype auto` is bf16 for such a model (and
+    stays auto, fp32 on a CPU, for any other), and fp32 is refused naming --dtype, before an engine starts."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, Qwen3NextConfig
+
+    from finetune.infer.engines import vllm_cpu_dtype
+
+    hybrid, dense = tmp_path / "hybrid", tmp_path / "dense"
+    Qwen3NextConfig(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]).save_pretrained(hybrid)
+    LlamaConfig(num_hidden_layers=2).save_pretrained(dense)
+    source = SimpleNamespace(model=str(hybrid), trust_remote_code=False)
+    assert vllm_cpu_dtype(source, "auto") == "bf16" and vllm_cpu_dtype(source, "bf16") == "bf16"
+    with pytest.raises(FtError, match=r"--dtype fp32: .* bf16 only"):
+        vllm_cpu_dtype(source, "fp32")
+    assert vllm_cpu_dtype(SimpleNamespace(model=str(dense), trust_remote_code=False), "auto") == "auto"

@@ -183,6 +183,21 @@ def test_vllm_on_cpu_is_colocated_with_its_kv_cache_in_gib():
     assert ROLLOUT not in server.estimate.device
 
 
+def test_vllm_on_cpu_refuses_linear_attention_layers_outside_bf16():
+    """vLLM's CPU kernel for gated delta-net layers (Qwen3.5, Qwen3-Next) takes bf16 only and asserts it at the
+    engine's first step: a CPU plan that would generate in fp32 is refused, naming both ways out; in bf16 the
+    refusal goes (this 27B model then does not fit this machine's memory, a different refusal)."""
+    on_cpu = ["method.engine=vllm", "data.seq_len=64", "method.max_new_tokens=8"]
+    with pytest.raises(PlanError) as refused:
+        make("cpu", "Qwen/Qwen3.5-27B", on_cpu)
+    assert "method.engine: vllm" in str(refused.value) and "bf16 only" in str(refused.value)
+    assert "train.precision: bf16" in str(refused.value) and "method.engine: transformers" in str(refused.value)
+    with pytest.raises(PlanError) as other:
+        make("cpu", "Qwen/Qwen3.5-27B", [*on_cpu, "train.precision=bf16"])
+    assert "gated delta-net" not in str(other.value)
+    assert make("cpu", "ft-tiny", on_cpu).rollout.engine == "vllm"  # fp32 where every layer is attention
+
+
 # ---------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     "hardware,model,overrides,needle",

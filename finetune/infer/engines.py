@@ -296,6 +296,26 @@ def vllm_dtype(name: str, gpu: bool) -> str:
     return names[name]
 
 
+def vllm_cpu_dtype(source, dtype: str) -> str:
+    """The dtype vLLM generates in on a CPU for this model: vLLM's CPU kernel for linear-attention (gated delta-net)
+    layers takes bf16 only and asserts it at the engine's first step (model_executor/layers/mamba/ops/cpu/
+    gdn_attention.py, 0.32), so `auto` is bf16 for such a model (fp32 for any other, vllm_dtype) and fp32 or fp16 is
+    refused here, before any prompt is read into an engine."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source.model, trust_remote_code=source.trust_remote_code)
+    if "linear_attention" not in (getattr(config.get_text_config(), "layer_types", None) or ()):
+        return dtype
+    if dtype == "auto":
+        return "bf16"
+    if dtype != "bf16":
+        raise FtError(
+            f"--dtype {dtype}: on a CPU, vLLM runs the linear-attention (gated delta-net) layers of {source.model} in "
+            "bf16 only.\n    fix: --dtype bf16 (or auto), or --engine transformers"
+        )
+    return dtype
+
+
 def cpu_engine_args(kv_cache_bytes: int | None = None) -> dict:
     """vLLM's engine settings on a CPU, for every engine ft starts there (ft generate, colocated rollouts, the rollout
     server): eager (no CUDA graphs to capture), a KV cache of a known size instead of a share of the RAM, and neither

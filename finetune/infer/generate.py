@@ -115,6 +115,8 @@ def generate(
 def _planned(job: GenerateJob, out: Path, overwrite: bool):
     """The job with its engine, batch size and template settled; the prompts' id keys, their token lengths, and the
     batches. With `overwrite`, OUT and its parts are removed once the prompts have been read."""
+    import torch
+
     from finetune.artifacts import load_tokenizer
     from finetune.infer import batches, engines, store
     from finetune.infer.prompts import encode, load_processor, read_prompts, template_for
@@ -134,6 +136,8 @@ def _planned(job: GenerateJob, out: Path, overwrite: bool):
     tokenizer = load_tokenizer(job.source)
     jinja = template_for(tokenizer, job.template)
     processor = load_processor(job.source, prompts)
+    if job.engine == "vllm" and not torch.cuda.is_available():
+        job = dataclasses.replace(job, dtype=engines.vllm_cpu_dtype(job.source, job.dtype))
     if job.engine == "vllm" and processor is not None:
         problem = engines.vllm_images_problem(job.source, processor)
         if problem is not None and asked == "vllm":

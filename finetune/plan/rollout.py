@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, replace
 
 from finetune.catalog import ModelFacts
+from finetune.catalog_layers import LINEAR_ATTENTION
 from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
@@ -195,6 +196,14 @@ def _on_cpu(job: Job, out: list[Decision]) -> Placement:
         raise PlanError(
             f"method.rollout.tensor_parallel: {r.tensor_parallel}: on CPU a vLLM engine runs in one process; set it "
             "to 1 or auto"
+        )
+    dtype = job.precision if job.precision in ("fp32", "fp16") else "bf16"  # the engine's (rollout/factory.py)
+    if LINEAR_ATTENTION in job.m.layer_types and dtype != "bf16":
+        raise PlanError(  # vLLM 0.32 model_executor/layers/mamba/ops/cpu/gdn_attention.py: the first forward asserts it
+            f"method.engine: vllm: on a CPU, vLLM runs the linear-attention (gated delta-net) layers of "
+            f"{job.m.name} in bf16 only, and this plan generates in {dtype} (train.precision: "
+            f"{job.config.train.precision}); the engine would fail at its first step.\n    fix: set "
+            "train.precision: bf16, or method.engine: transformers"
         )
     server = r.url is not None or r.placement in ("server", "ray")
     kv = int((r.kv_cache_gib or CPU_KV_CACHE_GIB) * GiB)
