@@ -229,22 +229,11 @@ VLM_TEMPLATE = (
 COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 210, 40)}
 
 
-def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
+def build_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8, grids=None):
     """Save a randomly initialised tiny LLaVA (a 2-layer CLIP vision tower, a projector, a 2-layer Llama) with its
     processor (ft's tiny tokenizer with an image token, a CLIP image processor, a ChatML template with image parts) to
-    out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor."""
-    return _llava(out_dir, seed, image_size, patch)
-
-
-def build_llava_next_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
-    """A tiny LLaVA-NeXT (anyres: each image resized to the best of three grid pinpoints and cut into tiles of
-    image_size beside a base view; build_vlm's tower and language model) with its processor, saved to out_dir."""
-    grids = [[image_size, 2 * image_size], [2 * image_size, image_size], [2 * image_size, 2 * image_size]]
-    return _llava(out_dir, seed, image_size, patch, grids)
-
-
-def _llava(out_dir, seed: int, image_size: int, patch: int, grids=None):
-    """build_vlm's LLaVA, or with `grids` (anyres grid pinpoints) its LLaVA-NeXT form."""
+    out_dir: a folder transformers loads with AutoModelForImageTextToText and AutoProcessor. With `grids` (anyres
+    grid pinpoints), its LLaVA-NeXT form."""
     import transformers
     from transformers import CLIPVisionConfig, LlamaConfig
 
@@ -266,23 +255,20 @@ def _llava(out_dir, seed: int, image_size: int, patch: int, grids=None):
         num_additional_image_tokens=1,
     )
     config = getattr(transformers, f"{kind}Config")(
-        vision_config=_vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
-        text_config=_text_config(LlamaConfig, tokenizer),
+        vision_config=vision_config(CLIPVisionConfig, image_size, patch, layers=2, projection_dim=32),
+        text_config=text_config(LlamaConfig, tokenizer),
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,
         tie_word_embeddings=False,
         **anyres,
     )
-    return _saved(getattr(transformers, f"{kind}ForConditionalGeneration"), config, processor, out_dir, seed)
+    return save_with_processor(
+        getattr(transformers, f"{kind}ForConditionalGeneration"), config, processor, out_dir, seed
+    )
 
 
-def _image_template(marker: str) -> str:
-    """VLM_TEMPLATE with another family's image marker."""
-    return VLM_TEMPLATE.replace("'<image>'", f"'{marker}'")
-
-
-def _text_config(cls, tokenizer, **extra):
+def text_config(cls, tokenizer, **extra):
     """The tiny vision-language models' language side: 2 layers of width 64, 4 heads (2 for keys and values)."""
     return cls(
         vocab_size=len(tokenizer),
@@ -299,7 +285,7 @@ def _text_config(cls, tokenizer, **extra):
     )
 
 
-def _vision_config(cls, image_size: int, patch: int, layers: int = 1, **extra):
+def vision_config(cls, image_size: int, patch: int, layers: int = 1, **extra):
     """The tiny vision-language models' tower: width 32, 2 heads, `layers` layers."""
     return cls(
         hidden_size=32,
@@ -312,7 +298,7 @@ def _vision_config(cls, image_size: int, patch: int, layers: int = 1, **extra):
     )
 
 
-def _saved(model_class, config, processor, out_dir, seed: int):
+def save_with_processor(model_class, config, processor, out_dir, seed: int):
     """The model built from `config` (seeded), saved to out_dir with its processor."""
     import torch
 
@@ -321,149 +307,6 @@ def _saved(model_class, config, processor, out_dir, seed: int):
     model.save_pretrained(str(out_dir))
     processor.save_pretrained(str(out_dir))
     return model, processor
-
-
-def build_gemma3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
-    """A tiny Gemma 3 (a 1-layer SigLIP tower pooled to 4 image tokens, a 2-layer Gemma 3 text model with sliding
-    and global layers) with its processor (image tokens attended bidirectionally: token_type_ids), saved to out_dir."""
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3ImageProcessorPil,
-        Gemma3Processor,
-        Gemma3TextConfig,
-        PreTrainedTokenizerFast,
-        SiglipVisionConfig,
-    )
-
-    marks = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
-    base = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, *marks.values()))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer,
-        eos_token=base.eos_token,
-        pad_token=base.pad_token,
-        extra_special_tokens=marks,
-    )
-    template = _image_template(marks["boi_token"])
-    tokenizer.chat_template = template
-    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
-    processor = Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=template, image_seq_length=4)
-    ids = tokenizer.convert_tokens_to_ids
-    config = Gemma3Config(
-        text_config=_text_config(Gemma3TextConfig, tokenizer, head_dim=16, sliding_window=32),
-        vision_config=_vision_config(SiglipVisionConfig, image_size, patch),
-        mm_tokens_per_image=4,
-        boi_token_index=ids(marks["boi_token"]),
-        eoi_token_index=ids(marks["eoi_token"]),
-        image_token_index=ids(marks["image_token"]),
-    )
-    return _saved(Gemma3ForConditionalGeneration, config, processor, out_dir, seed)
-
-
-def build_idefics3_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
-    """A tiny Idefics3 (SmolVLM's architecture: a 1-layer SigLIP-style tower, pixel shuffle to 4 image tokens, a
-    2-layer Llama) with its processor, saved to out_dir."""
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessorPil,
-        Idefics3Processor,
-        Idefics3VisionConfig,
-        LlamaConfig,
-    )
-
-    tokenizer = build_tokenizer(
-        extra_special=(*TEMPLATE_TOKENS, "<fake_token_around_image>", IMAGE_TOKEN, "<global-img>", "<end_of_utterance>")
-    )
-    tokenizer.chat_template = VLM_TEMPLATE
-    images = Idefics3ImageProcessorPil(
-        size={"longest_edge": image_size}, max_image_size={"longest_edge": image_size}, do_image_splitting=False
-    )
-    processor = Idefics3Processor(
-        image_processor=images, tokenizer=tokenizer, chat_template=VLM_TEMPLATE, image_seq_len=4
-    )
-    config = Idefics3Config(
-        text_config=_text_config(LlamaConfig, tokenizer),
-        vision_config=_vision_config(Idefics3VisionConfig, image_size, patch),
-        scale_factor=2,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return _saved(Idefics3ForConditionalGeneration, config, processor, out_dir, seed)
-
-
-def build_mllama_vlm(out_dir: str | Path, seed: int = 0, image_size: int = 32, patch: int = 8):
-    """A tiny Llama 3.2 Vision (mllama: a tiled tower of one local and one global layer, up to 2 tiles an image; a
-    3-layer language model whose middle layer cross-attends to the tiles) with its processor (one <|image|> token per
-    image, the cross_attention_mask), saved to out_dir."""
-    from transformers import (
-        MllamaConfig,
-        MllamaForConditionalGeneration,
-        MllamaImageProcessorPil,
-        MllamaProcessor,
-        MllamaTextConfig,
-        MllamaVisionConfig,
-        PreTrainedTokenizerFast,
-    )
-
-    marker, bos = "<|image|>", "<|begin_of_text|>"
-    base = build_tokenizer(extra_special=(*TEMPLATE_TOKENS, marker, bos))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token=base.eos_token, pad_token=base.pad_token, bos_token=bos
-    )
-    template = "{{ bos_token }}" + _image_template(marker)  # the processor adds nothing to a text that opens with it
-    tokenizer.chat_template = template
-    images = MllamaImageProcessorPil(size={"height": image_size, "width": image_size}, max_image_tiles=2)
-    processor = MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
-    vision = MllamaVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_global_layers=1,
-        attention_heads=2,
-        image_size=image_size,
-        patch_size=patch,
-        max_num_tiles=2,
-        vision_output_dim=64,  # the last layer's output and one intermediate layer's, concatenated
-        intermediate_layers_indices=[0],
-        supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
-    )
-    text = MllamaTextConfig(  # _text_config's shape, a third layer: the cross-attention one
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        cross_attention_layers=[1],
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    config = MllamaConfig(
-        vision_config=vision, text_config=text, image_token_index=tokenizer.convert_tokens_to_ids(marker)
-    )
-    import torch
-
-    torch.manual_seed(seed)
-    model = MllamaForConditionalGeneration(config)
-    with torch.no_grad():  # transformers starts the cross-attention gates at 0, which hides the images from a new model
-        for name, param in model.named_parameters():
-            if "cross_attn_attn_gate" in name or "cross_attn_mlp_gate" in name:
-                param.fill_(1.0)
-    model.save_pretrained(str(out_dir))
-    processor.save_pretrained(str(out_dir))
-    return model, processor
-
-
-VLM_FAMILIES = {
-    "llava": build_vlm,
-    "gemma3": build_gemma3_vlm,
-    "idefics3": build_idefics3_vlm,
-    "llava_next": build_llava_next_vlm,
-    "mllama": build_mllama_vlm,
-}
 
 
 def image_records(n: int, folder: str | Path, seed: int = 0, size: int = 32, noise: bool = True) -> list[dict]:

@@ -728,8 +728,8 @@ def test_other_families_train_on_images_and_answer_image_prompts(tmp_path, famil
     from finetune.infer.generate import generate
     from finetune.infer.job import GenerateJob
     from finetune.infer.prompts import PromptSpec
-    from finetune.tiny import VLM_FAMILIES
     from tests.helpers import losses, train_here
+    from tests.vlm_builders import VLM_FAMILIES
 
     VLM_FAMILIES[family](tmp_path / "model")
     write_jsonl(image_records(24, tmp_path / "data", seed=1), tmp_path / "data" / "train.jsonl")
@@ -870,8 +870,8 @@ def test_a_built_in_template_renders_image_records_with_the_processors_image_mar
     """data.template chatml (a template of strings, not content parts): each image becomes the text the processor's own
     template writes for it, which the processor expands; the loss stays on the answer."""
     from finetune.data.preprocess import prepare
-    from finetune.tiny import build_gemma3_vlm
     from finetune.vision import image_marker
+    from tests.vlm_builders import build_gemma3_vlm
 
     path = job(tmp_path, vlm / "model", vlm / "data" / "train.jsonl")
     prepared = prepare(load(path, overrides=["data.template=chatml"]))

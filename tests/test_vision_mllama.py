@@ -10,8 +10,9 @@ import json
 import pytest
 import torch
 
-from finetune.tiny import build_mllama_vlm, image_records, write_jsonl
+from finetune.tiny import image_records, write_jsonl
 from tests.helpers import REPO
+from tests.vlm_builders import build_mllama_vlm
 
 COLOURS = REPO / "examples" / "data" / "colours"
 

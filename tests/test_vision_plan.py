@@ -145,7 +145,7 @@ def test_image_tokens_are_what_the_tiny_models_processor_inserts(tmp_path, famil
     from transformers import AutoProcessor
 
     from finetune.catalog import resolve
-    from finetune.tiny import VLM_FAMILIES
+    from tests.vlm_builders import VLM_FAMILIES
 
     VLM_FAMILIES[family](tmp_path / "m")
     facts = resolve(str(tmp_path / "m"))
@@ -165,7 +165,7 @@ def test_llava_next_counts_the_most_tokens_its_processor_inserts_for_any_image(t
     from transformers import AutoProcessor
 
     from finetune.catalog import resolve
-    from finetune.tiny import build_llava_next_vlm
+    from tests.vlm_builders import build_llava_next_vlm
 
     build_llava_next_vlm(tmp_path / "m")
     facts = resolve(str(tmp_path / "m"))

@@ -261,7 +261,8 @@ def test_prompts_with_images_give_transformers_greedy_answers_on_vllm(tmp_path):
 def test_vllm_refuses_images_of_a_model_it_cannot_serve_them_for(tmp_path):
     """Llama 3.2 Vision: vLLM has no model of it and its Transformers backend cannot count its image tokens, so
     `--engine vllm` with image prompts is refused before any engine starts, naming the fix."""
-    from finetune.tiny import build_mllama_vlm, image_records, write_jsonl
+    from finetune.tiny import image_records, write_jsonl
+    from tests.vlm_builders import build_mllama_vlm
 
     build_mllama_vlm(tmp_path / "model")
     prompts = write_jsonl(image_records(2, tmp_path / "data", seed=1), tmp_path / "data" / "prompts.jsonl")
