@@ -9,11 +9,6 @@ from finetune.data.collate import to_device
 from finetune.methods.loss import host_values
 
 
-def validation_loss(model, method, dataset, device, autocast, batch_rows: int = 32) -> float:
-    """Mean next-token loss over every trained token of the validation set (for DPO: mean loss per pair)."""
-    return validation_metrics(model, method, dataset, device, autocast, batch_rows)["eval_loss"]
-
-
 @torch.no_grad()
 def validation_metrics(model, method, dataset, device, autocast, batch_rows: int = 32) -> dict[str, float]:
     """eval_loss, plus the method's own metrics (e.g. DPO's reward accuracy) as eval_NAME, each weighted like the
@@ -48,7 +43,6 @@ def answer_loss(model, rows: list[dict], pad_id: int, batch_rows: int, pixels=No
 
     from finetune.methods.sft import SFT
 
+    method = SFT(pad_id, "sdpa", batch_rows, pixels=pixels)
     dataset = datasets.Dataset.from_list(rows)
-    return validation_loss(
-        model, SFT(pad_id, "sdpa", batch_rows, pixels=pixels), dataset, model.device, contextlib.nullcontext, batch_rows
-    )
+    return validation_metrics(model, method, dataset, model.device, contextlib.nullcontext, batch_rows)["eval_loss"]

@@ -141,14 +141,10 @@ def _from_file(spec: PromptSpec) -> PromptSet:
     return PromptSet(prompts, None, spec.path)
 
 
-def has_images(prompts: list[Prompt]) -> bool:
-    return any(p.images for p in prompts)
-
-
 def load_processor(source, prompts: list[Prompt]):
     """The model's processor when a prompt has images (None otherwise): from the run's or adapter's saved files, else
     the model's; FtError naming a prompt with images when the model has none."""
-    if not has_images(prompts):
+    if not any(p.images for p in prompts):
         return None
     from finetune.artifacts import find_processor
     from finetune.errors import FtError

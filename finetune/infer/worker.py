@@ -50,6 +50,7 @@ def run(
     the one the launcher counted on node 0); `local_world`: the processes of this node (default `world`)."""
     from finetune.infer.batches import deal
     from finetune.infer.job import GenerateJob
+    from finetune.infer.prompts import encode
     from finetune.infer.store import PartWriter, write_stats
 
     job = GenerateJob.from_json(json.loads((parts / "job.json").read_text()))
@@ -66,7 +67,7 @@ def run(
         for done, b in enumerate(mine, 1):
             batch = plan["batches"][b]
             outputs = engine.generate(
-                [_encode(prompts[i], tokenizer, jinja, processor) for i in batch],
+                [encode(prompts[i], tokenizer, jinja, processor) for i in batch],
                 b,
                 images=[prompts[i].images for i in batch] if processor is not None else None,
             )
@@ -97,12 +98,6 @@ def _inputs(job, keys: list[str]):
         )
     tokenizer = load_tokenizer(job.source)
     return prompts, tokenizer, template_for(tokenizer, job.template), load_processor(job.source, prompts)
-
-
-def _encode(prompt, tokenizer, jinja, processor):
-    from finetune.infer.prompts import encode
-
-    return encode(prompt, tokenizer, jinja, processor)
 
 
 def _row(job, prompt, text: str) -> str:

@@ -21,11 +21,6 @@ from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
 
 
-def token_logps(model, batch: dict, head: LossHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probabilities of the next tokens (B, T-1) and the mask of trained positions."""
-    return (head or LossHead()).token_logps(model, batch)
-
-
 def pair_losses(
     kind: str, beta: float, smoothing: float, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens
 ):
@@ -69,40 +64,24 @@ class DPO:
             pixels(context),
         )
         if context.plan.reference == "precomputed":
-            c = context
-            method.held_out = c.validation
-            tables = [
-                precompute(c.engine.model, method, data, c.runtime, c.device, c.autocast).table
-                for data in (c.dataset, c.validation)
-                if data is not None
-            ]
-            method.reference = Precomputed(*tables)
+            method.reference = precomputed_reference(context, method)
         return method
 
     def micro_batches(self, dataset, indices: list[int]) -> list[dict]:
         rows = dataset.select(indices)[:]
         out = []
         for i in range(0, len(indices), self.micro):
-            chosen = [
+            part = slice(i, i + self.micro)
+            seqs = [  # the chosen rows, then the rejected ones
                 {"input_ids": ids, "labels": lab}
-                for ids, lab in zip(
-                    rows["chosen_input_ids"][i : i + self.micro], rows["chosen_labels"][i : i + self.micro]
-                )
+                for side in ("chosen", "rejected")
+                for ids, lab in zip(rows[f"{side}_input_ids"][part], rows[f"{side}_labels"][part])
             ]
-            rejected = [
-                {"input_ids": ids, "labels": lab}
-                for ids, lab in zip(
-                    rows["rejected_input_ids"][i : i + self.micro], rows["rejected_labels"][i : i + self.micro]
-                )
-            ]
-            batch = collate(chosen + rejected, self.pad_id, "sdpa")
+            batch = collate(seqs, self.pad_id, "sdpa")
             if self.images is not None:  # chosen rows then rejected rows, as stacked: each pair's images twice
-                paths = [ps or [] for ps in rows["images"][i : i + self.micro]]
+                paths = [ps or [] for ps in rows["images"][part]]
                 self.images.add(batch, paths + paths)
-            batch.update(
-                rows=torch.tensor(indices[i : i + self.micro]),
-                num_tokens=sum(len(x["input_ids"]) for x in chosen + rejected),
-            )
+            batch.update(rows=torch.tensor(indices[part]), num_tokens=sum(len(x["input_ids"]) for x in seqs))
             batch[TABLE] = table_index(dataset, self.held_out)
             out.append(batch)
         return out
@@ -111,7 +90,7 @@ class DPO:
         return len(batch["rows"])  # the step's loss is a mean over pairs
 
     def sequence_logps(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, mask = token_logps(model, batch, self.head)
+        logps, mask = self.head.token_logps(model, batch)
         return logps.sum(-1), mask.sum(-1)
 
     def policy_score(self, model, batch: dict) -> torch.Tensor:
@@ -125,16 +104,23 @@ class DPO:
             ref_chosen, ref_rejected = self.reference(model, batch, self).to(logps.device).chunk(2)
         n_c, n_r = counts.chunk(2)
         losses = pair_losses(self.kind, self.beta, self.smoothing, chosen, rejected, ref_chosen, ref_rejected, n_c, n_r)
-        rc, rr = self.beta * (chosen - ref_chosen).detach(), self.beta * (rejected - ref_rejected).detach()
         metrics = {
-            "rewards/chosen": metric(rc.mean()),
-            "rewards/rejected": metric(rr.mean()),
-            "rewards/margin": metric((rc - rr).mean()),
-            "rewards/accuracy": metric((rc > rr).float().mean()),
+            **reward_metrics(self.beta * (chosen - ref_chosen), self.beta * (rejected - ref_rejected)),
             "logps/chosen": metric(chosen.mean()),
             "logps/rejected": metric(rejected.mean()),
         }
         return losses.sum() / normaliser, metrics
+
+
+def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What a preference method logs of its implicit rewards (the names DPO logs), as metrics (methods/loss.py)."""
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return {
+        "rewards/chosen": metric(chosen.mean()),
+        "rewards/rejected": metric(rejected.mean()),
+        "rewards/margin": metric((chosen - rejected).mean()),
+        "rewards/accuracy": metric((chosen > rejected).float().mean()),
+    }
 
 
 def reference_model(context: Context):
@@ -200,6 +186,19 @@ def table_index(dataset, held_out) -> int:
     """TABLE of a micro-batch of `dataset`: 1 for the held-out rows, else 0 (a Python int: it stays on the host when
     the batch moves to the device, so reading it never waits for the GPU)."""
     return int(held_out is not None and dataset is held_out)
+
+
+def precomputed_reference(context: Context, method, batches=None) -> Precomputed:
+    """The `precompute`d reference of the training rows and of the held-out ones, scored now by the starting model."""
+    c = context
+    method.held_out = c.validation
+    return Precomputed(
+        *(
+            precompute(c.engine.model, method, data, c.runtime, c.device, c.autocast, batches).table
+            for data in (c.dataset, c.validation)
+            if data is not None
+        )
+    )
 
 
 @torch.no_grad()

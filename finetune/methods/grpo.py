@@ -27,7 +27,7 @@ from finetune.data.collate import collate
 from finetune.data.masking import IGNORE
 from finetune.data.tokenize import pad_id
 from finetune.methods import Context, register
-from finetune.methods.dpo import reference_model, token_logps
+from finetune.methods.dpo import reference_model
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
 from finetune.methods.rewards import load_rewards
@@ -97,7 +97,7 @@ class GRPO:
         def policy(batch: dict) -> torch.Tensor:
             on_device = {k: v.to(c.device) if torch.is_tensor(v) else v for k, v in batch.items()}
             with c.autocast():
-                return token_logps(c.engine.model, on_device, head)[0].float().cpu()
+                return head.token_logps(c.engine.model, on_device)[0].float().cpu()
 
         return cls(
             section, c.tokenizer, c.plan.micro_batch_size, driver, reference_model(c), rewards, head, policy, c.stream
@@ -204,10 +204,10 @@ class GRPO:
 
     def policy_score(self, model, batch: dict) -> torch.Tensor:
         """What the reference model is asked for: per-token log-probs."""
-        return token_logps(model, batch, self.head)[0]
+        return self.head.token_logps(model, batch)[0]
 
     def loss(self, model, batch: dict, normaliser: float):
-        logps, mask = token_logps(model, batch, self.head)
+        logps, mask = self.head.token_logps(model, batch)
         adv = batch["advantages"].to(logps.device)[:, None]
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps.device)

@@ -26,7 +26,7 @@ import torch
 from finetune.data.collate import IGNORE, collate, to_device
 from finetune.errors import FtError
 from finetune.methods import Context, pixels, register
-from finetune.methods.dpo import TABLE, Precomputed, precompute, reference_model, table_index, token_logps
+from finetune.methods.dpo import TABLE, precomputed_reference, reference_model, table_index
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
 
@@ -136,17 +136,7 @@ class KTO:
             pixels=pixels(context),
         )
         if precomputed:
-            c = context
-            method.held_out = c.validation
-            both = Precomputed(
-                *(
-                    precompute(
-                        c.engine.model, method, data, c.runtime, c.device, c.autocast, method.reference_batches, 2
-                    ).table
-                    for data in (c.dataset, c.validation)
-                    if data is not None
-                )
-            )
+            both = precomputed_reference(context, method, method.reference_batches)
             method.reference, method.kl_reference = both.columns(0, 1), both.columns(1, 2)
         return method
 
@@ -196,7 +186,7 @@ class KTO:
         return len(batch["rows"])  # the step's loss is a mean over rows
 
     def sequence_logps(self, model, batch: dict) -> torch.Tensor:
-        logps, _ = token_logps(model, batch, self.head)
+        logps, _ = self.head.token_logps(model, batch)
         return logps.sum(-1)
 
     def policy_score(self, model, batch: dict) -> torch.Tensor:

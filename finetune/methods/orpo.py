@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from finetune.methods import register
+from finetune.methods.dpo import reward_metrics
 from finetune.methods.head import LossHead
 from finetune.methods.loss import metric
-from finetune.methods.simpo import ReferenceFree, reward_metrics
+from finetune.methods.simpo import ReferenceFree
 
 _LOG_HALF = -math.log(2)
 

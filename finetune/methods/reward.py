@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from finetune.errors import FtError
 from finetune.methods import Context, register
-from finetune.methods.dpo import DPO
-from finetune.methods.simpo import reward_metrics
+from finetune.methods.dpo import DPO, reward_metrics
 
 MARGIN = "margin"
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.methods import Context, pixels, register
-from finetune.methods.dpo import DPO
+from finetune.methods.dpo import DPO, reward_metrics
 from finetune.methods.head import LossHead, loss_head
 from finetune.methods.loss import metric
 
@@ -36,17 +36,6 @@ class ReferenceFree(DPO):
         """Each answer's log-probability averaged over its trained tokens: (chosen, rejected), one per pair."""
         logps, counts = self.sequence_logps(model, batch)
         return (logps / counts.clamp(min=1)).chunk(2)
-
-
-def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, torch.Tensor]:
-    """What a preference method logs of its implicit rewards (the names DPO logs), as metrics (methods/loss.py)."""
-    chosen, rejected = chosen.detach(), rejected.detach()
-    return {
-        "rewards/chosen": metric(chosen.mean()),
-        "rewards/rejected": metric(rejected.mean()),
-        "rewards/margin": metric((chosen - rejected).mean()),
-        "rewards/accuracy": metric((chosen > rejected).float().mean()),
-    }
 
 
 def simpo_losses(beta: float, gamma: float, smoothing: float, chosen, rejected) -> torch.Tensor:
