@@ -131,16 +131,13 @@ def _loss_panel(ax, series: dict) -> None:
     for name, label, style in (("loss", "train loss", "-"), ("eval_loss", "eval loss", "o-")):
         if series[name]:
             lines += ax.plot(*zip(*series[name]), style, label=label, markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
     if series["lr"]:
         ax2 = ax.twinx()
         lines += ax2.plot(*zip(*series["lr"]), "--", color="tab:gray", label="learning rate", linewidth=1)
         ax2.set_ylabel("learning rate")
         ax2.set_ylim(bottom=0)
         ax2.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    _legend(ax, lines)
+    _finish(ax, lines, "loss")
 
 
 def _reward_panel(ax, rewards: dict) -> None:
@@ -148,13 +145,14 @@ def _reward_panel(ax, rewards: dict) -> None:
     for name, points in rewards.items():
         if points:
             lines += ax.plot(*zip(*points), "-", label=name, linewidth=2 if name == "reward" else 1)
+    _finish(ax, lines, "rewards")
+
+
+def _finish(ax, lines: list, ylabel: str) -> None:
+    """A panel's axis labels, grid and legend."""
     ax.set_xlabel("step")
-    ax.set_ylabel("rewards")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    _legend(ax, lines)
-
-
-def _legend(ax, lines: list) -> None:
     ax.legend(
         lines,
         [line.get_label() for line in lines],

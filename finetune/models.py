@@ -351,8 +351,6 @@ def quantization_config(plan, kept: list[str] = ()):
 # ---------------------------------------------------------------- safetensors, read piece by piece
 def weights_folder(model: ModelSection):
     """The local folder holding the model's config and safetensors weights (fetched from the hub when given an id)."""
-    from pathlib import Path
-
     path = Path(model_path(model))
     if not path.is_dir():
         from huggingface_hub import snapshot_download
@@ -402,7 +400,6 @@ class Checkpoint:
 
     def __init__(self, folder):
         import json
-        from pathlib import Path
 
         folder = Path(folder)
         index = folder / "model.safetensors.index.json"

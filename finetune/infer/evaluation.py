@@ -207,11 +207,7 @@ def _check_references(prompts, metrics, loss: bool) -> None:
         return
     missing = next((p for p in prompts if p.reference is None), None)
     if missing is not None:
-        needs = (
-            "loss"
-            if loss and not any(m.needs_reference for m in metrics)
-            else next(m.name for m in metrics if m.needs_reference)
-        )
+        needs = next((m.name for m in metrics if m.needs_reference), "loss")
         raise FtError(
             f"{missing.origin}: {needs} needs a reference answer: the conversation does not end with an assistant "
             "message, and the record has no answer column.\n"

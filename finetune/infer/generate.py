@@ -265,13 +265,13 @@ def _launch_record(cmd: list[str], role) -> str:
     import shlex
 
     head = "" if role is None else f"# node 0 of {role.nnodes}; node R runs the same with --node-rank=R\n"
-    return head + " ".join(shlex.quote(a) for a in cmd) + "\n"
+    return head + shlex.join(cmd) + "\n"
 
 
 def _say_launch(role, cmd: list[str]) -> None:
     import shlex
 
-    sys.stderr.write(f"ft generate, node {role.node_rank} of {role.nnodes}: {' '.join(map(shlex.quote, cmd))}\n")
+    sys.stderr.write(f"ft generate, node {role.node_rank} of {role.nnodes}: {shlex.join(cmd)}\n")
 
 
 def _check_code(code: int) -> None:

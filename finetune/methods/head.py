@@ -94,7 +94,7 @@ class LossHead:
             inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
             # the labels shifted left (the last position predicts nothing), not the logits: no copy of t·V values
             targets = next_tokens(batch)
-            if POSITIONS in batch and takes_positions(causal_lm(model)):  # the trained positions' logits only
+            if POSITIONS in batch and takes_positions(type(causal_lm(model))):  # the trained positions' logits only
                 keep = batch[POSITIONS].to(targets.device)
                 logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits
                 targets = targets.index_select(-1, keep)
@@ -176,16 +176,12 @@ def trained_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _forward_takes_positions(cls: type) -> bool:
+def takes_positions(cls: type) -> bool:
+    """Whether the model class's forward takes `logits_to_keep` (transformers' causal LMs: an int, or a tensor of the
+    positions to compute logits for, modeling_utils.slice_logits_to_keep)."""
     import inspect
 
     return "logits_to_keep" in inspect.signature(cls.forward).parameters
-
-
-def takes_positions(lm) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs: an int, or a tensor of the
-    positions to compute logits for, modeling_utils.slice_logits_to_keep)."""
-    return _forward_takes_positions(type(lm))
 
 
 def chunk_count(head: Head, rows: int, chunk_tokens: int, job: int = 1) -> int:

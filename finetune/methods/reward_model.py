@@ -96,8 +96,8 @@ def _load_classifier(spec, key: str, device, precision: str):
     from transformers import AutoModelForSequenceClassification
 
     from finetune.distributed.deepspeed_load import zero3_withdrawn
+    from finetune.models import torch_dtype
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     # GPU: straight onto this rank's device (context.device: cuda:LOCAL_RANK), as models.load_model places the policy:
     # never a whole copy per rank in host memory first (transformers 5.24 from_pretrained: device_map {"": device})
     placed = {"device_map": {"": device}} if torch.device(device).type == "cuda" else {}
@@ -106,7 +106,7 @@ def _load_classifier(spec, key: str, device, precision: str):
             model = AutoModelForSequenceClassification.from_pretrained(
                 spec.model,
                 revision=spec.revision,
-                dtype=dtype,
+                dtype=torch_dtype(precision),
                 use_safetensors=True,
                 trust_remote_code=spec.trust_remote_code,
                 **placed,
