@@ -160,7 +160,7 @@ class TransformersEngine:
             out = self.model.generate(
                 input_ids=input_ids, attention_mask=mask, generation_config=self._config(), **extra
             )
-        return [self._finish(row.tolist()) for row in out[:, width:]]
+        return [finish(row.tolist(), self.tokenizer, self.stop, self.pad, self.sampling.stop) for row in out[:, width:]]
 
     def _config(self):
         from transformers import GenerationConfig
@@ -176,9 +176,6 @@ class TransformersEngine:
             eos_token_id=self.stop,
             **sampled,
         )
-
-    def _finish(self, row: list[int]) -> tuple[str, int]:
-        return finish(row, self.tokenizer, self.stop, self.pad, self.sampling.stop)
 
 
 def finish(row: list[int], tokenizer, stop: list[int], pad: int, texts: tuple[str, ...]) -> tuple[str, int]:

@@ -14,12 +14,8 @@ from finetune.errors import FtError
 INSTALL = "pip install 'finetune[lm-eval]' (or pip install lm-eval)"
 
 
-def available() -> bool:
-    return importlib.util.find_spec("lm_eval") is not None
-
-
 def check_installed() -> None:
-    if not available():
+    if importlib.util.find_spec("lm_eval") is None:
         raise FtError(f"--lm-eval needs lm-evaluation-harness, which is not installed.\n    fix: {INSTALL}")
 
 

@@ -186,12 +186,11 @@ class KTO:
         return len(batch["rows"])  # the step's loss is a mean over rows
 
     def sequence_logps(self, model, batch: dict) -> torch.Tensor:
+        """Summed log-probs of each sequence: what the loss and the KL baseline read."""
         logps, _ = self.head.token_logps(model, batch)
         return logps.sum(-1)
 
-    def policy_score(self, model, batch: dict) -> torch.Tensor:
-        """What the reference model is asked for: summed log-probs of each sequence."""
-        return self.sequence_logps(model, batch)
+    policy_score = sequence_logps  # what the reference model is asked for: the same sums
 
     def loss(self, model, batch: dict, normaliser: float):
         kl = batch[STEP_KL].baseline(model, self, batch["input_ids"].device)
