@@ -322,15 +322,12 @@ def _loss(model, tokenizer, template: str, prompts, batch_rows: int, processor=N
                     f"{p.origin}: the prompt is a conversation, which needs a chat template.\n    fix: drop "
                     "--template none"
                 )
-            rules, record = (
-                Rules("prompt_completion", "assistant", seq_len, "truncate", 0),
-                {"prompt": p.text, "completion": p.reference},
-            )
+            rules = Rules("prompt_completion", "assistant", seq_len, "truncate", 0)
+            record = {"prompt": p.text, "completion": p.reference}
         else:
-            rules, record = (
-                Rules("chat", "last_assistant", seq_len, "truncate", 0),
-                {"messages": [*p.messages, {"role": "assistant", "content": p.reference}], "images": list(p.images)},
-            )
+            rules = Rules("chat", "last_assistant", seq_len, "truncate", 0)
+            answer = {"role": "assistant", "content": p.reference}
+            record = {"messages": [*p.messages, answer], "images": list(p.images)}
         try:
             row, _ = fit_length(tokenize_record(record, rules, tokenizer, jinja, processor), rules)
         except DataError as e:

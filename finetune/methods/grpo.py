@@ -191,10 +191,8 @@ class GRPO:
             values = torch.tensor(reward(texts, prompts, columns, origins))
             total += reward.weight * values
             metrics[f"rewards/{reward.name}"] = values.mean().item()
-        metrics["reward"], metrics["reward_std"] = (
-            total.mean().item(),
-            total.view(-1, g).std(-1).mean().item() if g > 1 else 0.0,
-        )
+        metrics["reward"] = total.mean().item()
+        metrics["reward_std"] = total.view(-1, g).std(-1).mean().item() if g > 1 else 0.0
         return total, metrics
 
     def tokens(self, batch: dict) -> int:
