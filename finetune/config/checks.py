@@ -367,17 +367,4 @@ def evaluation_metric_options(c: Config) -> list[Problem]:
                     f"remove evaluation.{key}, or set evaluation.metric: {metric}",
                 )
             )
-    if e.pattern is not None:
-        import re
-
-        try:
-            re.compile(e.pattern)
-        except re.error as err:
-            out.append(
-                Problem(
-                    (("evaluation", "pattern"),),
-                    f"not a regular expression ({err})",
-                    "correct the pattern (Python re syntax); in YAML, single quotes keep backslashes as written",
-                )
-            )
     return out
