@@ -131,15 +131,6 @@ class NodeRole:
         )
 
 
-def _check_rows(job_plan, prepared) -> None:
-    """What only the prepared rows tell about the plan, before any rank starts (finetune/vision.py)."""
-    from finetune.vision import mixed_rows_problem
-
-    why = mixed_rows_problem(job_plan, prepared.train)
-    if why is not None:
-        raise FtError(f"data: {why}")
-
-
 def run_train(
     config_path: str | os.PathLike,
     overrides: Iterable[str] = (),
@@ -164,6 +155,7 @@ def run_train(
     from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
     from finetune.runlock import locked
+    from finetune.vision import mixed_rows_problem
 
     role = role or NodeRole()
     with contextlib.ExitStack() as held:
@@ -182,7 +174,9 @@ def run_train(
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
             job_plan = _plan_for_data(prepared, config, facts, hardware, role, config_path)  # once
-            _check_rows(job_plan, prepared)
+            why = mixed_rows_problem(job_plan, prepared.train)  # what only the prepared rows tell about the plan
+            if why is not None:
+                raise FtError(f"data: {why}")
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:
@@ -457,7 +451,6 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
         str(config_path), job_plan, str(run_dir), f"ft-{name}", time_limit, partition, tuple(overrides)
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
     out.chmod(0o755)
     return out
@@ -483,7 +476,6 @@ def write_generate_script(
         "ft-generate", node.nodes, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
     )
     log_dir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, generate_script(list(args), allocation))
     out.chmod(0o755)
     return out

@@ -142,19 +142,12 @@ class RunFolder:
 
     def data_summary(self) -> dict:
         """What the prepared data held (sources, samples, tokens), as data.json records it; {} when absent."""
-        try:
-            summary = json.loads(self.data_path.read_text()).get("summary")
-        except (OSError, ValueError, AttributeError):
-            return {}
+        summary = json_object(self.data_path).get("summary")
         return summary if isinstance(summary, dict) else {}
 
     def result(self) -> dict:
         """result.json: what the finished run reported (steps, losses, evaluations); {} when absent or damaged."""
-        try:
-            result = json.loads(self.result_path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return result if isinstance(result, dict) else {}
+        return json_object(self.result_path)
 
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
@@ -257,11 +250,7 @@ class RunFolder:
     def plan_dict(self) -> dict:
         """plan.json as a mapping; {} when it is missing or damaged (for readers that only refine what config.yaml
         says, such as the resolved adapter type of `adapter: auto`)."""
-        try:
-            plan = json.loads(self.plan_path.read_text()) if self.plan_path.is_file() else {}
-        except (OSError, ValueError):
-            return {}
-        return plan if isinstance(plan, dict) else {}
+        return json_object(self.plan_path)
 
     def prepared_cache(self) -> Path:
         """The prepared data set's cache entry that ft train recorded in data.json."""
@@ -272,6 +261,15 @@ class RunFolder:
                 f"{self.data_path}: cannot read where the prepared data is ({type(e).__name__}: {e}); "
                 "run ft train CONFIG again"
             ) from None
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in `path`; {} when the file is missing, unreadable or holds something else."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def checkpoint_step(path: Path) -> int:
