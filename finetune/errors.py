@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 Path = tuple  # a key path into the config: ("data", "datasets", 0, "format")
@@ -185,8 +186,6 @@ def exit_process(main) -> None:
 
 def _unexpected(e: BaseException, what: str) -> int:
     """Report an exception ft did not expect: one message, the traceback in a log (or printed with --debug)."""
-    import traceback
-
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     input_error = isinstance(e, OSError)
     detail = " ".join(str(e).split())[:300] or "(no message)"
@@ -213,8 +212,6 @@ def _unexpected(e: BaseException, what: str) -> int:
 
 def _innermost_ft_frame(e: BaseException) -> str | None:
     """`finetune/x.py:LINE in function` for the deepest frame of ft's own code in the traceback."""
-    import traceback
-
     found = None
     for frame in traceback.extract_tb(e.__traceback__):
         parts = frame.filename.replace("\\", "/").split("/")

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from finetune.errors import FtError
 
 if TYPE_CHECKING:
@@ -179,10 +181,6 @@ class RunFolder:
         """The run's config.yaml as a plain mapping, `${VAR}` expanded from this process's environment (for readers
         that need a few keys, also of runs whose config a newer ft would no longer validate). A reference to an unset
         variable is an FtError, except at the key paths `unset_ok` names: there it stays as written."""
-        import os
-
-        import yaml
-
         from finetune.config.env import Expansion
 
         expansion = Expansion(os.environ, yaml.safe_load)
@@ -198,8 +196,6 @@ class RunFolder:
     def written_config(self) -> dict:
         """The run's config.yaml as written: `${VAR}` references (secrets, or from runs of an older ft that recorded
         no values) not expanded."""
-        import yaml
-
         path = self.config_path
         try:
             data = yaml.safe_load(path.read_text())
