@@ -63,16 +63,14 @@ def lora_options_need_lora(c: Config) -> list[Problem]:
     a = c.adapter
     if a.type != "full":
         return []
-    lora_keys = [
-        k for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save", "dora", "rslora") if a.explicit(k)
-    ]
     return [
         Problem(
             (("adapter", k), ("adapter", "type")),
             "this LoRA option has no effect with full fine-tuning",
             f"remove adapter.{k}, or set adapter.type: lora",
         )
-        for k in lora_keys
+        for k in ("r", "alpha", "dropout", "target_modules", "modules_to_save", "dora", "rslora")
+        if a.explicit(k)
     ]
 
 
