@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from finetune import __version__
-from finetune.errors import FtError, run_main, set_debug
+from finetune.errors import FtError, exit_process, run_main, set_debug
 from finetune.infer.commands import EvalOptions, GenerateOptions  # light: dataclasses of options, no models
 
 app = typer.Typer(
@@ -230,7 +230,6 @@ def rollout_server(
     says how vLLM starts). Set FT_ROLLOUT_TOKEN to the same secret here and for the trainer to require it (vLLM's API
     key, passed through the environment)."""
     import os
-    import sys
 
     from finetune.config import load
     from finetune.rollout.factory import TOKEN_ENV, engine_spec
@@ -516,8 +515,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def entry() -> None:
     """The `ft` command (and `python -m finetune`): main(), then a quick exit once everything is written."""
-    from finetune.errors import exit_process
-
     exit_process(main)
 
 

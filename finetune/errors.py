@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from dataclasses import dataclass, field
 
 Path = tuple  # a key path into the config: ("data", "datasets", 0, "format")
@@ -67,8 +70,6 @@ class Problem:
 class ConfigError(FtError):
     """Every problem found in a job file, reported together."""
 
-    exit_code = 2
-
     def __init__(self, source: str, problems: list[Problem]):
         self.source = source
         self.problems = list(problems)
@@ -81,19 +82,13 @@ class ConfigError(FtError):
 class PlanError(FtError):
     """The job cannot run on this hardware as asked; the message gives the estimate and options that fit."""
 
-    exit_code = 2
-
 
 class HardwareError(FtError):
     """A hardware description that cannot be read."""
 
-    exit_code = 2
-
 
 class DataError(FtError):
     """Data that cannot be read or turned into training examples; the message names the file/line or sample."""
-
-    exit_code = 2
 
 
 # ---------------------------------------------------------------- the top-level handler
@@ -117,8 +112,6 @@ def run_main(fn, what: str = "ft", run_dir=None) -> None:
     Every entry point uses it (`ft`, and each rank's `python -m finetune.rank`), so that no input reaches
     the user as a traceback. `what` names the command in messages; `run_dir` is where the log goes.
     """
-    import sys
-
     if run_dir is not None:
         set_run_dir(run_dir)
     try:
@@ -151,8 +144,6 @@ def exit_process(main) -> None:
     under a profiler or a tracer (cProfile, coverage), which writes its report at exit."""
     import atexit
     import gc
-    import os
-    import sys
     import threading
 
     gc.set_threshold(GC_YOUNG_OBJECTS, *gc.get_threshold()[1:])
@@ -195,10 +186,6 @@ def exit_process(main) -> None:
 
 def _unexpected(e: BaseException, what: str) -> int:
     """Report an exception ft did not expect: one message, the traceback in a log (or printed with --debug)."""
-    import os
-    import sys
-    import traceback
-
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     input_error = isinstance(e, OSError)
     detail = " ".join(str(e).split())[:300] or "(no message)"
@@ -225,8 +212,6 @@ def _unexpected(e: BaseException, what: str) -> int:
 
 def _innermost_ft_frame(e: BaseException) -> str | None:
     """`finetune/x.py:LINE in function` for the deepest frame of ft's own code in the traceback."""
-    import traceback
-
     found = None
     for frame in traceback.extract_tb(e.__traceback__):
         parts = frame.filename.replace("\\", "/").split("/")
@@ -237,7 +222,6 @@ def _innermost_ft_frame(e: BaseException) -> str | None:
 
 def _write_log(text: str, what: str) -> str | None:
     """Write the traceback to RUN/ft-error-PID.log (or $TMPDIR/ft-error-PID.log); its path, or None."""
-    import os
     import tempfile
     from pathlib import Path
 

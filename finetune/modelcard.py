@@ -163,6 +163,7 @@ def _training_rows(cfg: dict, plan: dict) -> list:
     if backend and plan.get("sharding") not in (None, "none"):
         backend = f"{backend} ({plan['sharding']})"
     seq_len = plan.get("seq_len") or data.get("seq_len")
+    lr = plan.get("lr") or train.get("lr")
     return [
         ("hardware", plan.get("hardware")),
         ("precision", plan.get("precision") or train.get("precision")),
@@ -170,14 +171,10 @@ def _training_rows(cfg: dict, plan: dict) -> list:
         ("offload", plan.get("offload_target") if plan.get("offload") else None),
         ("batch", batch),
         ("sequence length", f"{seq_len}{', packed' if data.get('packing') else ''}" if seq_len else None),
-        ("learning rate", _g(plan.get("lr") or train.get("lr"))),
+        ("learning rate", f"{lr:g}" if isinstance(lr, float) else lr),
         ("schedule / optimizer", " / ".join(str(train[k]) for k in ("scheduler", "optimizer") if train.get(k))),
         ("gradient checkpointing", {True: "on", False: "off"}.get(plan.get("gradient_checkpointing"))),
     ]
-
-
-def _g(value: Any) -> Any:
-    return f"{value:g}" if isinstance(value, float) else value
 
 
 def _result_rows(metrics: dict, evaluation: dict) -> list:

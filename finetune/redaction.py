@@ -125,7 +125,7 @@ def _secret_path(path: tuple, names: set[str], variables: dict, raw: dict, redac
     hashes = bool(_HASH_KEY.search(str(path[-1])))
     for name in names:
         value = variables[name]
-        if SECRET_KEY.search(name) or SECRET_VARIABLE.search(name):
+        if secret_variable(name):
             return True
         if _redact_text(value, hashes_allowed=hashes or bool(_HASH_KEY.search(name))) != value:
             return True
@@ -143,16 +143,11 @@ def _holder(data: Any, path: tuple) -> tuple[Any, Any]:
             data = data[part]
         except (KeyError, IndexError, TypeError):
             return None, None
-    if not path or not isinstance(data, (dict, list)):
+    if not path:
         return None, None
-    if (
-        isinstance(data, dict)
-        and path[-1] in data
-        or isinstance(data, list)
-        and isinstance(path[-1], int)
-        and path[-1] < len(data)
-    ):
-        return data, path[-1]
+    key = path[-1]
+    if isinstance(data, dict) and key in data or isinstance(data, list) and isinstance(key, int) and key < len(data):
+        return data, key
     return None, None
 
 
@@ -200,11 +195,7 @@ def leaks(text: str, environ: dict[str, str] | None = None) -> list[str]:
     import os
 
     env = os.environ if environ is None else environ
-    found = sorted(
-        name
-        for name, value in env.items()
-        if (SECRET_KEY.search(name) or SECRET_VARIABLE.search(name)) and len(value) >= 8 and value in text
-    )
+    found = sorted(name for name, value in env.items() if secret_variable(name) and len(value) >= 8 and value in text)
     if _redact_text(text, hashes_allowed=True) != text:
         found.append("a token, key or password")
     return found

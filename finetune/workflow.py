@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import shlex
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.artifacts.run import RunFolder
-from finetune.errors import FtError, HardwareError, set_run_dir
+from finetune.artifacts.run import RunFolder, check_output_dir, mark, refuse_foreign
+from finetune.config import load
+from finetune.errors import ConfigError, FtError, HardwareError, LostPeers, Stopped, set_run_dir
+from finetune.files import atomic_write_text
 from finetune.plan.plan import Plan
 
 
@@ -50,7 +55,6 @@ def compile_plan(
     from `config_path` (with `overrides`), not parsed again. A run folder's config.yaml is planned as ft train planned
     it, for what its data.json says the prepared rows held (added tokens, images, trained share): the same plan as its
     plan.json."""
-    from finetune.config import load
 
     config = config or load(config_path, overrides)
     folder = RunFolder(Path(config_path).parent)
@@ -82,7 +86,6 @@ def run_preprocess(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from finetune.config import load
     from finetune.data.preprocess import prepare
     from finetune.data.preview import print_preview, print_summary
 
@@ -131,15 +134,6 @@ class NodeRole:
         )
 
 
-def _check_rows(job_plan, prepared) -> None:
-    """What only the prepared rows tell about the plan, before any rank starts (finetune/vision.py)."""
-    from finetune.vision import mixed_rows_problem
-
-    why = mixed_rows_problem(job_plan, prepared.train)
-    if why is not None:
-        raise FtError(f"data: {why}")
-
-
 def run_train(
     config_path: str | os.PathLike,
     overrides: Iterable[str] = (),
@@ -155,15 +149,13 @@ def run_train(
     Node 0 owns the run folder: it holds the folder's lock (runlock.py) from before it reads, removes or writes
     anything there until its last rank has exited; the other nodes only prepare their data and start their ranks,
     which join the lock."""
-    import sys
-
-    from finetune.config import load
     from finetune.data.preprocess import prepare, training_tokenizer
     from finetune.launch.stopping import stopped_before_launch
     from finetune.plan.launch import launch_command
     from finetune.resume import overwrite_run, resume_checks
     from finetune.rollout.pool import rollout_pool
     from finetune.runlock import locked
+    from finetune.vision import mixed_rows_problem
 
     role = role or NodeRole()
     with contextlib.ExitStack() as held:
@@ -175,14 +167,14 @@ def run_train(
             resuming = resume or config.output.resume == "auto"
             lock = None
             if role.node_rank == 0:  # node 0 owns the run folder
-                from finetune.artifacts.run import check_output_dir
-
                 check_output_dir(run_dir)
                 lock = held.enter_context(locked(run_dir, f"ft train {config_path}"))  # before it is read
             resume_from = _resume_from(run_dir, role, resuming, resume, overwrite)
             prepared = prepare(config, tokens=tokens)  # once per node, before any rank starts
             job_plan = _plan_for_data(prepared, config, facts, hardware, role, config_path)  # once
-            _check_rows(job_plan, prepared)
+            why = mixed_rows_problem(job_plan, prepared.train)  # what only the prepared rows tell about the plan
+            if why is not None:
+                raise FtError(f"data: {why}")
             if role.node_rank == 0 and resuming and RunFolder(run_dir).config_path.exists():
                 finished = resume_checks(run_dir, config, job_plan, prepared, allow_changes)
                 if finished is not None:
@@ -281,12 +273,8 @@ def _resume_from(run_dir, role: NodeRole, resuming: bool, resume: bool, overwrit
 def _launch(cmd: list[str], job_plan, run_dir, owner: bool = True, master_addr=None) -> dict:
     """Start this node's ranks with torchrun and wait; a failing rank ends the job with its error, a stop signal
     with one message (see distributed/lifecycle.py). `master_addr`: node 0's, where the job spans nodes."""
-    import shlex
-    import sys
-
     from finetune.distributed.lifecycle import ENV_STOP_SECONDS, LOST_PEERS
     from finetune.distributed.runtime import nccl_environment
-    from finetune.errors import LostPeers
     from finetune.launch.netif import gloo_environment
     from finetune.launch.stopping import Exchange, run_forwarding_signals
 
@@ -335,7 +323,6 @@ def _raise_if_stopped(exchange, code: int, run_dir) -> None:
     the failure is the news."""
     from finetune import checkpoint
     from finetune.distributed.lifecycle import signal_name, signal_number
-    from finetune.errors import Stopped
 
     reports = exchange.reports()
     if not exchange.aborted and not (reports and (code == 0 or exchange.requested)):
@@ -362,13 +349,8 @@ def _raise_if_stopped(exchange, code: int, run_dir) -> None:
 
 
 def write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> None:
-    import json
-    import shlex
-
     import yaml
 
-    from finetune.artifacts.run import mark
-    from finetune.files import atomic_write_text
     from finetune.redaction import redact_config
     from finetune.runinfo import environment_snapshot
 
@@ -399,7 +381,6 @@ def write_run_folder(run_dir, config, job_plan, prepared, cmd: list[str]) -> Non
 def check_job(config_path, overrides: Iterable[str] = ()):
     """`ft validate`'s checks: the job file (every problem, with file and line) and its local data paths. Returns the
     Config; `ft launch` runs them too, so it never writes a job that `ft validate` refuses."""
-    from finetune.config import load
     from finetune.data.sources import check_paths
 
     config = load(config_path, overrides)
@@ -426,7 +407,6 @@ def _check_model_rules(config, config_path: str) -> None:
     from finetune.catalog import lookup
     from finetune.config.moe_checks import moe_problems
     from finetune.config.vision_checks import vision_problems
-    from finetune.errors import ConfigError
 
     local = (Path(config.model.name).expanduser() / "config.json").is_file()
     if not local and lookup(config.model.name) is None:
@@ -441,8 +421,6 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
     """`ft launch --slurm`: check the job as `ft validate` does, plan for the cluster's hardware and write the sbatch
     script. The run folder, where Slurm writes the job's log (sbatch does not make that folder), exists afterwards."""
 
-    from finetune.artifacts.run import check_output_dir, refuse_foreign
-    from finetune.files import atomic_write_text
     from finetune.launch.slurm import sbatch_script
 
     config = check_job(config_path, overrides)
@@ -457,7 +435,6 @@ def write_launch_script(config_path, overrides, hardware, out, time_limit: str, 
         str(config_path), job_plan, str(run_dir), f"ft-{name}", time_limit, partition, tuple(overrides)
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, text)
     out.chmod(0o755)
     return out
@@ -469,7 +446,6 @@ def write_generate_script(
     """`ft launch generate --slurm -- ARGS`: the sbatch script that runs `ft generate ARGS` (checked by the CLI; its
     --out is `output`) on the nodes of `hardware` (one, or several sharing a filesystem)."""
 
-    from finetune.files import atomic_write_text
     from finetune.launch.slurm import Allocation, generate_script
     from finetune.plan.stopping import MIN_STOP_S
 
@@ -483,7 +459,6 @@ def write_generate_script(
         "ft-generate", node.nodes, gpus, node.cpu_cores, MIN_STOP_S, time_limit, partition, str(log_dir), os.getcwd()
     )
     log_dir.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, generate_script(list(args), allocation))
     out.chmod(0o755)
     return out

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import yaml
+
 from finetune.errors import FtError
 
 if TYPE_CHECKING:
@@ -142,19 +144,12 @@ class RunFolder:
 
     def data_summary(self) -> dict:
         """What the prepared data held (sources, samples, tokens), as data.json records it; {} when absent."""
-        try:
-            summary = json.loads(self.data_path.read_text()).get("summary")
-        except (OSError, ValueError, AttributeError):
-            return {}
+        summary = json_object(self.data_path).get("summary")
         return summary if isinstance(summary, dict) else {}
 
     def result(self) -> dict:
         """result.json: what the finished run reported (steps, losses, evaluations); {} when absent or damaged."""
-        try:
-            result = json.loads(self.result_path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return result if isinstance(result, dict) else {}
+        return json_object(self.result_path)
 
     def checkpoint(self, step: int) -> Path:
         """The folder checkpoint `step` is (or would be) written to."""
@@ -186,10 +181,6 @@ class RunFolder:
         """The run's config.yaml as a plain mapping, `${VAR}` expanded from this process's environment (for readers
         that need a few keys, also of runs whose config a newer ft would no longer validate). A reference to an unset
         variable is an FtError, except at the key paths `unset_ok` names: there it stays as written."""
-        import os
-
-        import yaml
-
         from finetune.config.env import Expansion
 
         expansion = Expansion(os.environ, yaml.safe_load)
@@ -205,8 +196,6 @@ class RunFolder:
     def written_config(self) -> dict:
         """The run's config.yaml as written: `${VAR}` references (secrets, or from runs of an older ft that recorded
         no values) not expanded."""
-        import yaml
-
         path = self.config_path
         try:
             data = yaml.safe_load(path.read_text())
@@ -257,11 +246,7 @@ class RunFolder:
     def plan_dict(self) -> dict:
         """plan.json as a mapping; {} when it is missing or damaged (for readers that only refine what config.yaml
         says, such as the resolved adapter type of `adapter: auto`)."""
-        try:
-            plan = json.loads(self.plan_path.read_text()) if self.plan_path.is_file() else {}
-        except (OSError, ValueError):
-            return {}
-        return plan if isinstance(plan, dict) else {}
+        return json_object(self.plan_path)
 
     def prepared_cache(self) -> Path:
         """The prepared data set's cache entry that ft train recorded in data.json."""
@@ -272,6 +257,15 @@ class RunFolder:
                 f"{self.data_path}: cannot read where the prepared data is ({type(e).__name__}: {e}); "
                 "run ft train CONFIG again"
             ) from None
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in `path`; {} when the file is missing, unreadable or holds something else."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def checkpoint_step(path: Path) -> int:

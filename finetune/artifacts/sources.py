@@ -10,13 +10,14 @@ invocation (--trust-remote-code) turns it on.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.artifacts import bases
-from finetune.artifacts.run import RunFolder
+from finetune.artifacts.run import RunFolder, json_object
+from finetune.config.schema import ModelSection
 from finetune.errors import FtError
+from finetune.models import model_path
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -42,11 +43,7 @@ class AdapterSource:
     @property
     def scores(self) -> bool:
         """True for an adapter of a reward model (peft task SEQ_CLS): its base is loaded as a sequence classifier."""
-        try:
-            config = json.loads((self.adapter / "adapter_config.json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(config, dict) and config.get("task_type") == "SEQ_CLS"
+        return json_object(self.adapter / "adapter_config.json").get("task_type") == "SEQ_CLS"
 
     @property
     def template(self) -> str:
@@ -74,11 +71,7 @@ class AdapterSource:
 
     def own_base(self) -> str:
         """The base the adapter names itself (base_model_name_or_path in adapter_config.json); "" when it names none."""
-        try:
-            config = json.loads((self.adapter / "adapter_config.json").read_text())
-        except (OSError, ValueError):
-            return ""
-        return str(config.get("base_model_name_or_path") or "") if isinstance(config, dict) else ""
+        return str(json_object(self.adapter / "adapter_config.json").get("base_model_name_or_path") or "")
 
 
 def find_adapter(source: str | Path) -> AdapterSource:
@@ -173,8 +166,6 @@ def resolve(source: str, base: str | None = None, trust_remote_code: bool = Fals
             f"--base is for adapters, but {source} names a model.\n    fix: drop --base, or pass the adapter folder"
         )
     from finetune import hub
-    from finetune.config.schema import ModelSection
-    from finetune.models import model_path
 
     where = model_path(ModelSection(name=source))  # ft-tiny: its folder
     why = "" if Path(where).exists() else hub.unreachable(source)  # one request, no retries (finetune/hub.py)
@@ -219,10 +210,8 @@ def _check_model_folder(path: Path, what: str) -> None:
             f"{what} holds neither config.json (a model) nor adapter_config.json (an adapter); it holds: {found}.\n"
             "    fix: pass a run folder (config.yaml + final/), a model folder or an adapter folder"
         )
-    try:
-        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return  # transformers' own error, when it loads the folder, says what is wrong with it
+    # unreadable: transformers' own error, when it loads the folder, says what is wrong with it
+    architectures = json_object(path / "config.json").get("architectures") or []
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
         raise FtError(
             f"{what} is a reward model ({architectures[0]}): it scores text, it does not generate.\n"

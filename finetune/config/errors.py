@@ -129,10 +129,7 @@ def _show(value: Any) -> str:
         return "a mapping"
     if isinstance(value, list):
         return f"a list of {len(value)}"
-    text = repr(value)
-    if len(text) > 60:
-        text = f"{text[:40]}...({len(text):,} characters)"
-    return f"{text} ({type(value).__name__})"
+    return f"{clip(repr(value), 60)} ({type(value).__name__})"
 
 
 def _doc(owner: type[BaseModel] | None, key: Any) -> str:

@@ -106,64 +106,47 @@ def _parse_yaml(text: str, source: Source, problems: list[Problem]) -> dict | No
 def _apply_override(data: dict, item: str, source: Source, problems: list[Problem]) -> None:
     key, sep, raw = item.partition("=")
     shown = clip(item)
+
+    def refuse(keys: tuple, message: str, fix: str) -> None:
+        problems.append(Problem(keys, message, fix, (f"--set {shown}",)))
+
     if not sep or not key.strip():
-        problems.append(
-            Problem(
-                (),
-                f"--set {clip(item)!r} is not KEY=VALUE",
-                "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)",
-                (f"--set {shown}",),
-            )
+        return refuse(
+            (),
+            f"--set {clip(item)!r} is not KEY=VALUE",
+            "write it as --set train.lr=1e-4 (dotted key, '=', YAML value)",
         )
-        return
     parts = key.strip().split(".")
     if len(parts) > MAX_SET_PARTS:
-        problems.append(
-            Problem(
-                (),
-                f"--set key has {len(parts)} dotted parts; no key of a job file is deeper than a few",
-                "check the dotted key (ft explain lists the keys)",
-                (f"--set {shown}",),
-            )
+        return refuse(
+            (),
+            f"--set key has {len(parts)} dotted parts; no key of a job file is deeper than a few",
+            "check the dotted key (ft explain lists the keys)",
         )
-        return
     path = tuple(int(p) if p.isascii() and p.isdigit() and len(p) < 10 else p for p in parts)
     try:
         value = yaml_safe.parse_value(raw, f"--set {key}") if raw.strip() else ""
     except ValueError as e:
-        problems.append(
-            Problem(
-                (path,),
-                f"value {clip(raw)!r} is not valid YAML here ({e})",
-                "quote it, e.g. --set 'model.name=\"org/model\"'",
-                (f"--set {shown}",),
-            )
+        return refuse(
+            (path,),
+            f"value {clip(raw)!r} is not valid YAML here ({e})",
+            "quote it, e.g. --set 'model.name=\"org/model\"'",
         )
-        return
     target: Any = data
     for i, part in enumerate(path):
         here = path[: i + 1]
         if isinstance(target, list) and not (isinstance(part, int) and part < len(target)):
-            problems.append(
-                Problem(
-                    (here,),
-                    f"--set {clip(key)}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)",
-                    "use an index that exists",
-                    (f"--set {shown}",),
-                )
+            return refuse(
+                (here,),
+                f"--set {clip(key)}: index {part} is out of range ({dotted(path[:i])} has {len(target)} items)",
+                "use an index that exists",
             )
-            return
         if not isinstance(target, (dict, list)):
-            problems.append(
-                Problem(
-                    (path[:i],),
-                    f"--set {clip(key)}: {dotted(path[:i])} is not a section or list, so it has no key "
-                    f"{clip(repr(part))}",
-                    "check the dotted key (ft explain lists the keys)",
-                    (f"--set {shown}",),
-                )
+            return refuse(
+                (path[:i],),
+                f"--set {clip(key)}: {dotted(path[:i])} is not a section or list, so it has no key {clip(repr(part))}",
+                "check the dotted key (ft explain lists the keys)",
             )
-            return
         if i == len(path) - 1:
             break
         if isinstance(target, dict) and target.get(part) is None:

@@ -83,6 +83,27 @@ def _adapter_or_copy(adapter: str) -> str:
 PREFERENCE_METRICS = ("rewards/margin", "rewards/accuracy")  # what a preference method's implicit rewards show
 
 
+class ReferenceMethod(MethodSection):
+    """Base of the methods whose `reference` key (auto, adapter_disabled, copy, precomputed) chooses the reference
+    model: DPO and KTO."""
+
+    def reference_kind(self, adapter: str) -> str:
+        if self.reference == "auto":
+            return _adapter_or_copy(adapter)
+        return "adapter" if self.reference == "adapter_disabled" else self.reference
+
+    def adapter_problems(self, adapter: Section) -> list[Problem]:
+        if self.reference != "adapter_disabled" or adapter.type != "full":
+            return []
+        return [
+            Problem(
+                (("method", "reference"), ("adapter", "type")),
+                "full fine-tuning has no adapter to disable for the reference model",
+                "set method.reference: copy (or auto), or adapter.type: lora",
+            )
+        ]
+
+
 class SFTMethod(MethodSection):
     """Supervised fine-tuning: next-token loss on the trained tokens."""
 
@@ -95,7 +116,7 @@ class SFTMethod(MethodSection):
     """Method name."""
 
 
-class DPOMethod(MethodSection):
+class DPOMethod(ReferenceMethod):
     """Direct preference optimisation on prompt/chosen/rejected pairs."""
 
     formats: ClassVar[frozenset[str]] = frozenset({"preference"})
@@ -116,9 +137,6 @@ class DPOMethod(MethodSection):
     """Reference model: `auto` uses the base with the adapter disabled for LoRA/QLoRA and a frozen copy for full
     fine-tuning; `precomputed` computes reference log-probs once before training."""
 
-    def reference_kind(self, adapter: str) -> str:
-        return _chosen_reference(self.reference, adapter)
-
     def problems(self) -> list[Problem]:
         if not self.label_smoothing or self.loss == "sigmoid":
             return []
@@ -129,28 +147,6 @@ class DPOMethod(MethodSection):
                 "remove label_smoothing or set loss: sigmoid",
             )
         ]
-
-    def adapter_problems(self, adapter: Section) -> list[Problem]:
-        return _reference_problems(self.reference, adapter)
-
-
-def _chosen_reference(reference: str, adapter: str) -> str:
-    """The reference kind for a method's `reference` key (auto, adapter_disabled, copy, precomputed)."""
-    if reference == "auto":
-        return _adapter_or_copy(adapter)
-    return "adapter" if reference == "adapter_disabled" else reference
-
-
-def _reference_problems(reference: str, adapter: Section) -> list[Problem]:
-    if reference != "adapter_disabled" or adapter.type != "full":
-        return []
-    return [
-        Problem(
-            (("method", "reference"), ("adapter", "type")),
-            "full fine-tuning has no adapter to disable for the reference model",
-            "set method.reference: copy (or auto), or adapter.type: lora",
-        )
-    ]
 
 
 class RewardSpec(Section):
@@ -394,7 +390,7 @@ class GRPOMethod(MethodSection):
         ]
 
 
-class KTOMethod(MethodSection):
+class KTOMethod(ReferenceMethod):
     """Kahneman-Tversky optimisation on unpaired feedback: each row is one completion labelled desirable or not."""
 
     formats: ClassVar[frozenset[str]] = frozenset({"unpaired"})
@@ -416,12 +412,6 @@ class KTOMethod(MethodSection):
     fine-tuning; `precomputed` computes reference log-probs once before training. The KL baseline pairs each prompt
     with another row's completion: the previous row's in the same micro-batch, or with `precomputed` (whose pairs
     must be known ahead) the previous row's of the prepared dataset, which also allows micro-batches of 1 row."""
-
-    def reference_kind(self, adapter: str) -> str:
-        return _chosen_reference(self.reference, adapter)
-
-    def adapter_problems(self, adapter: Section) -> list[Problem]:
-        return _reference_problems(self.reference, adapter)
 
     def train_problems(self, train: Section) -> list[Problem]:
         if self.reference == "precomputed" or train.micro_batch_size == "auto" or train.micro_batch_size > 1:

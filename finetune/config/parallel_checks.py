@@ -7,6 +7,21 @@ from __future__ import annotations
 
 TP = "distributed.tensor_parallel"
 EP = "distributed.expert_parallel"
+TP_RULES = {  # what each rule of `tensor_parallel_problems` says, after "distributed.tensor_parallel: N"
+    "backend": "composes with FSDP2 only, not with distributed.backend {backend}; set distributed.backend: fsdp, or "
+    "{fix}",
+    "quantization": "cannot split {quantization} quantized weights (bitsandbytes weights are not plain tensors); train "
+    "a bf16/fp32 base (quantization: {{type: none}}), or {fix}",
+    "dora": "does not split DoRA magnitudes; set adapter.dora: false, or {fix}",
+    "samples": "does not run methods that sample during training (GRPO's rollouts draw different samples on each rank, "
+    "where a tensor-parallel group must compute on the same tokens); {fix}",
+    "stochastic_rounding": "does not run bf16-pure training with stochastic rounding (its noise is laid out by each "
+    "rank's rows of a weight, which a row-wise split cuts across); use train.compensation: kahan or none, or {fix}",
+    "sharding": "with distributed.sharding: hybrid_shard is not supported; use full_shard, or {fix}",
+    "processes_per_node": "must divide the processes per node ({processes}): a tensor-parallel group stays inside one "
+    "node; choose a divisor of {processes}",
+    "world": "must divide the number of processes ({world_size})",
+}
 
 
 def tensor_parallel_problems(
@@ -29,42 +44,19 @@ def tensor_parallel_problems(
     model itself)."""
     if tp <= 1:
         return []
-    fix = f"set {TP}: 1"
-    problems = []
-    if backend != "fsdp":
-        problems.append(
-            f"{TP}: {tp} composes with FSDP2 only, not with distributed.backend {backend}; set distributed.backend: "
-            f"fsdp, or {fix}"
-        )
-    if quantization not in ("none", None):
-        problems.append(
-            f"{TP}: {tp} cannot split {quantization} quantized weights (bitsandbytes weights are not plain tensors); "
-            f"train a bf16/fp32 base (quantization: {{type: none}}), or {fix}"
-        )
-    if dora:
-        problems.append(f"{TP}: {tp} does not split DoRA magnitudes; set adapter.dora: false, or {fix}")
-    if samples:
-        problems.append(
-            f"{TP}: {tp} does not run methods that sample during training (GRPO's rollouts draw different samples on "
-            f"each rank, where a tensor-parallel group must compute on the same tokens); {fix}"
-        )
-    if stochastic_rounding:
-        problems.append(
-            f"{TP}: {tp} does not run bf16-pure training with stochastic rounding (its noise is laid out by each "
-            f"rank's rows of a weight, which a row-wise split cuts across); use train.compensation: kahan or none, "
-            f"or {fix}"
-        )
-    if sharding == "hybrid_shard":
-        problems.append(
-            f"{TP}: {tp} with distributed.sharding: hybrid_shard is not supported; use full_shard, or {fix}"
-        )
-    if processes_per_node % tp:
-        problems.append(
-            f"{TP}: {tp} must divide the processes per node ({processes_per_node}): a tensor-parallel group stays "
-            f"inside one node; choose a divisor of {processes_per_node}"
-        )
-    if world_size is not None and world_size % tp:
-        problems.append(f"{TP}: {tp} must divide the number of processes ({world_size})")
+    broken = {
+        "backend": backend != "fsdp",
+        "quantization": quantization not in ("none", None),
+        "dora": dora,
+        "samples": samples,
+        "stochastic_rounding": stochastic_rounding,
+        "sharding": sharding == "hybrid_shard",
+        "processes_per_node": processes_per_node % tp,
+        "world": world_size is not None and world_size % tp,
+    }
+    values = dict(backend=backend, quantization=quantization, processes=processes_per_node, world_size=world_size)
+    values["fix"] = f"set {TP}: 1"
+    problems = [f"{TP}: {tp} {TP_RULES[rule].format(**values)}" for rule, wrong in broken.items() if wrong]
     return problems + (layout_problems(facts, tp) if facts is not None else [])
 
 

@@ -45,17 +45,15 @@ def Bounded(tp: type, **limits: Any) -> Any:  # noqa: N802 - reads as a type in 
     return Annotated[tp, NoBool, Field(**limits)]
 
 
-def _control(value: str) -> str | None:
+def _no_control(value: str) -> None:
     m = _CONTROL.search(value)
-    if m is None:
-        return None
-    return "NUL" if m.group() == "\0" else f"U+{ord(m.group()):04X}"
+    if m is not None:
+        char = "NUL" if m.group() == "\0" else f"U+{ord(m.group()):04X}"
+        raise fail(f"contains the control character {char}", "remove it")
 
 
 def _path(value: str) -> str:
-    char = _control(value)
-    if char:
-        raise fail(f"contains the control character {char}", "remove it")
+    _no_control(value)
     if len(value) > MAX_PATH:
         raise fail(f"is {len(value):,} characters long; at most {MAX_PATH} are allowed", "use a shorter path or name")
     longest = max(value.replace("\\", "/").split("/"), key=len)
@@ -68,9 +66,7 @@ def _path(value: str) -> str:
 
 
 def _text(value: str) -> str:
-    char = _control(value)
-    if char:
-        raise fail(f"contains the control character {char}", "remove it")
+    _no_control(value)
     if len(value) > MAX_NAME:
         raise fail(f"is {len(value):,} characters long; at most {MAX_NAME} are allowed", "use a shorter name")
     return value

@@ -318,13 +318,11 @@ class _Builder:
         if tag in (None, "!") or tag in ALLOWED_TAGS:
             return False
         shown = "!!" + tag[len(_STD) :] if tag.startswith(_STD) else tag
-        self.problems.append(
-            Problem(
-                (path,) if path else (),
-                f"the tag {shown} is not allowed (it could build arbitrary objects)",
-                "remove the tag: a job file holds plain text, numbers, booleans, lists and mappings",
-                (f"{self.name}:{event.start_mark.line + 1}",),
-            )
+        self._value_problem(
+            event,
+            path,
+            f"the tag {shown} is not allowed (it could build arbitrary objects)",
+            "remove the tag: a job file holds plain text, numbers, booleans, lists and mappings",
         )
         return True
 

@@ -94,7 +94,6 @@ def write_manifest(
     yaml_text = render(docs, header(job_plan, kind, secret, config))
     refuse_leaks(yaml_text)
     out = Path(out) if out else RunFolder(config.output.dir).k8s_path
-    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, yaml_text)
     return out
 

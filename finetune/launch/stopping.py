@@ -169,14 +169,9 @@ def run_forwarding_signals(cmd: list[str], env: dict, exchange=None) -> int:
             exchange.aborted = signum
             kill_now(started[0])
 
-    reset_signals()
-    old = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
+    with _handling_stops(forward):
         started.append(start_torchrun(cmd, env, ranks_stop_themselves=exchange is not None))
         return started[0].wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
@@ -189,10 +184,17 @@ def stopped_before_launch():
         if note(signum) != "repeat":
             raise Stopped(f"stopped by {signal_name(signum)} before training began; nothing to save", signum)
 
+    with _handling_stops(stop):
+        yield
+
+
+@contextlib.contextmanager
+def _handling_stops(handler):
+    """`handler` for every stop signal (the signals noted so far forgotten), the previous handlers restored after."""
     reset_signals()
-    old = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    old = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
