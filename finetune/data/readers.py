@@ -258,7 +258,11 @@ def read_json_lines(path: str, out: Collector) -> None:
 
 def read_json(path: str, out: Collector) -> None:
     """A .json file holds either one list of records, or one record per line."""
-    text = _read_text(path)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     start = len(text) - len(text.lstrip())
     if text[start : start + 1] == "[":
         _read_json_array(path, text, start, out)
@@ -276,7 +280,12 @@ def _read_json_array(path: str, text: str, pos: int, out: Collector) -> None:
         try:
             record, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise _json_syntax(path, e) from None
+            raise error(
+                f"{path}:{e.lineno}",
+                f"not valid JSON ({e.msg} at column {e.colno})",
+                "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a "
+                "broken list cannot be skipped record by record)",
+            ) from None
         except RecursionError:
             raise error(where, _TOO_DEEP, "flatten the record") from None
         except _Constant as e:
@@ -294,23 +303,6 @@ def _read_json_array(path: str, text: str, pos: int, out: Collector) -> None:
                 "not valid JSON (expected ',' or ']' between records)",
                 "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line",
             )
-
-
-def _json_syntax(path: str, e: json.JSONDecodeError) -> DataError:
-    return error(
-        f"{path}:{e.lineno}",
-        f"not valid JSON ({e.msg} at column {e.colno})",
-        "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a "
-        "broken list cannot be skipped record by record)",
-    )
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise not_utf8(path) from None
 
 
 def not_utf8(path: str) -> DataError:
@@ -360,16 +352,13 @@ def _csv_rows(path: str, rows, out: Collector) -> None:
             header = _check_header(path, row)
         elif row:
             number += 1
-            _csv_row(path, header, row, f"{path}:row {number}", start, out)
-
-
-def _csv_row(path: str, header: list[str], row: list[str], origin: str, line: int, out: Collector) -> None:
-    if len(row) != len(header):
-        out.bad(origin, f"{len(row)} values, but the header names {len(header)} columns (line {line})")
-    elif any("\x00" in value for value in row):
-        out.bad(origin, f"a value holds a NUL byte (line {line}): the file is damaged or binary")
-    else:
-        out.add(dict(zip(header, row)), origin)
+            origin = f"{path}:row {number}"
+            if len(row) != len(header):
+                out.bad(origin, f"{len(row)} values, but the header names {len(header)} columns (line {start})")
+            elif any("\x00" in value for value in row):
+                out.bad(origin, f"a value holds a NUL byte (line {start}): the file is damaged or binary")
+            else:
+                out.add(dict(zip(header, row)), origin)
 
 
 def _check_header(path: str, header: list[str]) -> list[str]:
