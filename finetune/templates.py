@@ -58,18 +58,16 @@ _FOLD_SYSTEM = (
     "{%- set system = '' -%}{%- set turns = messages -%}{%- set offset = 0 -%}{%- endif -%}"
 )
 
-_CHATML_TURNS = (
+CHATML = (
     "{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
     "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-
-CHATML = _CHATML_TURNS
 
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 QWEN = (
     "{%- if messages[0].role != 'system' -%}"
     "{{- '<|im_start|>system\\n" + QWEN_SYSTEM + "<|im_end|>\\n' -}}"
-    "{%- endif -%}" + _CHATML_TURNS
+    "{%- endif -%}" + CHATML
 )
 
 LLAMA3 = (

@@ -25,7 +25,6 @@ from pathlib import Path
 
 PLACEHOLDER = "<image>"
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit (Image.MAX_IMAGE_PIXELS)
-TRAIN_VISION = ("none", "projector", "all")
 # where transformers' vision-language models keep their vision tower and the projector into the language model
 TOWERS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_encoder")
 PROJECTORS = ("multi_modal_projector", "connector", "mm_projector", "merger", "embed_vision", "projector")
@@ -124,9 +123,9 @@ def shown_url(ref: str) -> str:
     return repr(f"{parts.scheme}://{parts.hostname or ''}{parts.path}" + ("?..." if parts.query else ""))
 
 
-def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+def check_image(path: Path) -> None:
     """Open and fully decode the image at `path`. ImageError when it is missing,
-    unreadable, not an image, truncated, or has more than `max_pixels` pixels (a decompression bomb)."""
+    unreadable, not an image, truncated, or has more than DEFAULT_MAX_PIXELS pixels (a decompression bomb)."""
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
@@ -134,11 +133,11 @@ def check_image(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
     try:
         with Image.open(path) as img:
             width, height = img.size
-            if width * height > max_pixels:
+            if width * height > DEFAULT_MAX_PIXELS:
                 raise ImageError(
                     f"image {str(path)!r} has {width}x{height} = {width * height} pixels, over the limit of "
-                    f"{max_pixels} (PIL's decompression-bomb limit): a decompression bomb, or an image to downscale "
-                    "before training"
+                    f"{DEFAULT_MAX_PIXELS} (PIL's decompression-bomb limit): a decompression bomb, or an image to "
+                    "downscale before training"
                 )
             img.load()  # decodes every pixel: a truncated file fails here
     except ImageError:
@@ -358,17 +357,9 @@ def _expand(text: str, ids: list[int], images: list[str], processor) -> tuple[li
     return full, positions
 
 
-def pixel_inputs(processor, paths: list[str], dtype=None) -> dict:
-    """The model inputs of a batch's images, in the order their markers appear: what the processor's image side
-    returns (pixel_values and the family's sizes/grids), floating tensors in `dtype`."""
-    if not paths:
-        return {}
-
-    return _in_dtype(processor.image_processor(images=load_images(paths), return_tensors="pt"), dtype)
-
-
 def _in_dtype(got, dtype) -> dict:
-    """The model's pixel inputs among what an image processor returned, floating tensors in `dtype`."""
+    """The model's pixel inputs among what an image processor returned (pixel_values and the family's sizes/grids),
+    floating tensors in `dtype`."""
     import torch
 
     return {
@@ -390,9 +381,9 @@ def image_inputs(processor, input_ids, images: list[list[str]], dtype=None) -> d
     reads it (token_types) and, for a cross-attention family, the mask of the tiles each token attends to."""
     if cross_attention(processor):
         return _cross_attention_inputs(processor, input_ids, images, dtype) if any(images) else {}
-    out = pixel_inputs(processor, [p for row in images for p in row], dtype)
-    out.update(token_types(processor, input_ids))
-    return out
+    paths = [p for row in images for p in row]
+    out = _in_dtype(processor.image_processor(images=load_images(paths), return_tensors="pt"), dtype) if paths else {}
+    return {**out, **token_types(processor, input_ids)}
 
 
 def _cross_attention_inputs(processor, input_ids, images: list[list[str]], dtype=None) -> dict:

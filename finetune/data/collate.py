@@ -17,13 +17,6 @@ MASK_IMPLS = ("sdpa", "eager")  # packed rows get a 4-D additive mask
 VARLEN_IMPLS = ("flash_attention_2", "sdpa_varlen")  # packed rows become one row with sample boundaries (varlen)
 
 
-def _padded_length(rows: list[dict], pad_to_multiple_of: int | None) -> int:
-    longest = max(len(r["input_ids"]) for r in rows)
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    return longest
-
-
 def _row_positions(row: dict) -> list[int]:
     if "position_ids" in row:
         return list(row["position_ids"])
@@ -203,11 +196,14 @@ def collate(
             f"packed rows are not supported with attn_implementation={attn_implementation!r}; "
             f"use one of {', '.join(MASK_IMPLS + VARLEN_IMPLS)} or turn packing off"
         )
-    if packed[0] and attn_implementation in VARLEN_IMPLS:
+    varlen = packed[0] and attn_implementation in VARLEN_IMPLS
+    if varlen:
         rows = [_flatten(rows)]
-    length = _padded_length(rows, pad_to_multiple_of)
+    length = max(len(r["input_ids"]) for r in rows)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     out = _pad_tensors(rows, pad_id, length)
-    if packed[0] and attn_implementation in VARLEN_IMPLS:
+    if varlen:
         del out["attention_mask"]
         out.update(varlen_boundaries(rows[0]["seq_lens"], length, sample_index))
     elif packed[0]:

@@ -19,19 +19,17 @@ import json
 import logging
 import math
 import uuid
-from collections.abc import Callable
 from functools import partial
 
 import datasets
 
 from finetune import vision
 from finetune.config.schema import DatasetSpec
-from finetune.data.readers import MAX_EXAMPLES, ORIGIN, SKIP_FIX
+from finetune.data.readers import MAX_EXAMPLES, ORIGIN, SKIP_FIX, Progress, short, warn_skipped
 from finetune.data.readers import kind as _kind
 from finetune.errors import DataError
 
 log = logging.getLogger(__name__)
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("messages", "system"),
@@ -189,18 +187,11 @@ def _preference(record: dict, spec: DatasetSpec) -> dict:
         prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user", slots)
     else:
         prompt = _shared_prompt(record, spec, chosen_raw, rejected_raw, names)
-    out = {"prompt": _with_system(prompt, _system(record, spec))}
-    images = _images(record, slots) if slots or record.get("images") else []
-    if images:
-        out["images"] = images  # optional, as margin: absent from a text pair, null in the dataset
+    out = {"prompt": _with_system(prompt, _system(record, spec)), **_prompt_images(record, slots)}
     for field, raw in (("chosen", chosen_raw), ("rejected", rejected_raw)):
-        answer_images: list = []
-        turns = _turns(raw, names[field], "assistant", answer_images)
-        if any(s is not _IN_TEXT for s in answer_images):
-            raise RecordError(
-                f"'{names[field]}' holds an image; a preference pair's images belong in its prompt (the answers "
-                "compared are text)"
-            )
+        turns = _answer(
+            raw, names[field], "a preference pair's images belong in its prompt (the answers compared are text)"
+        )
         if turns[: len(prompt)] == prompt:
             turns = turns[len(prompt) :]
         if not any(m["role"] == "assistant" for m in turns):
@@ -268,17 +259,26 @@ def _unpaired(record: dict, spec: DatasetSpec) -> dict:
     slots: list = []  # the prompt's images (the completion judged is text)
     prompt = _turns(_value(record, "prompt", spec), names["prompt"], "user", slots)
     prompt = _with_system(prompt, _system(record, spec))
-    answer_images: list = []
-    completion = _turns(_value(record, "completion", spec), names["completion"], "assistant", answer_images)
-    if any(s is not _IN_TEXT for s in answer_images):
-        raise RecordError(f"'{names['completion']}' holds an image; a row's images belong in its prompt")
+    completion = _answer(_value(record, "completion", spec), names["completion"], "a row's images belong in its prompt")
     if not any(m["role"] == "assistant" for m in completion):
         raise RecordError(f"'{names['completion']}' has no assistant message to train on")
-    out = {"prompt": prompt, "completion": completion, "label": label}
+    return {"prompt": prompt, "completion": completion, "label": label, **_prompt_images(record, slots)}
+
+
+def _answer(value: object, name: str, where_images_go: str) -> list[dict]:
+    """An answer judged (a pair's chosen or rejected, a KTO completion): messages of text, its images in the prompt."""
+    slots: list = []
+    turns = _turns(value, name, "assistant", slots)
+    if any(s is not _IN_TEXT for s in slots):
+        raise RecordError(f"'{name}' holds an image; {where_images_go}")
+    return turns
+
+
+def _prompt_images(record: dict, slots: list) -> dict:
+    """{"images": the prompt's image files} of a pair or a judged row; {} without images (optional, as margin: absent
+    from a text record, null in the dataset)."""
     images = _images(record, slots) if slots or record.get("images") else []
-    if images:
-        out["images"] = images  # optional: absent from a text row, null in the dataset
-    return out
+    return {"images": images} if images else {}
 
 
 _NORMALIZERS = {
@@ -439,14 +439,9 @@ def _parts(parts: list, where: str, slots: list) -> str:
         else:
             raise RecordError(
                 f'{where}: part {k} must be {{"type": "text", "text": ...}} or {{"type": "image", "image": PATH}}, '
-                f"got {_short(part)}"
+                f"got {short(part)}"
             )
     return "".join(out)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------- a whole dataset
@@ -477,13 +472,7 @@ def normalize_dataset(
             "data.datasets[].format matches the data"
         )
     if errors:
-        log.warning(
-            "%s: skipped %d bad record%s (data.skip_bad_records); first: %s",
-            source,
-            len(errors),
-            "s" if len(errors) != 1 else "",
-            "; ".join(errors[:MAX_EXAMPLES]),
-        )
+        warn_skipped(log, source, len(errors), errors)
         if examples is not None:
             examples.extend(errors[: max(0, MAX_EXAMPLES - len(examples))])
         out = out.filter(lambda e: not e, input_columns="_error")

@@ -27,6 +27,7 @@ Labels are aligned with input_ids (not shifted); the loss shifts them. IGNORE ma
 
 from __future__ import annotations
 
+from finetune.data.readers import short
 from finetune.errors import DataError
 from finetune.templates import TemplateError, describe, render
 
@@ -77,10 +78,10 @@ def tokenize_continuation(prompt_messages, continuation_messages, tokenizer, jin
 
 def _check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataError(f"a conversation must be a non-empty list of messages, got {_short(messages)}")
+        raise DataError(f"a conversation must be a non-empty list of messages, got {short(messages)}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise DataError(f"message {i} must be a dict with a string `role` (and `content`), got {_short(message)}")
+            raise DataError(f"message {i} must be a dict with a string `role` (and `content`), got {short(message)}")
 
 
 def _tokenize_with_spans(messages, tokenizer, jinja, trained: list[int]) -> tuple[list[int], list[int]]:
@@ -187,8 +188,3 @@ def _labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
         if end > spans[k][0] and start < spans[k][1]:
             labels[t] = ids[t]
     return labels
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

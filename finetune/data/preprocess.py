@@ -11,18 +11,17 @@ import json
 import math
 import uuid
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from finetune.config.schema import Config, DatasetSpec
+from finetune.data.readers import Progress
 from finetune.data.rows import Rows
 from finetune.errors import DataError, FtError
 
 DATA_VERSION = 3  # bump when the output of this pipeline changes for the same inputs
 TEMPLATED = ("chat", "instruction", "preference", "prompt_only", "unpaired")
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,7 @@ def prepare(
                 summary = build(config, tokenizer, jinja, tmp, progress or (lambda *_: None), processor)
                 summary["added_tokens"] = added
                 (tmp / "summary.json").write_text(json.dumps(summary, indent=2))
-    root = cache.path(key)
-    summary = json.loads((root / "summary.json").read_text())
-    train, validation = _splits(root)
-    return Prepared(train, validation, summary, root, tuple(added), tokenizer, built, processor)
+    return _load(cache.path(key), tokens, built)
 
 
 def _images_changed(root: Path) -> bool:
@@ -91,16 +87,15 @@ def load_prepared(config: Config, root: Path) -> Prepared:
             f"the prepared data {root} is missing or incomplete (removed while the job started?); run ft train "
             "again, which prepares it"
         )
-    tokenizer, _, added, processor = training_tokenizer(config)
+    return _load(root, training_tokenizer(config), False)
+
+
+def _load(root: Path, tokens: Tokens, built: bool) -> Prepared:
+    """Cache entry `root`: its summary, and its training and (when there is one) validation split, memory-mapped."""
     summary = json.loads((root / "summary.json").read_text())
-    train, validation = _splits(root)
-    return Prepared(train, validation, summary, root, tuple(added), tokenizer, False, processor)
-
-
-def _splits(root: Path) -> tuple[Rows, Rows | None]:
-    """The training and (when there is one) validation split of cache entry `root`, memory-mapped."""
     validation = Rows.load(root / "validation") if (root / "validation").exists() else None
-    return Rows.load(root / "train"), validation
+    train = Rows.load(root / "train")
+    return Prepared(train, validation, summary, root, tuple(tokens.added), tokens.tokenizer, built, tokens.processor)
 
 
 class Tokens(NamedTuple):
@@ -146,12 +141,10 @@ def vision_language(config: Config) -> bool:
 
 def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
     """The chat template text (None when no source needs one) and built-in tokens missing from the vocabulary."""
+    from finetune.data.sources import specs
     from finetune.templates import missing_special_tokens, resolve
 
-    specs = list(config.data.datasets) + (
-        [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []
-    )
-    if not any(s.format in TEMPLATED for s in specs):
+    if not any(s.format in TEMPLATED for _, s in specs(config)):
         return None, []
     return resolve(tokenizer, config.data.template), missing_special_tokens(tokenizer, config.data.template)
 
@@ -159,15 +152,12 @@ def _template(config: Config, tokenizer) -> tuple[str | None, list[str]]:
 def fingerprint_parts(config: Config, tokenizer, jinja: str | None, processor=None) -> dict:
     """Everything that changes the prepared data; nothing else (not the output dir, not the model weights)."""
     from finetune.data.cache import file_digest
-    from finetune.data.sources import resolve_files
+    from finetune.data.sources import resolve_files, specs
 
     # not the images per sample the plan assumes (data.image.per_sample): it changes no row
     data = config.data.model_dump(mode="json", exclude={"num_proc": True, "cache_dir": True, "image": {"per_sample"}})
-    specs = list(config.data.datasets) + (
-        [config.data.validation] if isinstance(config.data.validation, DatasetSpec) else []
-    )
     files = {}
-    for spec in specs:
+    for _, spec in specs(config):
         paths = resolve_files(spec.path)
         files[spec.path] = (
             [(str(p), file_digest(p)) for p in paths]
@@ -207,18 +197,19 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
     """Build the prepared data into `out`; return the summary."""
     from finetune.data.packing import efficiency, pack
     from finetune.data.sources import mix, split_validation
+    from finetune.data.tokenize import SFT_FORMATS
 
     data = config.data
     counts: Counter = Counter()
     examples: list = []  # the first skipped records, with file:line and why
     parts = [
-        _source(config, i, spec, tokenizer, jinja, counts, progress, examples, processor)
+        _source(config, f"data.datasets[{i}]", spec, tokenizer, jinja, counts, progress, examples, processor)
         for i, spec in enumerate(data.datasets)
     ]
     train = mix(parts, data.seed)
     if isinstance(data.validation, DatasetSpec):
         validation = _source(
-            config, "validation", data.validation, tokenizer, jinja, Counter(), progress, examples, processor
+            config, "data.validation", data.validation, tokenizer, jinja, Counter(), progress, examples, processor
         )
     else:  # records repeated by weight/samples share an origin and stay on one side of the split
         train, validation = split_validation(train, data.validation, data.seed)
@@ -233,9 +224,7 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
 
         files = {p for rows in (train, validation) if rows is not None for ps in rows["images"][:] for p in ps}
         summary["image_files"] = {p: file_digest(p) for p in sorted(files)}
-    if data.packing and all(
-        s.format in ("chat", "instruction", "completion", "prompt_completion") for s in data.datasets
-    ):
+    if data.packing and all(s.format in SFT_FORMATS for s in data.datasets):
         progress("packing", 0, 1)
         train = pack(train, data.seq_len)
         validation = pack(validation, data.seq_len) if validation is not None else None
@@ -255,7 +244,7 @@ def build(config: Config, tokenizer, jinja: str | None, out: Path, progress: Pro
 
 def _source(
     config: Config,
-    index,
+    key: str,
     spec: DatasetSpec,
     tokenizer,
     jinja,
@@ -268,7 +257,6 @@ def _source(
     from finetune.data.formats import normalize_dataset
     from finetune.data.sources import load_source, take
 
-    key = f"data.datasets[{index}]" if isinstance(index, int) else "data.validation"
     data = config.data
     try:
         raw, stats = load_source(spec, skip_bad_records=data.skip_bad_records, progress=progress)

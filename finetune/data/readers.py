@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import re
 from collections.abc import Callable, Iterator
 
 from finetune.errors import DataError
 
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
 ORIGIN = "_origin"
 MAX_EXAMPLES = 5
 MAX_LINE_BYTES = 16 << 20  # one record (one line) at most; longer lines are refused, never read whole
@@ -25,6 +27,8 @@ NOT_UTF8 = "not UTF-8 text"
 SKIP_FIX = "correct or remove the record, or set data.skip_bad_records: true to skip (and count) bad records"
 _SNIFF = 4096
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SPACE = re.compile(r"[ \t\r\n]*")
+_TOO_DEEP = f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)"
 _SIGNATURES = (  # (leading bytes, what the file is, how to fix it)
     (b"\x1f\x8b", "gzip-compressed", "decompress it first: gunzip -k FILE (and name the result .jsonl/.csv/...)"),
     (
@@ -50,6 +54,23 @@ def kind(value: object) -> str:
     """How a JSON value's type reads in a message: 'a number', 'a list', 'null', ..."""
     names = {dict: "an object", list: "a list", str: "a string", bool: "true/false", int: "a number", float: "a number"}
     return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def short(value: object) -> str:
+    """A value's repr for a message, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def warn_skipped(log: logging.Logger, source: str, skipped: int, examples: list[str]) -> None:
+    """Log the records of `source` that data.skip_bad_records skipped, naming the first few."""
+    log.warning(
+        "%s: skipped %d bad record%s (data.skip_bad_records); first: %s",
+        source,
+        skipped,
+        "s" if skipped != 1 else "",
+        "; ".join(examples[:MAX_EXAMPLES]),
+    )
 
 
 def mib(size: int) -> str:
@@ -161,7 +182,7 @@ def parse(text: str) -> tuple[object, str | None]:
     except _Constant as e:
         return None, f"the line holds {e}, which JSON does not allow; write null or a number (as text if it must stay)"
     except RecursionError:
-        return None, f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)"
+        return None, _TOO_DEEP
     except json.JSONDecodeError as e:
         if "\x00" in text:
             return (
@@ -186,7 +207,7 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 def check(value: object, text: str) -> str | None:
     """What makes a parsed record unusable: nesting over MAX_DEPTH, or an unpaired surrogate escape."""
     if text.count("[") + text.count("{") > MAX_DEPTH and _depth_over(value):
-        return f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)"
+        return _TOO_DEEP
     if _SURROGATE_ESCAPE.search(text):
         bad = _surrogate(value)
         if bad is not None:
@@ -237,7 +258,11 @@ def read_json_lines(path: str, out: Collector) -> None:
 
 def read_json(path: str, out: Collector) -> None:
     """A .json file holds either one list of records, or one record per line."""
-    text = _read_text(path)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     start = len(text) - len(text.lstrip())
     if text[start : start + 1] == "[":
         _read_json_array(path, text, start, out)
@@ -246,62 +271,38 @@ def read_json(path: str, out: Collector) -> None:
 
 
 def _read_json_array(path: str, text: str, pos: int, out: Collector) -> None:
-    decoder = _DECODER
     pos += 1
     while True:
-        pos = _skip_space(text, pos)
+        pos = _SPACE.match(text, pos).end()
         if text.startswith("]", pos):
             return
         where = f"{path}:{text.count(chr(10), 0, pos) + 1}"
         try:
-            record, end = decoder.raw_decode(text, pos)
+            record, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise _json_syntax(path, e) from None
-        except RecursionError:
             raise error(
-                where,
-                f"the record is nested too deeply (more than {MAX_DEPTH} levels of lists/objects)",
-                "flatten the record",
+                f"{path}:{e.lineno}",
+                f"not valid JSON ({e.msg} at column {e.colno})",
+                "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a "
+                "broken list cannot be skipped record by record)",
             ) from None
+        except RecursionError:
+            raise error(where, _TOO_DEEP, "flatten the record") from None
         except _Constant as e:
             raise error(
                 where, f"the record holds {e}, which JSON does not allow", "write null or a number instead"
             ) from None
         problem = check(record, text[pos:end])
         out.bad(where, problem) if problem else out.add(record, where)
-        pos = _skip_space(text, end)
+        pos = _SPACE.match(text, end).end()
         if text.startswith(",", pos):
             pos += 1
         elif not text.startswith("]", pos):
-            line_no = text.count("\n", 0, pos) + 1
             raise error(
-                f"{path}:{line_no}",
+                f"{path}:{text.count(chr(10), 0, pos) + 1}",
                 "not valid JSON (expected ',' or ']' between records)",
                 "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line",
             )
-
-
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
-
-
-def _json_syntax(path: str, e: json.JSONDecodeError) -> DataError:
-    return error(
-        f"{path}:{e.lineno}",
-        f"not valid JSON ({e.msg} at column {e.colno})",
-        "correct the file: a .json file holds one list of records, [{...}, {...}], or one record per line (a "
-        "broken list cannot be skipped record by record)",
-    )
-
-
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            return f.read()
-    except UnicodeDecodeError:
-        raise not_utf8(path) from None
 
 
 def not_utf8(path: str) -> DataError:
@@ -351,16 +352,13 @@ def _csv_rows(path: str, rows, out: Collector) -> None:
             header = _check_header(path, row)
         elif row:
             number += 1
-            _csv_row(path, header, row, f"{path}:row {number}", start, out)
-
-
-def _csv_row(path: str, header: list[str], row: list[str], origin: str, line: int, out: Collector) -> None:
-    if len(row) != len(header):
-        out.bad(origin, f"{len(row)} values, but the header names {len(header)} columns (line {line})")
-    elif any("\x00" in value for value in row):
-        out.bad(origin, f"a value holds a NUL byte (line {line}): the file is damaged or binary")
-    else:
-        out.add(dict(zip(header, row)), origin)
+            origin = f"{path}:row {number}"
+            if len(row) != len(header):
+                out.bad(origin, f"{len(row)} values, but the header names {len(header)} columns (line {start})")
+            elif any("\x00" in value for value in row):
+                out.bad(origin, f"a value holds a NUL byte (line {start}): the file is damaged or binary")
+            else:
+                out.add(dict(zip(header, row)), origin)
 
 
 def _check_header(path: str, header: list[str]) -> list[str]:

@@ -17,20 +17,17 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.config.schema import DatasetSpec
-from finetune.data.readers import ORIGIN, READERS, Collector, sniff
+from finetune.data.readers import ORIGIN, READERS, Collector, Progress, sniff, warn_skipped
 from finetune.data.readers import error as _error
 from finetune.errors import DataError
 
 if TYPE_CHECKING:  # datasets, numpy and pyarrow load in the functions that use them: `ft validate` stays fast
     import datasets
-
-Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 SUPPORTED = (".jsonl", ".json", ".csv", ".parquet", ".txt")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -72,13 +69,7 @@ def load_source(
             "fix the data, or point data.datasets[].path at the intended file",
         )
     if out.skipped:
-        log.warning(
-            "%s: skipped %d bad record%s (data.skip_bad_records); first: %s",
-            spec.path,
-            out.skipped,
-            "s" if out.skipped != 1 else "",
-            "; ".join(out.examples),
-        )
+        warn_skipped(log, spec.path, out.skipped, out.examples)
     stats = SourceStats(spec.path, len(out.records), out.skipped, tuple(out.examples), tuple(files))
     return to_dataset(out.records), stats
 
@@ -99,15 +90,20 @@ def _read_file(file: str, out: Collector) -> None:
         raise _error(file, "the file holds no records", "remove the empty file or fill it")
 
 
+def specs(config) -> list[tuple[str, DatasetSpec]]:
+    """The data sources of `config` with their keys: each data.datasets[i], then data.validation when it is a source."""
+    out = [(f"data.datasets[{i}]", s) for i, s in enumerate(config.data.datasets)]
+    if isinstance(config.data.validation, DatasetSpec):
+        out.append(("data.validation", config.data.validation))
+    return out
+
+
 def check_paths(config) -> list[str]:
     """One message per local data path of `config` that cannot be read (missing, FIFO, unreadable, ...).
 
     Hub dataset ids are not checked (that needs the network). Relative paths are read from the current folder."""
-    specs = [(f"data.datasets[{i}]", s) for i, s in enumerate(config.data.datasets)]
-    if isinstance(config.data.validation, DatasetSpec):
-        specs.append(("data.validation", config.data.validation))
     problems = []
-    for key, spec in specs:
+    for key, spec in specs(config):
         try:
             resolve_files(spec.path)
         except DataError as e:

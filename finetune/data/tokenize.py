@@ -81,20 +81,19 @@ def _with_images(rec: dict, rules: Rules, processor, jinja: str | None) -> dict:
     from finetune import vision
 
     images = list(rec.get("images") or [])
-    if rules.format == "unpaired":
+
+    def continuation(answer: list[dict]) -> tuple[list[int], list[int]]:
         if images:
-            ids, labels = vision.tokenize_pair_side(rec["prompt"], rec["completion"], images, processor, jinja)
-        else:
-            ids, labels = tokenize_continuation(rec["prompt"], rec["completion"], processor.tokenizer, jinja)
+            return vision.tokenize_pair_side(rec["prompt"], answer, images, processor, jinja)
+        return tokenize_continuation(rec["prompt"], answer, processor.tokenizer, jinja)
+
+    if rules.format == "unpaired":
+        ids, labels = continuation(rec["completion"])
         return {"input_ids": ids, "labels": labels, "desirable": bool(rec["label"]), "images": images}
     if rules.format == "preference":
         row = {"images": images, "margin": rec.get("margin")}
         for side in ("chosen", "rejected"):
-            if images:
-                ids, labels = vision.tokenize_pair_side(rec["prompt"], rec[side], images, processor, jinja)
-            else:
-                ids, labels = tokenize_continuation(rec["prompt"], rec[side], processor.tokenizer, jinja)
-            row |= {f"{side}_input_ids": ids, f"{side}_labels": labels}
+            row[f"{side}_input_ids"], row[f"{side}_labels"] = continuation(rec[side])
         return row
     if images:
         ids, labels = vision.tokenize_images(rec["messages"], images, processor, jinja, rules.train_on)
@@ -178,10 +177,10 @@ def tokenize_whole(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dic
     """The record tokenized as it is, never cut short: what tokenize_record's result must equal after length
     handling (the reference its shortcut is tested against)."""
     fmt = rules.format
-    if fmt in ("chat", "instruction") and rec.get(_UNTRAINED):  # shortened past the last assistant turn
-        ids, _ = tokenize_conversation(rec["messages"], tokenizer, jinja, "all")
-        return {"input_ids": ids, "labels": [IGNORE] * len(ids)}
     if fmt in ("chat", "instruction"):
+        if rec.get(_UNTRAINED):  # shortened past the last assistant turn
+            ids, _ = tokenize_conversation(rec["messages"], tokenizer, jinja, "all")
+            return {"input_ids": ids, "labels": [IGNORE] * len(ids)}
         ids, labels = tokenize_conversation(rec["messages"], tokenizer, jinja, rules.train_on)
         return {"input_ids": ids, "labels": labels}
     if fmt == "completion":
@@ -193,15 +192,12 @@ def tokenize_whole(rec: dict, rules: Rules, tokenizer, jinja: str | None) -> dic
         prompt_labels = list(prompt) if rules.train_on == "all" else [IGNORE] * len(prompt)
         return {"input_ids": prompt + completion, "labels": prompt_labels + completion}
     if fmt == "preference":
-        c_ids, c_labels = tokenize_continuation(rec["prompt"], rec["chosen"], tokenizer, jinja)
-        r_ids, r_labels = tokenize_continuation(rec["prompt"], rec["rejected"], tokenizer, jinja)
-        return {
-            "chosen_input_ids": c_ids,
-            "chosen_labels": c_labels,
-            "rejected_input_ids": r_ids,
-            "rejected_labels": r_labels,
-            "margin": rec.get("margin"),
-        }
+        row = {}
+        for side in ("chosen", "rejected"):
+            row[f"{side}_input_ids"], row[f"{side}_labels"] = tokenize_continuation(
+                rec["prompt"], rec[side], tokenizer, jinja
+            )
+        return {**row, "margin": rec.get("margin")}
     if fmt == "unpaired":
         ids, labels = tokenize_continuation(rec["prompt"], rec["completion"], tokenizer, jinja)
         return {"input_ids": ids, "labels": labels, "desirable": bool(rec["label"])}
