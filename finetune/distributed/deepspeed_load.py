@@ -125,14 +125,9 @@ def construct(auto_class, hf_config, kwargs: dict, config: dict):
     overwritten). The ZeRO-3 announcement is withdrawn meanwhile, or from_config would add that pass."""
     import deepspeed
     from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import (
-        prevent_arange_dtype_change,
-        set_hf_deepspeed_config,
-        unset_hf_deepspeed_config,
-    )
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    unset_hf_deepspeed_config()
-    try:
+    with zero3_withdrawn():
         # Built once on the meta device first, so that every class it takes is defined before zero.Init: a module class
         # defined inside it gets back, when it exits, the __init__ it had when its class statement ran (deepspeed 0.19
         # partition_parameters `_init_subclass`, `_disable_class`), without what a class decorator set after that: the
@@ -149,9 +144,6 @@ def construct(auto_class, hf_config, kwargs: dict, config: dict):
             deepspeed.zero.Init(config_dict_or_path=config, dtype=kwargs["dtype"]),
         ):
             net = auto_class.from_config(hf_config, **kwargs)
-    finally:
-        if "config" in _live:
-            set_hf_deepspeed_config(_live["config"])
     net.tie_weights()  # from_config ties in init_weights, which no_init_weights skips
     return net
 
