@@ -303,10 +303,7 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     chunk = -(-p.shape[0] // p.device_mesh.size(dim))
     start = min(p.device_mesh.get_local_rank(dim) * chunk, p.shape[0])
     # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
-    return (
-        p.to_local(),
-        start,
-    )
+    return p.to_local(), start
 
 
 def local_box(p) -> tuple[torch.Tensor, tuple[int, ...]]:
