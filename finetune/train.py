@@ -129,9 +129,9 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         deepspeed_config = config_for(plan, config.train, config.distributed)
 
     with activity("joining the process group"):
-        runtime = (
-            start(config.distributed.timeout_minutes, needs_group=True) if plan.process_group else Runtime()
-        ).with_parallel(plan.tensor_parallel, plan.context_parallel)  # the ranks of a tp × cp block share rows
+        runtime = start(config.distributed.timeout_minutes) if plan.process_group else Runtime()
+        # the ranks of a tp × cp block share rows
+        runtime = runtime.with_parallel(plan.tensor_parallel, plan.context_parallel)
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel, plan.flash_upgrade)
