@@ -254,14 +254,10 @@ def load(path: Path, engine, runtime, method=None) -> dict:
         )
     engine.load(path, runtime)
     engine.scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
-    set_rng_state(load_tensors(_rng_file(path, runtime.rank)))
+    # this rank's RNG state; a rank the checkpoint's job did not have (more ranks now) starts from rank 0's
+    rng = path / f"rng-{runtime.rank}.pt"
+    set_rng_state(load_tensors(rng if rng.is_file() else path / "rng-0.pt"))
     carried = path / f"method-{runtime.rank}.pt"
     if hasattr(method, "load_state_dict"):
         method.load_state_dict(load_tensors(carried) if carried.is_file() else {})
     return state
-
-
-def _rng_file(path: Path, rank: int) -> Path:
-    """This rank's RNG state; a rank the checkpoint's job did not have (more ranks now) starts from rank 0's."""
-    own = path / f"rng-{rank}.pt"
-    return own if own.is_file() else path / "rng-0.pt"

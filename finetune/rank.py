@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
 def _rank(run_dir: Path, resume_from: str | None) -> int:
     """Train; under a launcher, a stop becomes this rank's report to it (exit 0), a Ctrl-C its own message."""
     from finetune.distributed import lifecycle
-    from finetune.distributed.lifecycle import LOST_PEERS
     from finetune.distributed.runtime import failed_during, launched
     from finetune.errors import LostPeers, Stopped
     from finetune.runlock import joined, locked
@@ -65,7 +64,7 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     except KeyboardInterrupt:
         return lifecycle.rank_interrupted(failed_during())
     except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
-        lifecycle.report(LOST_PEERS, 0, message=str(e))
+        lifecycle.report(lifecycle.LOST_PEERS, 0, message=str(e))
         raise
     except Exception:
         # failing, its error said next: the launcher's stop of the other ranks must not interrupt its exit
