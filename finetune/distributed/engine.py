@@ -116,10 +116,9 @@ class TorchEngine:
     @property
     def synced_generation(self) -> bool:
         """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every
-        forward,
-        so a rank that finished sampling keeps stepping until all have (transformers
-        GenerationMixin._has_unfinished_sequences). Under expert parallelism every forward pass is an all-to-all
-        between the ranks, gathered or not: they step together too."""
+        forward, so a rank that finished sampling keeps stepping until all have (transformers
+        GenerationMixin._has_unfinished_sequences). Under expert parallelism every forward pass is an all-to-all between
+        the ranks, gathered or not: they step together too."""
         return self.sharded and (self.generation_mode == "layerwise" or self.expert_parallel > 1)
 
     @property
@@ -171,12 +170,10 @@ class TorchEngine:
     @contextlib.contextmanager
     def generation(self):
         """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no
-        collectives
-        inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward
-        all-gathers
-        layer by layer; callers pass synced_gpus=True); `local`: the model is whole already. Compiled layers run
-        eagerly inside it: each decoding step's KV cache would add its own recompiles (transformers' cache guards
-        differ per layer), soon past torch's recompile limit, after which the training steps too would run
+        collectives inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each
+        forward all-gathers layer by layer; callers pass synced_gpus=True); `local`: the model is whole already.
+        Compiled layers run eagerly inside it: each decoding step's KV cache would add its own recompiles (transformers'
+        cache guards differ per layer), soon past torch's recompile limit, after which the training steps too would run
         uncompiled."""
         with contextlib.ExitStack() as stack:
             if self.sharded and self.generation_mode == "gather":
