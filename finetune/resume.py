@@ -107,13 +107,9 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
             "--allow-changes to resume anyway (recorded in the run folder)"
         )
     if changes:
+        record = {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
         with open(folder.resume_changes_path, "a", encoding="utf-8") as f:
-            f.write(
-                json.dumps(
-                    {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
-                )
-                + "\n"
-            )
+            f.write(json.dumps(record) + "\n")
     return None
 
 
