@@ -19,8 +19,10 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
@@ -45,8 +47,6 @@ def agreed(run_dir: Path, resume_from: Path | None, runtime) -> Path | None:
     if chosen == step:
         return resume_from
     path = RunFolder(run_dir).checkpoint(chosen) if chosen else None
-    import sys
-
     sys.stderr.write(
         f"rank {runtime.rank} resumes from {path or 'the start'}, as rank 0 does (it found {resume_from})\n"
     )
@@ -86,8 +86,6 @@ def set_rng_state(state: dict) -> None:
 def load_tensors(path: Path):
     """A checkpoint file written by torch.save: tensors and plain data only (weights_only: no code runs while
     unpickling), onto the CPU (on GPUs, without map_location every rank's state would land where it was saved)."""
-    import pickle
-
     import torch
 
     try:

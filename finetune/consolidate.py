@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from finetune import checkpoint
@@ -91,8 +92,6 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
 def _run(run_dir: Path):
     """The run's config and its Plan as one fp32 process on the CPU would run it (the adapter, trained embeddings, the
     attention kernel and every other decision as planned; no quantization, sharding or process group)."""
-    from dataclasses import replace
-
     from finetune.config import load
 
     folder = RunFolder(run_dir)

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -137,8 +137,6 @@ class Runtime:
 
     def with_parallel(self, tensor_parallel: int, context_parallel: int) -> Runtime:
         """This runtime with the plan's tensor- and context-parallel degrees (a single process keeps 1 and 1)."""
-        from dataclasses import replace
-
         if self.world_size == 1:
             return self
         if self.world_size % (tensor_parallel * context_parallel):
