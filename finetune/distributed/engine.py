@@ -72,7 +72,6 @@ class Engine(Protocol):
         """Every parameter whole, one at a time, on every rank (a collective per parameter where sharded: all ranks
         iterate together, and no rank ever holds more than one gathered parameter), under each of its names (a tied
         output head is sent as itself: vLLM reloads it as its own layer). For a rollout engine's weights."""
-        ...
 
     def save(self, path: Path, runtime) -> None:
         """Called on every rank: write the model's trained parameters and the optimizer state into checkpoint folder
