@@ -15,10 +15,7 @@ from finetune.config.schema import AdapterSection
 from finetune.errors import FtError
 
 # random at the start (peft's default init); the other adapter tensors start at zero
-_DRAWN = (
-    "lora_A",
-    "lora_embedding_B",
-)
+_DRAWN = ("lora_A", "lora_embedding_B")
 _ZERO = ("lora_B", "lora_embedding_A")
 
 
@@ -129,21 +126,13 @@ def linear_names(model) -> list[str]:
     return sorted({name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
-def is_initialised_here(name: str) -> bool:
-    """An adapter tensor whose starting value `initial_value` gives (not DoRA's magnitude, which comes from the base
-    weights)."""
-    parts = name.split(".")
-    return any(k in parts for k in _DRAWN + _ZERO)
-
-
 def is_dora_magnitude(name: str) -> bool:
     return "lora_magnitude_vector" in name.split(".")
 
 
 def initial_value(name: str, shape: tuple, seed: int):
     """The starting value of adapter tensor `name` (fp32, on the CPU): drawn from a generator seeded by the job's seed
-    and
-    the name, so it is the same however and wherever the model is built. Distributions as peft's default init."""
+    and the name, so it is the same however and wherever the model is built. Distributions as peft's default init."""
     import torch
 
     value = torch.zeros(shape, dtype=torch.float32)
@@ -168,5 +157,6 @@ def init_adapter(model, seed: int) -> None:
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.requires_grad and is_initialised_here(name):
+            # an adapter tensor whose starting value `initial_value` gives (not DoRA's magnitude, from the base weights)
+            if p.requires_grad and any(k in name.split(".") for k in _DRAWN + _ZERO):
                 p.copy_(initial_value(name, tuple(p.shape), seed).to(p.dtype))

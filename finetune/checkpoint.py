@@ -19,8 +19,10 @@ import contextlib
 import errno
 import json
 import os
+import pickle
 import random
 import shutil
+import sys
 from pathlib import Path
 
 from finetune.artifacts.run import RunFolder
@@ -45,8 +47,6 @@ def agreed(run_dir: Path, resume_from: Path | None, runtime) -> Path | None:
     if chosen == step:
         return resume_from
     path = RunFolder(run_dir).checkpoint(chosen) if chosen else None
-    import sys
-
     sys.stderr.write(
         f"rank {runtime.rank} resumes from {path or 'the start'}, as rank 0 does (it found {resume_from})\n"
     )
@@ -86,8 +86,6 @@ def set_rng_state(state: dict) -> None:
 def load_tensors(path: Path):
     """A checkpoint file written by torch.save: tensors and plain data only (weights_only: no code runs while
     unpickling), onto the CPU (on GPUs, without map_location every rank's state would land where it was saved)."""
-    import pickle
-
     import torch
 
     try:
@@ -254,14 +252,10 @@ def load(path: Path, engine, runtime, method=None) -> dict:
         )
     engine.load(path, runtime)
     engine.scheduler.load_state_dict(load_tensors(path / "scheduler.pt"))
-    set_rng_state(load_tensors(_rng_file(path, runtime.rank)))
+    # this rank's RNG state; a rank the checkpoint's job did not have (more ranks now) starts from rank 0's
+    rng = path / f"rng-{runtime.rank}.pt"
+    set_rng_state(load_tensors(rng if rng.is_file() else path / "rng-0.pt"))
     carried = path / f"method-{runtime.rank}.pt"
     if hasattr(method, "load_state_dict"):
         method.load_state_dict(load_tensors(carried) if carried.is_file() else {})
     return state
-
-
-def _rng_file(path: Path, rank: int) -> Path:
-    """This rank's RNG state; a rank the checkpoint's job did not have (more ranks now) starts from rank 0's."""
-    own = path / f"rng-{rank}.pt"
-    return own if own.is_file() else path / "rng-0.pt"

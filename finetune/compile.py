@@ -65,16 +65,12 @@ def failures_explained(inner: contextlib.AbstractContextManager):
         try:
             yield
         except Exception as e:
-            if not is_compile_failure(e):
+            from torch._dynamo.exc import TorchDynamoException
+
+            # torch's compiler stack: dynamo's tracing, a backend such as inductor failing, a missing compiler
+            if not isinstance(e, TorchDynamoException):
                 raise
             raise FtError(compile_failure_message(e)) from e
-
-
-def is_compile_failure(e: BaseException) -> bool:
-    """An error of torch's compiler stack (dynamo's tracing, a backend such as inductor failing, a missing compiler)."""
-    from torch._dynamo.exc import TorchDynamoException
-
-    return isinstance(e, TorchDynamoException)
 
 
 def compile_failure_message(e: BaseException) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from finetune import checkpoint
@@ -36,7 +37,10 @@ def consolidate(
     config, plan = _run(run_dir)
     model, tokenizer = _model(config, plan)
     fmt = checkpoint.written_format(ckpt)
-    trained = trained_tensors(ckpt, fmt, model)
+    from finetune.distributed.engine import read_trained
+
+    # full CPU tensors by the names of the model's parameters, read by the engine code that owns the format
+    trained = read_trained(ckpt, fmt, model)
     params = dict(model.named_parameters(remove_duplicate=False))  # tied weights under each of their names
     covered = {id(params[n]) for n in trained if n in params}
     missing = sorted(n for n, p in model.named_parameters() if p.requires_grad and id(p) not in covered)[:3]
@@ -88,8 +92,6 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
 def _run(run_dir: Path):
     """The run's config and its Plan as one fp32 process on the CPU would run it (the adapter, trained embeddings, the
     attention kernel and every other decision as planned; no quantization, sharding or process group)."""
-    from dataclasses import replace
-
     from finetune.config import load
 
     folder = RunFolder(run_dir)
@@ -122,11 +124,3 @@ def _model(config, plan):
     # the attention the run's plan chose, which the model class supports (no forward pass runs here)
     model = apply_adapter(load_model(config.model, plan, tokenizer), config.adapter, plan)
     return model, tokenizer
-
-
-def trained_tensors(ckpt: Path, fmt: str, model) -> dict:
-    """The checkpoint's trained parameters as full CPU tensors, by the names of `model`'s parameters, read by the
-    engine code that owns format `fmt` (distributed/engine.py)."""
-    from finetune.distributed.engine import read_trained
-
-    return read_trained(ckpt, fmt, model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import partial
 
 import torch
 from torch.optim.adamw import adamw  # torch's functional AdamW: CompensatedAdamW runs its math
@@ -81,8 +82,6 @@ def build_scheduler(optimizer, train: TrainSection, total_steps: int):
     transformers.optimization imports its Trainer utilities, which import peft and bitsandbytes (~1.8 s of CPU in every
     process, where a full fine-tuning rank needs neither). The lambda is a functools.partial, as get_scheduler's is, so
     scheduler.pt has the same contents and a checkpoint written by either resumes under the other."""
-    from functools import partial
-
     warmup = min(train.warmup_steps or int(round(train.warmup_ratio * total_steps)), total_steps)
     multiplier = partial(lr_multiplier, kind=train.scheduler, warmup=warmup, total=total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> None:
 def _rank(run_dir: Path, resume_from: str | None) -> int:
     """Train; under a launcher, a stop becomes this rank's report to it (exit 0), a Ctrl-C its own message."""
     from finetune.distributed import lifecycle
-    from finetune.distributed.lifecycle import LOST_PEERS
     from finetune.distributed.runtime import failed_during, launched
     from finetune.errors import LostPeers, Stopped
     from finetune.runlock import joined, locked
@@ -65,7 +64,7 @@ def _rank(run_dir: Path, resume_from: str | None) -> int:
     except KeyboardInterrupt:
         return lifecycle.rank_interrupted(failed_during())
     except LostPeers as e:  # the launcher ends the job with its code: a scheduler may restart it
-        lifecycle.report(LOST_PEERS, 0, message=str(e))
+        lifecycle.report(lifecycle.LOST_PEERS, 0, message=str(e))
         raise
     except Exception:
         # failing, its error said next: the launcher's stop of the other ranks must not interrupt its exit
@@ -78,6 +77,7 @@ def train_run_folder(run_dir, resume_from=None, prepared=None) -> dict:
     """One rank's whole job, from the run folder alone: the saved config, the Plan read back, the prepared data."""
     from finetune.artifacts import RunFolder
     from finetune.data.preprocess import load_prepared
+    from finetune.distributed.runtime import explained_failures
 
     hooks = step_hooks()  # first: a hook that does not load fails before the model does
     folder = RunFolder(run_dir)
@@ -85,7 +85,9 @@ def train_run_folder(run_dir, resume_from=None, prepared=None) -> dict:
     config, job_plan = folder.config(), folder.plan()
     if prepared is None:
         prepared = load_prepared(config, folder.prepared_cache())
-    return _train(config, job_plan, prepared, run_dir, Path(resume_from) if resume_from else None, hooks)
+    resume_from = Path(resume_from) if resume_from else None
+    with explained_failures(config.distributed.timeout_minutes):
+        return _train(config, job_plan, prepared, run_dir, resume_from, hooks)
 
 
 def step_hooks() -> tuple:
@@ -101,18 +103,10 @@ def step_hooks() -> tuple:
     return (load_function(spec, STEP_HOOK),)
 
 
-def _train(config, job_plan, prepared, run_dir, resume_from, hooks=()) -> dict:
-    from rich.console import Console
-
-    from finetune.distributed.runtime import explained_failures
-
-    console = Console(stderr=True, highlight=False)
-    with explained_failures(config.distributed.timeout_minutes):
-        return _train_explained(config, job_plan, prepared, run_dir, resume_from, console, hooks)
-
-
-def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, hooks) -> dict:
+def _train(config, job_plan, prepared, run_dir, resume_from, hooks) -> dict:
     import json
+
+    from rich.console import Console
 
     from finetune import checkpoint, train
     from finetune.artifacts import RunFolder
@@ -120,12 +114,16 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     from finetune.metrics import plot_losses
     from finetune.modelcard import model_card
     from finetune.progress import progress
+    from finetune.trackers import Trackers
 
+    console = Console(stderr=True, highlight=False)
     _quiet_loading(job_plan, console)
     job = train.setup(config, job_plan, prepared, deepspeed_config=RunFolder(run_dir).deepspeed_config())
     resume_from = checkpoint.agreed(run_dir, resume_from, job.runtime)
     is_main = job.runtime.is_main
-    trackers = _trackers(config, run_dir, job.runtime.rank)
+    # the configured experiment trackers (none configured, or not rank 0: a no-op)
+    run_name = config.output.run_name or run_dir.name
+    trackers = Trackers(list(config.output.trackers), run_dir, run_name, config, rank=job.runtime.rank)
     processor = getattr(prepared, "processor", None)  # a vision-language model's (tokenizer, images, template)
     before = _task_eval(config, job, prepared.tokenizer, processor) if resume_from is None else None
     shown = config.method.progress_metrics
@@ -153,14 +151,7 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
     after = _task_eval(config, job, prepared.tokenizer, processor)
     if not is_main:
         return result
-    result.update(
-        {
-            "task_before": before,
-            "task_after": after,
-            "final": str(final),
-            "artifact": artifact_kind(job_plan),
-        }
-    )
+    result.update(task_before=before, task_after=after, final=str(final), artifact=artifact_kind(job_plan))
     folder = RunFolder(run_dir)
     plot_losses(folder.metrics_path, folder.loss_plot_path, shown)
     card = {
@@ -171,19 +162,12 @@ def _train_explained(config, job_plan, prepared, run_dir, resume_from, console, 
         "artifact": result["artifact"],
         "run_dir": str(run_dir),
         "path": str(final),
-        "name": config.output.run_name or run_dir.name,
+        "name": run_name,
     }
     atomic_write_text(folder.card_path, model_card(card))
     atomic_write_text(folder.result_path, json.dumps(result, indent=2))
     _report(console, config, result)
     return result
-
-
-def _trackers(config, run_dir, rank: int = 0):
-    """The configured experiment trackers (none configured, or not rank 0: a no-op)."""
-    from finetune.trackers import Trackers
-
-    return Trackers(list(config.output.trackers), run_dir, config.output.run_name or run_dir.name, config, rank=rank)
 
 
 def _task_eval(config, job, tokenizer, processor=None):

@@ -3,6 +3,10 @@ removes, and which config changes a resume accepts (the rest are refused, or rec
 
 from __future__ import annotations
 
+import json
+import sys
+import time
+
 from finetune.artifacts.run import RunFolder
 from finetune.errors import FtError
 
@@ -11,8 +15,6 @@ def resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
     """The checkpoint to resume from, or None; refuses to replace another run, or to write into a folder that is not
     a run, by accident. Reads only: `--overwrite` removes the old run later, once the new one has planned and
     prepared."""
-    import sys
-
     from finetune import checkpoint
     from finetune.artifacts.run import looks_like_run, refuse_foreign
 
@@ -35,8 +37,6 @@ def resume_point(run_dir, resume: bool, explicit: bool, overwrite: bool):
 
 def overwrite_run(run_dir, job_file) -> None:
     """--overwrite: remove what ft wrote in the old run (never a folder ft did not make); say what was left."""
-    import sys
-
     from finetune.artifacts.run import remove_run
 
     if not run_dir.exists():
@@ -67,10 +67,6 @@ RESUME_SAFE = (
 def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> dict | None:
     """Resuming an existing run: a finished run is left as it is (unless it is to train longer), and a changed config is
     refused with the list of changes, or accepted with --allow-changes and recorded in the run folder."""
-    import json
-    import sys
-    import time
-
     from finetune.data.stream import steps_for
     from finetune.redaction import redact_config
 
@@ -107,13 +103,9 @@ def resume_checks(run_dir, config, job_plan, prepared, allow_changes: bool) -> d
             "--allow-changes to resume anyway (recorded in the run folder)"
         )
     if changes:
+        record = {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
         with open(folder.resume_changes_path, "a", encoding="utf-8") as f:
-            f.write(
-                json.dumps(
-                    {"time": round(time.time(), 3), "changes": [{"key": k, "was": a, "now": b} for k, a, b in changes]}
-                )
-                + "\n"
-            )
+            f.write(json.dumps(record) + "\n")
     return None
 
 

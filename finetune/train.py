@@ -24,6 +24,7 @@ from finetune.artifacts.run import RunFolder
 from finetune.config.schema import Config
 from finetune.data.collate import to_device
 from finetune.data.stream import Stream, steps_for
+from finetune.distributed import lifecycle
 from finetune.distributed.runtime import Runtime, activity, start
 from finetune.errors import FtError, Stopped
 from finetune.methods import Method
@@ -77,16 +78,12 @@ class SignalStop:
         self._old = {}
 
     def __enter__(self):
-        from finetune.distributed import lifecycle
-
         lifecycle.reset_signals()
         for sig in lifecycle.STOP_SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
-        from finetune.distributed import lifecycle
-
         if lifecycle.note(signum) == "repeat":
             if signum == signal.SIGINT and self._received:  # a person's Ctrl-C, also forwarded as SIGTERM by the
                 self.signum = signal.SIGINT  # launcher, which may arrive first: the stop is the person's
@@ -104,8 +101,6 @@ class SignalStop:
     @contextlib.contextmanager
     def saving(self):
         """While a checkpoint is written: a second signal is ignored (the launcher is told, too)."""
-        from finetune.distributed import lifecycle
-
         self._saving = True
         lifecycle.mark_saving(True)
         try:
@@ -115,8 +110,6 @@ class SignalStop:
             self._saving = False
 
     def __exit__(self, exc_type, *exc):
-        from finetune.distributed import lifecycle
-
         for sig, old in self._old.items():
             signal.signal(sig, old)
         if exc_type is None:
@@ -136,9 +129,9 @@ def setup(config: Config, plan: Plan, prepared, device: torch.device | None = No
         deepspeed_config = config_for(plan, config.train, config.distributed)
 
     with activity("joining the process group"):
-        runtime = (
-            start(config.distributed.timeout_minutes, needs_group=True) if plan.process_group else Runtime()
-        ).with_parallel(plan.tensor_parallel, plan.context_parallel)  # the ranks of a tp × cp block share rows
+        runtime = start(config.distributed.timeout_minutes) if plan.process_group else Runtime()
+        # the ranks of a tp × cp block share rows
+        runtime = runtime.with_parallel(plan.tensor_parallel, plan.context_parallel)
     torch.manual_seed(config.train.seed)
     device = device or (torch.device("cuda", runtime.local_rank) if torch.cuda.is_available() else torch.device("cpu"))
     attn = runtime_attention(config.model, plan.attn_implementation, plan.context_parallel, plan.flash_upgrade)
@@ -243,11 +236,8 @@ def peak_memory_gib(device: torch.device) -> float:
 
 def save_checkpoint(job: Job, run_dir: Path, step: int, extra: dict) -> Path:
     """Every rank takes part; the engine writes its own format (shards, or one copy from rank 0)."""
-    state = {
-        **extra,
-        "position": job.stream.position,
-        "served": job.stream.served,
-    }  # this step's data position, never an older one carried in `extra`
+    # this step's data position, never an older one carried in `extra`
+    state = {**extra, "position": job.stream.position, "served": job.stream.served}
     return checkpoint.save(
         run_dir, step, job.engine, state, job.config.output.keep_checkpoints, job.runtime, method=job.method
     )
@@ -270,10 +260,8 @@ def run(
         saved = checkpoint.load(resume_from, job.engine, job.runtime, method=job.method)
         start, job.stream.position = saved["step"], saved["position"]
         job.stream.served = saved.get("served", job.stream.repeat)  # older checkpoints: at a batch boundary
-        state = {
-            "tokens": saved["tokens"],
-            "seconds": saved["seconds"],
-        }  # running totals only: position and stop cause are per checkpoint
+        # running totals only: position and stop cause are per checkpoint
+        state = {"tokens": saved["tokens"], "seconds": saved["seconds"]}
     # From step 0 too: a fresh start in a folder an earlier attempt wrote to (resume: auto before any checkpoint) starts
     # a fresh log.
     metrics = (
@@ -285,7 +273,7 @@ def run(
         for step in range(start + 1, job.total_steps + 1):
             t0 = time.perf_counter()
             with activity(f"step {step} of {job.total_steps}"):
-                stop_after = _call_hooks(hooks, job.runtime.rank, step)
+                stop_after = any([hook(job.runtime.rank, step) is True for hook in hooks])  # a list: every hook runs
                 last = train_step(job)
             seconds = time.perf_counter() - t0
             state["tokens"] += last["tokens"]
@@ -299,9 +287,8 @@ def run(
             if step % out.log_steps == 0 or step == job.total_steps:
                 row.update(job.routing.utilisation(job.runtime))  # every rank: expert use since the last log
                 metrics.log(step, **row)
-            if (
-                job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps
-            ):  # the last: below
+            # the last: below
+            if job.validation is not None and out.eval_steps and step % out.eval_steps == 0 and step < job.total_steps:
                 with activity(f"validation at step {step}"):
                     metrics.log(
                         step,
@@ -358,9 +345,8 @@ def save_final(job: Job, run_dir: Path, tokenizer) -> Path:
         try:
             if state is None and full:  # whole on this rank: cast tensor by tensor into host memory
                 state = saved_state(job.inner, dtype)
-            with checkpoint.atomic_folder(
-                final, "the final weights"
-            ) as tmp:  # a full disk leaves no half-written final/
+            # a full disk leaves no half-written final/
+            with checkpoint.atomic_folder(final, "the final weights") as tmp:
                 job.inner.save_pretrained(str(tmp), **({"state_dict": state} if state is not None else {}))
                 if full:
                     record_dtype(tmp, dtype)
@@ -394,11 +380,6 @@ def merge_reward_adapter(model_section, final: Path, qlora: bool) -> None:
     if qlora:
         report["notes"] = [*report["notes"], "merged into the unquantized base; training saw the 4-bit base"]
     write_record(final, report)
-
-
-def _call_hooks(hooks, rank: int, step: int) -> bool:
-    """Call every hook as hook(rank, step); True when one asks to stop after this step."""
-    return any([hook(rank, step) is True for hook in hooks])  # a list: every hook runs
 
 
 class _NoMetrics:

@@ -56,8 +56,7 @@ def config_for(plan, train, distributed) -> dict:
 def _check_users_file(config: dict, path: Path, plan) -> None:
     """What a user's DeepSpeed file must agree with: the planned stage (memory was planned for it, and ZeRO-3 models are
     built partitioned), and overlap_comm only from stage 2 (deepspeed 0.19 runtime/engine.py asserts it when the
-    training
-    loop owns gradient accumulation, as ft's does)."""
+    training loop owns gradient accumulation, as ft's does)."""
     zero = config.get("zero_optimization", {})
     stage, planned = zero.get("stage", 0), STAGES[plan.sharding] if plan.sharding in STAGES else None
     if planned is not None and stage != planned:
@@ -98,14 +97,6 @@ def _from_plan(plan, train) -> dict:
     }
 
 
-def stage_of(config: dict) -> int:
-    return int(config.get("zero_optimization", {}).get("stage", 0))
-
-
-def offloads_optimizer(config: dict) -> bool:
-    return config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-
-
 def create_model(model_section, adapter_section, plan, tokenizer, attn, device, seed, config: dict):
     """ZeRO-3: the model to train, constructed partitioned with its adapter (see deepspeed_load.py); `wrap` takes it as
     is. `config`: the run's DeepSpeed configuration (deepspeed.json)."""
@@ -141,13 +132,13 @@ def wrap(model, plan, train, config: dict, total_steps: int) -> ZeroEngine:
     _require_deepspeed()
     import deepspeed
 
-    from finetune.optim import build_optimizer, build_scheduler, param_groups
+    from finetune.optim import BETAS, EPS, build_optimizer, build_scheduler, param_groups
 
-    if offloads_optimizer(config):
+    if config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none") not in ("none", None):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         optimizer = DeepSpeedCPUAdam(
-            param_groups(model, train.weight_decay), lr=plan.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True
+            param_groups(model, train.weight_decay), lr=plan.lr, betas=BETAS, eps=EPS, adamw_mode=True
         )
     else:
         optimizer = build_optimizer(model, train, plan.lr)
@@ -164,7 +155,7 @@ class ZeroEngine:
 
     def __init__(self, engine, scheduler, config: dict, generation: str = "gather"):
         self.model, self.scheduler, self.config = engine, scheduler, config  # config: what initialized it
-        self.stage = stage = stage_of(config)
+        self.stage = stage = int(config.get("zero_optimization", {}).get("stage", 0))
         self.optimizer = engine.optimizer
         self.gathers_parameters = stage == 3
         # plan.generation

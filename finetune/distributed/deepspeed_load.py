@@ -25,15 +25,6 @@ from finetune.errors import FtError
 _live: dict = {}  # the HfDeepSpeedConfig that transformers and peft see through a weak reference: kept for the process
 
 
-def announce_zero3(config: dict) -> None:
-    """Tell transformers and peft that parameters are ZeRO-3 partitioned, for the rest of the process: models are then
-    constructed partitioned, and their ZeRO-3 code paths gather what they touch (resizing, DoRA norms, generate's
-    default synced_gpus)."""
-    from transformers.integrations import HfDeepSpeedConfig
-
-    _live["config"] = HfDeepSpeedConfig(config)
-
-
 @contextlib.contextmanager
 def zero3_withdrawn():
     """While a model that ZeRO-3 must not partition is built (a GRPO reward model, whole on every rank): transformers'
@@ -75,6 +66,7 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict, se
     to the tokenizer (new rows: the mean of the old ones, as models.resize_embeddings gives them); checkpointing on."""
     import deepspeed
     from transformers import AutoConfig
+    from transformers.integrations import HfDeepSpeedConfig
 
     from finetune import models
 
@@ -96,7 +88,10 @@ def partitioned_base(model_section, plan, tokenizer, attn: str, config: dict, se
         "trust_remote_code": model_section.trust_remote_code,
     }
     net = construct(models.auto_class(plan), hf_config, kwargs, config)
-    announce_zero3(config)
+    # tell transformers and peft that parameters are ZeRO-3 partitioned, for the rest of the process: models are then
+    # constructed partitioned, and their ZeRO-3 code paths gather what they touch (resizing, DoRA norms, generate's
+    # default synced_gpus)
+    _live["config"] = HfDeepSpeedConfig(config)
     ckpt = models.Checkpoint(folder)
     try:
         keys = models.checkpoint_keys(net, ckpt)
@@ -125,14 +120,9 @@ def construct(auto_class, hf_config, kwargs: dict, config: dict):
     overwritten). The ZeRO-3 announcement is withdrawn meanwhile, or from_config would add that pass."""
     import deepspeed
     from transformers.initialization import no_init_weights
-    from transformers.integrations.deepspeed import (
-        prevent_arange_dtype_change,
-        set_hf_deepspeed_config,
-        unset_hf_deepspeed_config,
-    )
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    unset_hf_deepspeed_config()
-    try:
+    with zero3_withdrawn():
         # Built once on the meta device first, so that every class it takes is defined before zero.Init: a module class
         # defined inside it gets back, when it exits, the __init__ it had when its class statement ran (deepspeed 0.19
         # partition_parameters `_init_subclass`, `_disable_class`), without what a class decorator set after that: the
@@ -149,9 +139,6 @@ def construct(auto_class, hf_config, kwargs: dict, config: dict):
             deepspeed.zero.Init(config_dict_or_path=config, dtype=kwargs["dtype"]),
         ):
             net = auto_class.from_config(hf_config, **kwargs)
-    finally:
-        if "config" in _live:
-            set_hf_deepspeed_config(_live["config"])
     net.tie_weights()  # from_config ties in init_weights, which no_init_weights skips
     return net
 
@@ -188,8 +175,7 @@ def fill(net, ckpt, keys: dict, seed: int = 0) -> None:
 def _partition_the_rest(model, config: dict) -> None:
     """Partition what was created after construction (adapter weights, peft's trained copies of whole modules), in
     ZeRO-3's dtype: the cast deepspeed.initialize gives a model it partitions itself
-    (engine._cast_module_mixed_precision)
-    and skips for a model that zero.Init built."""
+    (engine._cast_module_mixed_precision) and skips for a model that zero.Init built."""
     import deepspeed
 
     dtype = zero_dtype(config)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from finetune.compile import compile_layers, failures_explained
-from finetune.distributed import cp, ddp, fsdp
+from finetune.distributed import cp, ddp, deepspeed, fsdp
 from finetune.errors import FtError
 
 FORMAT = "dcp"  # TorchEngine's checkpoint format: one torch.distributed.checkpoint folder, whatever the backend
@@ -72,7 +72,6 @@ class Engine(Protocol):
         """Every parameter whole, one at a time, on every rank (a collective per parameter where sharded: all ranks
         iterate together, and no rank ever holds more than one gathered parameter), under each of its names (a tied
         output head is sent as itself: vLLM reloads it as its own layer). For a rollout engine's weights."""
-        ...
 
     def save(self, path: Path, runtime) -> None:
         """Called on every rank: write the model's trained parameters and the optimizer state into checkpoint folder
@@ -116,10 +115,9 @@ class TorchEngine:
     @property
     def synced_generation(self) -> bool:
         """generate() must run with synced_gpus=True: sharded parameters are all-gathered layer by layer in every
-        forward,
-        so a rank that finished sampling keeps stepping until all have (transformers
-        GenerationMixin._has_unfinished_sequences). Under expert parallelism every forward pass is an all-to-all
-        between the ranks, gathered or not: they step together too."""
+        forward, so a rank that finished sampling keeps stepping until all have (transformers
+        GenerationMixin._has_unfinished_sequences). Under expert parallelism every forward pass is an all-to-all between
+        the ranks, gathered or not: they step together too."""
         return self.sharded and (self.generation_mode == "layerwise" or self.expert_parallel > 1)
 
     @property
@@ -171,12 +169,10 @@ class TorchEngine:
     @contextlib.contextmanager
     def generation(self):
         """Around a generate() call, per plan.generation: `gather` keeps every parameter whole for the call (no
-        collectives
-        inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each forward
-        all-gathers
-        layer by layer; callers pass synced_gpus=True); `local`: the model is whole already. Compiled layers run
-        eagerly inside it: each decoding step's KV cache would add its own recompiles (transformers' cache guards
-        differ per layer), soon past torch's recompile limit, after which the training steps too would run
+        collectives inside it, so ranks may sample different lengths); `layerwise` gathers nothing up front (each
+        forward all-gathers layer by layer; callers pass synced_gpus=True); `local`: the model is whole already.
+        Compiled layers run eagerly inside it: each decoding step's KV cache would add its own recompiles (transformers'
+        cache guards differ per layer), soon past torch's recompile limit, after which the training steps too would run
         uncompiled."""
         with contextlib.ExitStack() as stack:
             if self.sharded and self.generation_mode == "gather":
@@ -225,8 +221,6 @@ def build(
     from finetune.optim import build_scheduler
 
     if plan.backend == "deepspeed":
-        from finetune.distributed import deepspeed
-
         return deepspeed.wrap(model, plan, train, deepspeed_config, total_steps)
     # None unless plan.context_parallel > 1; refuses what cannot run
     context = cp.for_plan(plan, model, device, summed_loss)
@@ -375,13 +369,18 @@ def _global_norm(grads: list) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the checkpoint format
-def _trained(model, state: dict) -> dict:
-    """The entries of a model state dict (get_state_dict's: by the unwrapped model's names) that are trained: a
-    checkpoint never holds the frozen base. Every trained parameter is one of them."""
+def _dcp_state(model, optimizers, lrs: torch.Tensor | None) -> dict:
+    """What a checkpoint folder's DCP holds, through torch's get_state_dict (by the unwrapped model's names): the model
+    state dict's trained entries (a checkpoint never holds the frozen base; every trained parameter is one of them),
+    the optimizer state, and `lrs` where given."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizers)
     names = {n for n, p in ddp.unwrap(model).named_parameters() if p.requires_grad}
-    if not names <= set(state):
-        raise FtError(f"a bug in ft: trained parameters {sorted(names - set(state))[:3]} are not in the state dict")
-    return {k: v for k, v in state.items() if k in names}
+    if not names <= set(model_sd):
+        raise FtError(f"a bug in ft: trained parameters {sorted(names - set(model_sd))[:3]} are not in the state dict")
+    trained = {k: v for k, v in model_sd.items() if k in names}
+    return {"model": trained, "optim": optim_sd} | ({"lr": lrs} if lrs is not None else {})
 
 
 def save_dcp(folder: Path, model, optimizers, lrs: torch.Tensor | None = None) -> None:
@@ -389,21 +388,17 @@ def save_dcp(folder: Path, model, optimizers, lrs: torch.Tensor | None = None) -
     through torch's get_state_dict: the names are the unwrapped model's, for a plain, DDP or FSDP2 model). `lrs`: the
     groups' learning rates where the optimizers do not hold them (a step in backward)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": _trained(model, model_sd), "optim": optim_sd} | ({"lr": lrs} if lrs is not None else {})
-    dcp.save(state, checkpoint_id=str(folder / _FOLDER))
+    dcp.save(_dcp_state(model, optimizers, lrs), checkpoint_id=str(folder / _FOLDER))
 
 
 def load_dcp(folder: Path, model, optimizers, lrs: torch.Tensor | None = None) -> None:
     """Every rank reads its part back from checkpoint `folder` (and `lrs` in place); DCP reshards when the ranks are
     laid out anew."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": _trained(model, model_sd), "optim": optim_sd} | ({"lr": lrs} if lrs is not None else {})
+    state = _dcp_state(model, optimizers, lrs)
     _check_matches(folder, state)
     dcp.load(state, checkpoint_id=str(folder / _FOLDER))
     set_state_dict(
@@ -441,8 +436,6 @@ def read_trained(path: Path, fmt: str, model) -> dict:
     """The trained parameters of checkpoint folder `path`, written in format `fmt` by any number of ranks, as whole CPU
     tensors by the names of `model`'s parameters (`model`: built whole in this one process, no process group)."""
     import torch.distributed.checkpoint as dcp
-
-    from finetune.distributed import deepspeed
 
     if fmt == deepspeed.FORMAT:
         return deepspeed.read_trained(path, model)
@@ -486,9 +479,8 @@ def create_model(spec: ModelSpec):
     partitioned (DeepSpeed ZeRO-3). Adapters start from the same values in every path (adapters.initial_value)."""
     plan, seed = spec.plan, spec.config.train.seed
     check_savers(plan, spec.config.train, bool(spec.config.method.generation_tokens(plan.seq_len)))
-    make = _deepspeed("create_model") if plan.loading == "partitioned" else None
-    if make is not None:
-        model = make(*spec.pieces(), spec.deepspeed)
+    if plan.loading == "partitioned":
+        model = deepspeed.create_model(*spec.pieces(), spec.deepspeed)
     elif plan.loading == "meta":
         model = fsdp.create_model(*spec.pieces())
     else:
@@ -501,9 +493,8 @@ def create_reference(spec: ModelSpec):
     """A frozen copy of the starting model (the DPO/GRPO reference when plan.reference is "copy"), in the plan's compute
     precision, and sharded like the policy where the policy is."""
     plan = spec.plan
-    make = _deepspeed("create_reference") if plan.loading == "partitioned" else None
-    if make is not None:
-        return make(*spec.pieces(), spec.deepspeed)
+    if plan.loading == "partitioned":
+        return deepspeed.create_reference(*spec.pieces(), spec.deepspeed)
     if plan.loading == "meta":
         return fsdp.create_model(*spec.pieces(), frozen=True).eval()
     from finetune.models import load_model
@@ -523,10 +514,3 @@ def _replica(model_section, adapter_section, plan, tokenizer, attn: str, device:
     if plan.quantization == "none":  # bitsandbytes weights stay where from_pretrained's device_map quantized them
         model.to(device)
     return model
-
-
-def _deepspeed(name: str):
-    """deepspeed.create_model / create_reference, where that module provides them (ZeRO-3 partitioned construction)."""
-    from finetune.distributed import deepspeed
-
-    return getattr(deepspeed, name, None)

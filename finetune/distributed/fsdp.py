@@ -16,6 +16,7 @@ tensor: no rank ever holds the whole model.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
@@ -257,10 +258,7 @@ def create_model(
         model_section, plan, tokenizer, attn, plan.precision if frozen else models.load_dtype(model_section, plan)
     )
     keys = models.checkpoint_keys(net, ckpt)
-    if frozen:
-        model = net.requires_grad_(False)
-    else:
-        model = adapters.apply_adapter(net, adapter_section, plan)
+    model = net.requires_grad_(False) if frozen else adapters.apply_adapter(net, adapter_section, plan)
     sources = _sources(model, keys)
     buffers = {name: keys[id(b)] for name, b in net.named_buffers() if id(b) in keys}
     wrap_planned(model, plan, device)
@@ -279,8 +277,6 @@ def _sources(model, keys: dict[int, str]) -> dict[str, str | None]:
     """Each parameter's checkpoint tensor, by name; None for adapter tensors (they start from adapters.initial_value).
     peft's
     trainable copy of a module (modules_to_save) starts as the original module, so it reads the original's tensor."""
-    import re
-
     every = dict(model.named_parameters(remove_duplicate=False))  # a tied original is listed under each of its names
     out = {}
     for name, p in model.named_parameters():
@@ -303,10 +299,7 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     chunk = -(-p.shape[0] // p.device_mesh.size(dim))
     start = min(p.device_mesh.get_local_rank(dim) * chunk, p.shape[0])
     # under no_grad: the shard's own storage (DTensor.to_local), so writes land in FSDP's shard
-    return (
-        p.to_local(),
-        start,
-    )
+    return p.to_local(), start
 
 
 def local_box(p) -> tuple[torch.Tensor, tuple[int, ...]]:

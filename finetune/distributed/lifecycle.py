@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 # SIGUSR1: Slurm's warning ahead of a time limit (absent on Windows)
 STOP_SIGNALS = tuple(s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)) if s is not None)
@@ -65,17 +66,8 @@ PR_SET_PDEATHSIG = 1
 
 
 # ------------------------------------------------------------------ signals arriving by several routes
-class _Signals:
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.burst_at: float | None = None  # when the latest burst of signals began
-        self.bursts = 0
-        self.signum = 0  # the signal of the latest burst
-
-
-_signals = _Signals()
+# when the latest burst of signals began, how many bursts there were, and the signal of the latest
+_signals = SimpleNamespace(burst_at=None, bursts=0, signum=0)
 
 
 def note(signum: int) -> str:
@@ -92,7 +84,7 @@ def note(signum: int) -> str:
 def reset_signals() -> None:
     """Forget the signals noted so far and that a loop finished (a new training loop in this process starts with
     neither)."""
-    _signals.reset()
+    _signals.burst_at, _signals.bursts, _signals.signum = None, 0, 0
     _rank["trained"] = False
 
 

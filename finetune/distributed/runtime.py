@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -137,8 +137,6 @@ class Runtime:
 
     def with_parallel(self, tensor_parallel: int, context_parallel: int) -> Runtime:
         """This runtime with the plan's tensor- and context-parallel degrees (a single process keeps 1 and 1)."""
-        from dataclasses import replace
-
         if self.world_size == 1:
             return self
         if self.world_size % (tensor_parallel * context_parallel):
@@ -199,10 +197,10 @@ def launched() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def start(timeout_minutes: float, needs_group: bool = False) -> Runtime:
-    """Join the process group torchrun set up (see `backend`). A single process gets a no-op Runtime,
-    with a process group of one where the backend needs one (FSDP2, DeepSpeed)."""
-    if not launched() or (int(os.environ["WORLD_SIZE"]) == 1 and not needs_group):
+def start(timeout_minutes: float) -> Runtime:
+    """Join the process group torchrun set up (see `backend`), a group of one too (the plan asks for one where the
+    backend needs it: FSDP2, DeepSpeed). A process no launcher started gets a no-op Runtime."""
+    if not launched():
         return Runtime()
     rank, local, world = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
@@ -281,7 +279,7 @@ def explained_failures(timeout_minutes: float):
         text = str(e).lower()
         if not torch.distributed.is_available() or not torch.distributed.is_initialized():
             raise
-        rank, during = torch.distributed.get_rank(), (_failed_during or [doing()])[0]
+        rank, during = torch.distributed.get_rank(), failed_during()
         if any(k in text for k in _TIMEOUT):
             raise LostPeers(
                 f"rank {rank} waited {timeout_minutes:g} min for the other ranks during {during} and gave up: "
