@@ -18,16 +18,19 @@ import re
 import sys
 from pathlib import Path
 
-from finetune.config.schema import ModelSection
 from finetune.errors import FtError
-from finetune.models import BUILT_IN, model_path
 
 _HUB_CACHE = re.compile(r"models--([^/\\]+)--([^/\\]+)[/\\]snapshots[/\\][^/\\]+[/\\]?$")
 
 
 def base_path(name: str, where: str) -> tuple[str, str]:
     """(where the base's weights are, where it was named): ft-tiny is built into ft's cache; a path must exist."""
+    from finetune.models import BUILT_IN
+
     if name.lower() in BUILT_IN and not Path(name).exists():
+        from finetune.config.schema import ModelSection
+        from finetune.models import model_path
+
         return model_path(ModelSection(name=name)), where
     path = Path(name).expanduser()
     if (path.is_absolute() or name.startswith(".") or name.count("/") > 1) and not path.is_dir():  # not a hub id
@@ -43,6 +46,7 @@ def identity(name: str) -> tuple[str, str]:
     """("hub", org/name) for a hub id or a snapshot folder of the hub's cache, ("folder", its real path) for a local
     folder (ft-tiny: its folder in ft's cache), ("unknown", the name) for a path that is not here."""
     from finetune.data.sources import looks_like_hub_id
+    from finetune.models import BUILT_IN
 
     path = Path(name).expanduser()
     cached = _HUB_CACHE.search(str(path))
@@ -122,4 +126,6 @@ def unrecorded(written: str, now: str, own: str, adapter: Path, config: Path) ->
 
 def _here(name: str) -> bool:
     """A folder on this machine, or the built-in ft-tiny (built on first use)."""
+    from finetune.models import BUILT_IN
+
     return Path(name).expanduser().is_dir() or name.lower() in BUILT_IN

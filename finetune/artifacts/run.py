@@ -260,9 +260,9 @@ class RunFolder:
 
 
 def json_object(path: Path) -> dict:
-    """The JSON object in `path`; {} when the file is missing, unreadable or holds something else."""
+    """The JSON object in `path`; {} when it is not a regular file, unreadable or holds something else."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

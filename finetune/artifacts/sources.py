@@ -15,9 +15,7 @@ from pathlib import Path
 
 from finetune.artifacts import bases
 from finetune.artifacts.run import RunFolder, json_object
-from finetune.config.schema import ModelSection
 from finetune.errors import FtError
-from finetune.models import model_path
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
@@ -166,6 +164,8 @@ def resolve(source: str, base: str | None = None, trust_remote_code: bool = Fals
             f"--base is for adapters, but {source} names a model.\n    fix: drop --base, or pass the adapter folder"
         )
     from finetune import hub
+    from finetune.config.schema import ModelSection
+    from finetune.models import model_path
 
     where = model_path(ModelSection(name=source))  # ft-tiny: its folder
     why = "" if Path(where).exists() else hub.unreachable(source)  # one request, no retries (finetune/hub.py)
