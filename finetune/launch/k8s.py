@@ -301,13 +301,10 @@ def check_output_dir(output_dir: str) -> None:
 def data_off_volume(config) -> list[str]:
     """Data paths the pods look for off the shared volume (absolute elsewhere, or in ~): found only if the image has
     them, so a warning each, not a refusal."""
-    from finetune.config.schema import DatasetSpec
+    from finetune.data.sources import specs
 
-    specs = [(f"data.datasets[{i}]", s) for i, s in enumerate(config.data.datasets)]
-    if isinstance(config.data.validation, DatasetSpec):
-        specs.append(("data.validation", config.data.validation))
     found = []
-    for key, spec in specs:
+    for key, spec in specs(config):
         path = str(spec.path)
         if path.startswith("~") or (path.startswith("/") and not posixpath.normpath(path).startswith(WORKDIR + "/")):
             found.append(
