@@ -34,7 +34,7 @@ from finetune.plan.launch import launch_command, needs_launcher
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
 from finetune.plan.parallel import check as check_parallel
-from finetune.plan.plan import Decision, Plan
+from finetune.plan.plan import Decision, Plan, choice
 from finetune.plan.pricing import comm_seconds, traffic
 from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
@@ -235,7 +235,7 @@ def _record_fit(
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
     out.append(
-        _choice(
+        choice(
             "adapter",
             c.adapter,
             a.type,
@@ -248,7 +248,7 @@ def _record_fit(
         )
     )
     out.append(
-        _choice(
+        choice(
             "quantization",
             c.quantization,
             q.type,
@@ -258,21 +258,14 @@ def _record_fit(
             }.get(c.quantization, ""),
         )
     )
-    out.append(_choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
-    out.append(_choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
-    out.append(
-        _choice(
-            "offload",
-            c.offload,
-            d.offload,
-            _offload_reason(c, others),
-        )
-    )
+    out.append(choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
+    out.append(choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
+    out.append(choice("offload", c.offload, d.offload, _offload_reason(c, others)))
     dp = data_parallel(topo.world, c)
     per_rank = batch // dp
     ranks = f"{dp} ranks" if dp == topo.world else f"{dp} data-parallel ranks ({topo.world} / (tp {c.tp} × cp {c.cp}))"
     out.append(
-        _choice(
+        choice(
             "micro_batch_size",
             fit.micro_batch_size,
             t.micro_batch_size,
@@ -319,12 +312,6 @@ def _offload_reason(c: Candidate, others: tuple[Fit, ...]) -> str:
             "everything on the device (ft plan --explain-candidates lists them)"
         )
     return f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)"
-
-
-def _choice(field: str, value, asked, reason: str) -> Decision:
-    if asked != "auto":
-        return Decision(field, value, "as set in the config", "config")
-    return Decision(field, value, reason)
 
 
 def _backend_reason(c: Candidate, topo: Topology) -> str:
