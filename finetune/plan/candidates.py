@@ -89,12 +89,10 @@ def adapter_options(config: Config) -> list[tuple[str, str]]:
     a, q = config.adapter.type, config.quantization.type
     if a == "full":
         return [("full", "none")]
-    if a == "qlora" or (a == "lora" and q == "nf4"):
+    if a == "qlora" or q == "nf4":
         return [("qlora", "nf4")]
     if q == "int8":
         return [("lora", "int8")]
-    if q == "nf4":
-        return [("qlora", "nf4")]
     if a == "lora" or q == "none":
         return [("lora", "none")]
     return [("lora", "none"), ("qlora", "nf4")]

@@ -93,10 +93,7 @@ def step_traffic(
     if world == 1 or backend == "single":
         return {}
     reductions = micro_batches if reduces_every_micro_batch(backend, sharding, adapter) else 1
-    if sharding in (
-        "zero1",
-        "zero2",
-    ):  # each rank reduces its partition, then gathers the trained parameters it updated
+    if sharding in ("zero1", "zero2"):  # each rank reduces its partition, then gathers the trained parameters
         return {
             "reduce-scatter gradients": reductions * _ring(world) * grads,
             "all-gather updated parameters": _ring(world) * grads,

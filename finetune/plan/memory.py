@@ -113,13 +113,8 @@ from finetune.plan.setup import Setup
 # activations and logits are computed in plan/transients.py; imported here for the estimate and its callers
 from finetune.plan.transients import (  # noqa: F401
     DTYPE_BYTES,
-    FLEX_BLOCK,
     activation_bytes,
-    block_mask_bytes,
     checkpointed_layers,
-    dequantized_weight_bytes,
-    layer_activation_bytes,
-    layer_activation_elements,
     logits_bytes,
     offloaded_activation_bytes,
     pinned_bytes,

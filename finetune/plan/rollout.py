@@ -32,9 +32,7 @@ from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan.comm import INTER_NODE_BPS, INTRA_NODE_BPS
 from finetune.plan.cost import generation_seconds
-from finetune.plan.memory import (
-    GiB,
-)
+from finetune.plan.memory import GiB
 from finetune.plan.plan import Decision, RolloutPlan
 from finetune.plan.rollout_options import (
     MAX_SHARE,
@@ -156,18 +154,15 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
     else:
         engine = "vllm"
         why = "GPUs and vLLM installed: vLLM samples with a paged KV cache and receives the trainer's weights"
-    if engine == "transformers" and method.rollout.placement == "ray":
-        raise PlanError(
-            f"method.rollout.placement: ray runs vLLM's servers on the Ray cluster, but method.engine: auto chose "
-            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
-            "method.rollout.placement: auto"
-        )
-    if engine == "transformers" and method.rollout.asynchronous:
-        raise PlanError(
-            f"method.rollout.asynchronous: true needs a vLLM rollout engine, but method.engine: auto chose "
-            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
-            "method.rollout.asynchronous: false"
-        )
+    for asked, needs, instead in (
+        (method.rollout.placement == "ray", "placement: ray runs vLLM's servers on the Ray cluster", "placement: auto"),
+        (method.rollout.asynchronous, "asynchronous: true needs a vLLM rollout engine", "asynchronous: false"),
+    ):
+        if engine == "transformers" and asked:
+            raise PlanError(
+                f"method.rollout.{needs}, but method.engine: auto chose transformers ({why.split(':')[0]}); set "
+                f"method.engine: vllm where vLLM is installed, or method.rollout.{instead}"
+            )
     out.append(Decision("engine", engine, why))
     return engine
 

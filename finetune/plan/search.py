@@ -22,12 +22,7 @@ from finetune.plan import savers as saver_options
 from finetune.plan.attention import estimated_kernel
 from finetune.plan.candidates import Candidate, candidates, data_parallel, loading
 from finetune.plan.comm import Links
-from finetune.plan.memory import (
-    PINNED_ACTIVATIONS,
-    Estimate,
-    Setup,
-    estimate,
-)
+from finetune.plan.memory import PINNED_ACTIVATIONS, Estimate, Setup, estimate
 from finetune.plan.pricing import Fit, priced
 from finetune.plan.savers import Savers, chunk_tokens
 from finetune.plan.topology import Topology, pure_bf16_mode
@@ -223,17 +218,15 @@ def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, spee
     lo, hi, found = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        est = estimate(
-            m, setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m), topo.processes_per_node
-        )
+        s = setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m)
+        est = estimate(m, s, topo.processes_per_node)
         if fits(est, hw, share):
-            found, lo = (sizes[mid], est), mid + 1
+            found, lo = (sizes[mid], est, s), mid + 1
         else:
             hi = mid - 1
     if found is None:
         return None
-    mb, est = found
-    s = setup(config, hw, topo, precision, batch, cand, mb, combo, m)
+    mb, est, s = found
     return priced(Fit(cand, mb, combo, est), topo, m, s, hw, speeds)
 
 
