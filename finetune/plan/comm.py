@@ -189,15 +189,3 @@ def collective_seconds(
         name: size / (speeds.inter if crosses(name, nodes, sharding, per_node, inner) else speeds.intra)
         for name, size in traffic.items()
     }
-
-
-def seconds(
-    traffic: dict[str, float],
-    nodes: int,
-    sharding: str | None,
-    per_node: int = 1,
-    inner: int = 1,
-    speeds: Links = Links(),
-) -> float:
-    """Time at the link speeds: inter-node links for collectives spanning nodes."""
-    return sum(collective_seconds(traffic, nodes, sharding, per_node, inner, speeds).values())

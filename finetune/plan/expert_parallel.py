@@ -27,7 +27,7 @@ from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import parallel
-from finetune.plan.comm import Links, seconds
+from finetune.plan.comm import Links, collective_seconds
 from finetune.plan.memory import GiB, Setup, estimate
 from finetune.plan.plan import Decision
 from finetune.plan.pricing import priced, traffic
@@ -137,7 +137,8 @@ def _degrees(topo: Topology, m: ModelFacts) -> list[int]:
 
 
 def _comm_seconds(fit, m: ModelFacts, s: Setup, topo: Topology, speeds: Links, ep: int) -> float:
-    return seconds(_traffic(fit, m, s, topo, ep), topo.nodes, s.sharding, topo.processes_per_node, 1, speeds)
+    sent = _traffic(fit, m, s, topo, ep)
+    return sum(collective_seconds(sent, topo.nodes, s.sharding, topo.processes_per_node, 1, speeds).values())
 
 
 def _traffic(fit, m: ModelFacts, s: Setup, topo: Topology, ep: int) -> dict[str, float]:

@@ -23,6 +23,7 @@ from finetune.plan.search import (
     ROOMY,
     Fit,
     Topology,
+    compensation,
     describe,
     device_capacity,
     fits,
@@ -110,9 +111,8 @@ def record_savers(
             "parameter instead of 18) do; " + undo.text(pure_bf16=False)
         )
         _replace(out, Decision("precision", "bf16-pure", reason, "config" if t.precision == "bf16-pure" else "auto"))
-        comp = t.compensation if t.compensation != "auto" else "stochastic_rounding"
         why = "stochastic rounding keeps updates smaller than bf16's precision in expectation, with no extra memory"
-        out.append(choice("compensation", comp, t.compensation, why))
+        out.append(choice("compensation", compensation(config), t.compensation, why))
     loss_why = {
         "plain": "the whole logits tensor fits: no recomputation of the output head",
         "chunked": "the logits are computed a chunk of tokens at a time and recomputed in backward (one more head "

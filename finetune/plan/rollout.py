@@ -320,11 +320,12 @@ def _external(job: Job, out: list[Decision]) -> Placement:
     share_of = MAX_SHARE if r.memory_share == "auto" else r.memory_share
     option = Option("server", 0, tp, share_of, topo.engine, fit, 1, batch, overlap=r.asynchronous) if fit else None
     split = seconds(job, option, INTER_NODE_BPS) if option else (0.0, 0.0, 0.0)
+    urls = r.url if isinstance(r.url, str) else ", ".join(r.url)
     out.append(
         Decision(
             "rollout.placement",
             "server",
-            f"method.rollout.url: the vLLM server at {_urls(r.url)} samples; ft starts none and the trainer keeps all "
+            f"method.rollout.url: the vLLM server at {urls} samples; ft starts none and the trainer keeps all "
             f"{job.hw.world_size} GPUs (its step estimate assumes one engine of {tp} GPU{'s' if tp > 1 else ''})",
             "config",
         )
@@ -341,10 +342,6 @@ def _external(job: Job, out: list[Decision]) -> Placement:
         generation_seconds=split[0],
         sync_seconds=split[2],
     )
-
-
-def _urls(url) -> str:
-    return url if isinstance(url, str) else ", ".join(url)
 
 
 # ---------------------------------------------------------------- reasons and refusals

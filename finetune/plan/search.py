@@ -161,13 +161,9 @@ def fit_candidate(
         if not roomy(fit, hw):
             room = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds, ROOMY)
             found += [room] if room is not None else []
-        elif fit.micro_batch_size == sizes[-1] and _free(combo) and fit is _fastest(found):
+        elif fit.micro_batch_size == sizes[-1] and _free(combo) and fit is min(found, key=lambda f: f.step_seconds):
             break  # the largest micro-batch without any saver, with room to spare: nothing can be better
     return prefer_room(sorted(found, key=lambda f: f.step_seconds), hw) if found else None
-
-
-def _fastest(fits: list[Fit]) -> Fit:
-    return min(fits, key=lambda f: f.step_seconds)
 
 
 def _sizes(config: Config, topo: Topology, batch: int, cand: Candidate) -> tuple[list[int], int]:
