@@ -156,15 +156,12 @@ def _trained_why(config: Config, fit: Fit) -> str:
     share = config.data.trained_share()
     if share is None or not head_on_trained(config, fit.candidate):
         return ""
+    largest = "the largest share of a prepared row's positions trained"
     if share == 1:
-        return (
-            "; it asks the model for the trained positions' logits only, sized for every position of a row (ft train "
-            "sizes them by the largest share of a prepared row's positions trained)"
-        )
-    return (
-        f"; it asks the model for the trained positions' logits only, sized for {share:.1%} of a row's positions (the "
-        "largest share of a prepared row's positions trained)"
-    )
+        sized = f"every position of a row (ft train sizes them by {largest})"
+    else:
+        sized = f"{share:.1%} of a row's positions ({largest})"
+    return f"; it asks the model for the trained positions' logits only, sized for {sized}"
 
 
 def _checkpointing_why(undo: _Undo) -> str:

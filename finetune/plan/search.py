@@ -104,22 +104,15 @@ def plain(config: Config, c: Candidate) -> bool:
     return (c.tp, c.cp) == (parallel.asked(d.tensor_parallel) or 1, parallel.asked(d.context_parallel) or 1)
 
 
-def best_plain(config: Config, fit: Fit, ranked: list[Fit]) -> Fit | None:
-    """The fastest fit of the same adapter and quantization as `fit` without tensor or context parallelism of its
-    own choosing."""
-    group = (fit.candidate.adapter, fit.candidate.quantization)
-    return next(
-        (f for f in ranked if plain(config, f.candidate) and (f.candidate.adapter, f.candidate.quantization) == group),
-        None,
-    )
-
-
 def _plain_unless_it_pays(config: Config, chosen: Fit, ranked: list[Fit]) -> Fit:
-    """Tensor or context parallelism only where it pays: more than parallel.PAYS faster than the best setup without,
+    """Tensor or context parallelism only where it pays: more than parallel.PAYS faster than the best setup without
+    (the fastest fit of the same adapter and quantization without tensor or context parallelism of its own choosing),
     or the only one that fits."""
     if plain(config, chosen.candidate):
         return chosen
-    other = best_plain(config, chosen, ranked)
+    group = (chosen.candidate.adapter, chosen.candidate.quantization)
+    same = (f for f in ranked if (f.candidate.adapter, f.candidate.quantization) == group)
+    other = next((f for f in same if plain(config, f.candidate)), None)
     return other if other is not None and other.step_seconds <= parallel.PAYS * chosen.step_seconds else chosen
 
 
