@@ -266,15 +266,6 @@ def _local_config(folder: Path, trust_remote_code: bool) -> dict:
         return json.loads((folder / "config.json").read_text(encoding="utf-8"))
 
 
-def _hub_config(name: str, revision: str, trust_remote_code: bool, local_only: bool = False) -> dict:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(
-        name, revision=revision, trust_remote_code=trust_remote_code, local_files_only=local_only
-    )
-    return config.to_dict()
-
-
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
@@ -303,7 +294,12 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
     if why and not hub.cached(name, "config.json", revision):  # fail now, without importing transformers
         raise ModelNotFound(name, tuple(suggest(name)), f"{UNREACHABLE}{hub.endpoint()}: {why}")
     try:
-        cfg = _hub_config(name, revision, trust_remote_code, local_only=bool(why))
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            name, revision=revision, trust_remote_code=trust_remote_code, local_files_only=bool(why)
+        )
+        cfg = config.to_dict()
     except Exception as exc:  # noqa: BLE001 - every way the hub fails means "not found here"
         raise ModelNotFound(name, tuple(suggest(name)), _first_line(exc)) from exc
     facts = from_hf_config(cfg, name)
