@@ -236,7 +236,7 @@ def setup(
     cand: Candidate,
     mb: int,
     savers: Savers,
-    m: ModelFacts | None = None,
+    m: ModelFacts,
 ) -> Setup:
     """The memory estimator's view of one candidate."""
     a, method = config.adapter, config.method
@@ -244,7 +244,7 @@ def setup(
     # FSDP's group: a node (hybrid_shard), else the data- and context-parallel ranks of one tensor-parallel slot
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world // cand.tp
     # the kernel the planner will choose for this model (plan/attention.py): eager's T×T scores, flex's block mask
-    attn = estimated_kernel(config, hw, m) if m is not None else config.model.attn_implementation
+    attn = estimated_kernel(config, hw, m)
     gen_tokens = method.generation_tokens(config.data.seq_len) if topo.engine.samples else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
@@ -260,7 +260,7 @@ def setup(
         compensation=compensation(config) if savers.pure_bf16 else "none",
         loss=savers.estimator_loss,
         trained_share=trained_share(config, cand),
-        loss_chunk_tokens=chunk_tokens(m) if m is not None and savers.loss == "chunked" else 0,
+        loss_chunk_tokens=chunk_tokens(m) if savers.loss == "chunked" else 0,
         activation_offload=savers.activation_offload,
         optimizer_in_backward=savers.optimizer_in_backward,
         sharding=cand.sharding,
@@ -268,7 +268,7 @@ def setup(
         offload=cand.offload,
         lora_r=a.r,
         lora_targets=targets,
-        lora_dropout=lora_dropout(a, m, cand.adapter) if m is not None else a.dropout,
+        lora_dropout=lora_dropout(a, m, cand.adapter),
         dora=a.dora,
         modules_to_save=tuple(a.modules_to_save),
         double_quant=config.quantization.double_quant,
@@ -306,14 +306,14 @@ def trained_share(config: Config, cand: Candidate) -> float:
     return share if share is not None and head_on_trained(config, cand) else 1.0
 
 
-def vision_split(config, m: ModelFacts | None, adapter: str) -> dict:
+def vision_split(config, m: ModelFacts, adapter: str) -> dict:
     """Setup's vision fields: what of a vision-language model's vision side trains (model.train_vision,
     config/vision_checks.py: the tower stays frozen unless `all`, the projector trains with `projector` or `all`), and
     the patches its tower runs over per sequence (the images per sample the plan assumes, each the largest the
     processor makes)."""
     from finetune.config.vision_checks import geometry, images_per_sample, train_vision, trains_images
 
-    if m is None or not trains_images(config, m):
+    if not trains_images(config, m):
         return {}
     trained = train_vision(config, adapter)[0]
     tower, projector = m.vision_params - m.projector_params, m.projector_params
