@@ -15,7 +15,6 @@ import difflib
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from finetune.catalog_data import (
     KEY_SPELLINGS,
@@ -23,12 +22,13 @@ from finetune.catalog_data import (
     TEXT_MODEL_TYPES,
     TIED_BY_DEFAULT,
     catalog_rows,
+    first,
     layout,
     row_config,
 )
 from finetune.catalog_facts import ModelFacts
 from finetune.catalog_layers import Linear
-from finetune.catalog_vision import folder_processor, vision_tower, with_processor
+from finetune.catalog_vision import folder_processor, projector_params, vision_params, vision_tower, with_processor
 
 __all__ = [
     "CATALOG",
@@ -91,13 +91,6 @@ def _closeness(query: str, key: str) -> float:
 
 
 # --- config.json -> ModelFacts ---
-def _first(cfg: dict, keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return None
-
-
 def _text_config(cfg: dict) -> tuple[dict, str]:
     """The language model's part of a config, and its model_type."""
     text = cfg.get("text_config")
@@ -111,12 +104,12 @@ def _text_config(cfg: dict) -> tuple[dict, str]:
 
 def _core_fields(cfg: dict, name: str) -> dict:
     """The shape fields every model has; ValueError naming all missing keys at once."""
-    found = {field: _first(cfg, keys) for field, keys in KEY_SPELLINGS.items()}
+    found = {field: first(cfg, keys) for field, keys in KEY_SPELLINGS.items()}
     missing = [" or ".join(KEY_SPELLINGS[f]) for f, value in found.items() if value is None]
     if missing:
         raise ValueError(f"config of {name!r} lacks " + ", ".join(missing))
     hidden, heads = found["hidden_size"], found["num_attention_heads"]
-    inter = _first(cfg, ("intermediate_size", "n_inner", "ffn_dim")) or 4 * hidden
+    inter = first(cfg, ("intermediate_size", "n_inner", "ffn_dim")) or 4 * hidden
     return {
         **found,
         "intermediate_size": inter,
@@ -136,59 +129,17 @@ def from_hf_config(cfg: dict, name: str) -> ModelFacts:
     core = _core_fields(text, name)
     switches = layout(model_type, {**text, "num_hidden_layers": core["num_layers"]})
     tie = text.get("tie_word_embeddings")
+    tower = vision_tower(cfg)
     return ModelFacts(
         name=name,
         model_type=model_type,
         **{**core, **switches},
         tie_word_embeddings=model_type in TIED_BY_DEFAULT if tie is None else bool(tie),
-        vision_params=vision_params(cfg, core["hidden_size"]),
-        projector_params=projector_params(cfg, core["hidden_size"]),
+        vision_params=vision_params(cfg, tower, core["hidden_size"]),
+        projector_params=projector_params(cfg, tower, core["hidden_size"]),
         vision_model_type=str(cfg.get("model_type") or "") if isinstance(cfg.get("vision_config"), dict) else "",
-        vision_tower=vision_tower(cfg),
+        vision_tower=tower,
     )
-
-
-def vision_params(cfg: dict, text_hidden: int) -> int:
-    """A vision-language model's vision tower and projector, estimated from its vision_config (0 without one): per
-    encoder layer attention (4h²) and MLP (2·h·i), the patch embedding (c·p²·h, times the frames a patch spans) and
-    the position table, and a two-layer projector into the language model (projector_params). A tiled tower (Llama 3.2
-    Vision: max_num_tiles) adds its global layers, a class position, and position tables per aspect ratio and tile."""
-    v = cfg.get("vision_config")
-    if not isinstance(v, dict):
-        return 0
-    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0)  # Qwen2-VL: embed_dim (hidden_size: its output)
-    if h <= 0:
-        return 0
-    layers = int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
-    layers += int(v.get("num_global_layers") or 0)
-    inter = int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h)
-    patch = int(v.get("patch_size") or 14)
-    channels = int(v.get("num_channels") or v.get("in_chans") or v.get("in_channels") or 3)
-    frames = int(v.get("temporal_patch_size") or 1)
-    positions = (int(v.get("image_size") or 0) // patch) ** 2
-    tiles = int(v.get("max_num_tiles") or 0)
-    if tiles:  # a class position; per aspect ratio a table for each tile's positions, and one before and after
-        ratios = len(v.get("supported_aspect_ratios") or ()) + 1
-        positions = (positions + 1) * (1 + ratios * tiles) + 2 * ratios * tiles + 1
-    return (
-        layers * (4 * h * h + 2 * h * inter)
-        + channels * patch * patch * frames * h
-        + positions * h
-        + (projector_params(cfg, text_hidden))
-    )
-
-
-def projector_params(cfg: dict, text_hidden: int) -> int:
-    """The projector from the vision tower into the language model, estimated as two layers (0 without a vision
-    tower); one layer from vision_output_dim where the config names it (Llama 3.2 Vision)."""
-    v = cfg.get("vision_config")
-    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0) if isinstance(v, dict) else 0
-    if h <= 0:
-        return 0
-    if v.get("vision_output_dim"):
-        return int(v["vision_output_dim"]) * text_hidden + text_hidden
-    out = int(_first(v, ("out_hidden_size",)) or h)
-    return out * text_hidden + text_hidden * text_hidden
 
 
 # What to_hf_config cannot write: facts with any of these set need their family's own config keys.
@@ -315,15 +266,6 @@ def _local_config(folder: Path, trust_remote_code: bool) -> dict:
         return json.loads((folder / "config.json").read_text(encoding="utf-8"))
 
 
-def _hub_config(name: str, revision: str, trust_remote_code: bool, local_only: bool = False) -> dict:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(
-        name, revision=revision, trust_remote_code=trust_remote_code, local_files_only=local_only
-    )
-    return config.to_dict()
-
-
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]
@@ -352,7 +294,12 @@ def resolve(name: str, revision: str = "main", trust_remote_code: bool = False) 
     if why and not hub.cached(name, "config.json", revision):  # fail now, without importing transformers
         raise ModelNotFound(name, tuple(suggest(name)), f"{UNREACHABLE}{hub.endpoint()}: {why}")
     try:
-        cfg = _hub_config(name, revision, trust_remote_code, local_only=bool(why))
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            name, revision=revision, trust_remote_code=trust_remote_code, local_files_only=bool(why)
+        )
+        cfg = config.to_dict()
     except Exception as exc:  # noqa: BLE001 - every way the hub fails means "not found here"
         raise ModelNotFound(name, tuple(suggest(name)), _first_line(exc)) from exc
     facts = from_hf_config(cfg, name)

@@ -11,12 +11,22 @@ row's counts against transformers' meta-device build of the same config.
 from __future__ import annotations
 
 from importlib import resources
+from typing import Any
 
 import yaml
 
 from finetune.catalog_layers import CHUNKED, FULL, LINEAR_ATTENTION, SLIDING
 
 ROW_KEYS = ("name", "aliases", "source", "variants")  # a row's own keys; every other key is a config.json value
+
+
+def first(cfg: dict, keys: tuple[str, ...]) -> Any:
+    """The value of the first of `keys` that `cfg` sets (not None); None where it sets none."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return None
+
 
 # --- Which parameters each model_type creates, as ModelFacts fields read from its config ---
 # (the ModelFacts defaults, a gated MLP, RMS norms and no biases, fill the rest)

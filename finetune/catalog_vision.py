@@ -37,7 +37,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+
+from finetune.catalog_data import first
 
 # The family's processor defaults where a model folder has no preprocessor_config.json (a catalog or hub model):
 # transformers 5.25's image processor class attributes (tests/test_vision_plan.py checks the installed ones).
@@ -107,32 +108,25 @@ class VisionTower:
         return self.num_layers * (4 * h * h + (3 if self.gated_mlp else 2) * h * i)
 
 
-def _first(cfg: dict, keys: tuple[str, ...]) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return None
-
-
 def vision_tower(cfg: dict) -> VisionTower | None:
     """The vision tower of a config.json dict (or a transformers config's `to_dict()`); None without a vision_config."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         return None
-    h = int(_first(v, ("embed_dim", "hidden_size", "width")) or 0)  # Qwen2-VL: embed_dim (hidden_size: its output)
+    h = int(first(v, ("embed_dim", "hidden_size", "width")) or 0)  # Qwen2-VL: embed_dim (hidden_size: its output)
     if h <= 0:
         return None
     family = str(cfg.get("model_type") or "")
     dynamic = v.get("spatial_merge_size") is not None and v.get("temporal_patch_size") is not None
     patch = int(v.get("patch_size") or 14)
-    heads = int(_first(v, ("num_attention_heads", "attention_heads", "num_heads", "heads")) or max(1, h // 64))
+    heads = int(first(v, ("num_attention_heads", "attention_heads", "num_heads", "heads")) or max(1, h // 64))
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
     cross = len(text.get("cross_attention_layers") or ())
     aspect = str(cfg.get("vision_aspect_ratio") or "")
     tower = VisionTower(
         family=family,
         hidden_size=h,
-        num_layers=int(_first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
+        num_layers=int(first(v, ("num_hidden_layers", "depth", "layers", "num_layers")) or 0)
         + int(v.get("num_global_layers") or 0),
         num_heads=heads,
         intermediate_size=int(v.get("intermediate_size") or (v.get("mlp_ratio") or 4) * h),
@@ -157,6 +151,41 @@ def vision_tower(cfg: dict) -> VisionTower | None:
         )
         return with_processor(tower, defaults, f"{owner}'s defaults")
     return tower
+
+
+def vision_params(cfg: dict, tower: VisionTower | None, text_hidden: int) -> int:
+    """A vision-language model's vision tower and projector, estimated from its vision_config and its `tower` (0
+    without one): per encoder layer attention (4h²) and MLP (2·h·i), the patch embedding (c·p²·h, times the frames a
+    patch spans) and the position table, and a two-layer projector into the language model (projector_params). A tiled
+    tower (Llama 3.2 Vision: max_num_tiles) adds its global layers, a class position, and position tables per aspect
+    ratio and tile."""
+    if tower is None:
+        return 0
+    v, h, patch = cfg["vision_config"], tower.hidden_size, tower.patch_size
+    channels = int(v.get("num_channels") or v.get("in_chans") or v.get("in_channels") or 3)
+    positions = (int(v.get("image_size") or 0) // patch) ** 2
+    tiles = int(v.get("max_num_tiles") or 0)
+    if tiles:  # a class position; per aspect ratio a table for each tile's positions, and one before and after
+        ratios = len(v.get("supported_aspect_ratios") or ()) + 1
+        positions = (positions + 1) * (1 + ratios * tiles) + 2 * ratios * tiles + 1
+    return (
+        tower.num_layers * (4 * h * h + 2 * h * tower.intermediate_size)
+        + channels * patch * patch * tower.temporal_patch * h
+        + positions * h
+        + projector_params(cfg, tower, text_hidden)
+    )
+
+
+def projector_params(cfg: dict, tower: VisionTower | None, text_hidden: int) -> int:
+    """The projector from the vision tower into the language model, estimated as two layers (0 without a vision
+    tower); one layer from vision_output_dim where the config names it (Llama 3.2 Vision)."""
+    if tower is None:
+        return 0
+    v = cfg["vision_config"]
+    if v.get("vision_output_dim"):
+        return int(v["vision_output_dim"]) * text_hidden + text_hidden
+    out = int(v.get("out_hidden_size") or tower.hidden_size)
+    return out * text_hidden + text_hidden * text_hidden
 
 
 def with_processor(tower: VisionTower, settings: dict, source: str) -> VisionTower:

@@ -5,21 +5,12 @@ from __future__ import annotations
 from finetune.plan.plan import Decision, Plan
 
 
-def plan(
-    config,
-    hardware,
-    model,
-    config_path: str = "config.yaml",
-    new_tokens: int = 0,
-    speeds=None,
-    images_per_sample=None,
-    trained_share=None,
-) -> Plan:
+def plan(*args, **kwargs) -> Plan:
     """`finetune.plan.planner.plan`: compile `config` for `hardware`; raise PlanError when it cannot run there."""
     # the planner and its search load on the first plan: a rank reads a Plan back (Plan.from_json) and never plans
     from finetune.plan import planner
 
-    return planner.plan(config, hardware, model, config_path, new_tokens, speeds, images_per_sample, trained_share)
+    return planner.plan(*args, **kwargs)
 
 
 __all__ = ["Decision", "Plan", "plan"]

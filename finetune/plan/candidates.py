@@ -48,9 +48,9 @@ def loading(c: Candidate) -> str:
     return "partitioned" if c.sharding == "zero3" else "replica"
 
 
-def candidates(config: Config, hw: Hardware, topo: Topology, m: ModelFacts | None = None) -> list[Candidate]:
-    """Every setup the config allows, in preference order; host offload (slow) only after all others. With the
-    model's facts, also the tensor- and context-parallel degrees the config allows (plan/parallel.py)."""
+def candidates(config: Config, hw: Hardware, topo: Topology, m: ModelFacts) -> list[Candidate]:
+    """Every setup the config allows, in preference order; host offload (slow) only after all others; each at the
+    tensor- and context-parallel degrees the config allows for the model (plan/parallel.py)."""
     from finetune.config.checks import BNB_OPTIMIZERS
 
     # bitsandbytes optimizers cannot step FSDP2's DTensor parameters
@@ -62,8 +62,7 @@ def candidates(config: Config, hw: Hardware, topo: Topology, m: ModelFacts | Non
         if not (q == "int8" and b in ("fsdp", "deepspeed")) and not (bnb_optimizer and b == "fsdp")
     ]
     out = [v for c in out for v in ([c, replace(c, host_load=True)] if host_loadable(c) else [c])]
-    if m is not None:
-        out = _with_degrees(out, degrees(config, hw, topo, m))
+    out = _with_degrees(out, degrees(config, hw, topo, m))
     return sorted(out, key=lambda c: c.offload != "none")
 
 
@@ -89,12 +88,10 @@ def adapter_options(config: Config) -> list[tuple[str, str]]:
     a, q = config.adapter.type, config.quantization.type
     if a == "full":
         return [("full", "none")]
-    if a == "qlora" or (a == "lora" and q == "nf4"):
+    if a == "qlora" or q == "nf4":
         return [("qlora", "nf4")]
     if q == "int8":
         return [("lora", "int8")]
-    if q == "nf4":
-        return [("qlora", "nf4")]
     if a == "lora" or q == "none":
         return [("lora", "none")]
     return [("lora", "none"), ("qlora", "nf4")]

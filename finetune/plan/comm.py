@@ -93,10 +93,7 @@ def step_traffic(
     if world == 1 or backend == "single":
         return {}
     reductions = micro_batches if reduces_every_micro_batch(backend, sharding, adapter) else 1
-    if sharding in (
-        "zero1",
-        "zero2",
-    ):  # each rank reduces its partition, then gathers the trained parameters it updated
+    if sharding in ("zero1", "zero2"):  # each rank reduces its partition, then gathers the trained parameters
         return {
             "reduce-scatter gradients": reductions * _ring(world) * grads,
             "all-gather updated parameters": _ring(world) * grads,
@@ -192,15 +189,3 @@ def collective_seconds(
         name: size / (speeds.inter if crosses(name, nodes, sharding, per_node, inner) else speeds.intra)
         for name, size in traffic.items()
     }
-
-
-def seconds(
-    traffic: dict[str, float],
-    nodes: int,
-    sharding: str | None,
-    per_node: int = 1,
-    inner: int = 1,
-    speeds: Links = Links(),
-) -> float:
-    """Time at the link speeds: inter-node links for collectives spanning nodes."""
-    return sum(collective_seconds(traffic, nodes, sharding, per_node, inner, speeds).values())

@@ -27,7 +27,7 @@ from finetune.config.schema import Config
 from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan import parallel
-from finetune.plan.comm import Links, seconds
+from finetune.plan.comm import Links, collective_seconds
 from finetune.plan.memory import GiB, Setup, estimate
 from finetune.plan.plan import Decision
 from finetune.plan.pricing import priced, traffic
@@ -37,16 +37,11 @@ FIELD = "expert_parallel"
 PAYS = 1.05  # expert parallelism must cut the step's communication seconds by this factor to be chosen
 
 
-def asked(config: Config) -> int | None:
-    value = config.distributed.expert_parallel
-    return None if value == "auto" else int(value)
-
-
 def confined(config: Config, topo: Topology, m: ModelFacts) -> Config:
     """The config as planned under an explicit degree: FSDP2, full_shard and a 16-bit base where they are `auto` (the
     setups expert parallelism runs under); PlanError, before the search, for what the config alone makes impossible.
     The config itself is never changed."""
-    ep = asked(config) or 1
+    ep = parallel.asked(config.distributed.expert_parallel) or 1
     if ep == 1:
         return config
     d, q = config.distributed, config.quantization
@@ -82,7 +77,7 @@ def problems(config: Config, topo: Topology, m: ModelFacts, ep: int, fit=None) -
 def choose(config: Config, hw: Hardware, topo: Topology, m: ModelFacts, fit, s: Setup, speeds: Links, out) -> int:
     """The plan's expert-parallel degree, its Decision appended to `out`; PlanError for an explicit degree that
     cannot run."""
-    explicit = asked(config)
+    explicit = parallel.asked(config.distributed.expert_parallel)
     if explicit is None:
         ep, why = _auto(config, hw, topo, m, fit, s, speeds)
         out.append(Decision(FIELD, ep, why))
@@ -142,7 +137,8 @@ def _degrees(topo: Topology, m: ModelFacts) -> list[int]:
 
 
 def _comm_seconds(fit, m: ModelFacts, s: Setup, topo: Topology, speeds: Links, ep: int) -> float:
-    return seconds(_traffic(fit, m, s, topo, ep), topo.nodes, s.sharding, topo.processes_per_node, 1, speeds)
+    sent = _traffic(fit, m, s, topo, ep)
+    return sum(collective_seconds(sent, topo.nodes, s.sharding, topo.processes_per_node, 1, speeds).values())
 
 
 def _traffic(fit, m: ModelFacts, s: Setup, topo: Topology, ep: int) -> dict[str, float]:
@@ -171,7 +167,7 @@ def _size(n: float, signed: bool = False) -> str:
 def apply(config: Config, hw: Hardware, topo: Topology, m: ModelFacts, fit, s: Setup, speeds: Links, out):
     """(the fit, the expert-parallel degree): `choose`'s degree, and the fit's memory and step time under it."""
     ep = choose(config, hw, topo, m, fit, s, speeds, out)
-    if ep > 1 and asked(config):
+    if ep > 1 and parallel.asked(config.distributed.expert_parallel):
         _confinement_reasons(config, ep, out)
     if ep == 1:
         return fit, 1

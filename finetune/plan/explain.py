@@ -16,13 +16,14 @@ from finetune.hardware import Hardware
 from finetune.plan import parallel
 from finetune.plan.comm import Links
 from finetune.plan.memory import VISION, Estimate, GiB, estimate
-from finetune.plan.plan import Decision
+from finetune.plan.plan import Decision, choice
 from finetune.plan.pricing import priced
 from finetune.plan.search import (
     FILLING_PAYS,
     ROOMY,
     Fit,
     Topology,
+    compensation,
     describe,
     device_capacity,
     fits,
@@ -110,9 +111,8 @@ def record_savers(
             "parameter instead of 18) do; " + undo.text(pure_bf16=False)
         )
         _replace(out, Decision("precision", "bf16-pure", reason, "config" if t.precision == "bf16-pure" else "auto"))
-        comp = t.compensation if t.compensation != "auto" else "stochastic_rounding"
         why = "stochastic rounding keeps updates smaller than bf16's precision in expectation, with no extra memory"
-        out.append(_choice("compensation", comp, t.compensation, why))
+        out.append(choice("compensation", compensation(config), t.compensation, why))
     loss_why = {
         "plain": "the whole logits tensor fits: no recomputation of the output head",
         "chunked": "the logits are computed a chunk of tokens at a time and recomputed in backward (one more head "
@@ -120,12 +120,12 @@ def record_savers(
         "liger": "Liger's fused linear-cross-entropy kernel is installed: no logits tensor, no recomputation cost",
         "cut_cross_entropy": "Cut Cross Entropy's fused kernel is installed: no logits tensor, no recomputation cost",
     }
-    loss = _choice("loss_implementation", v.loss, t.loss_implementation, loss_why[v.loss])
+    loss = choice("loss_implementation", v.loss, t.loss_implementation, loss_why[v.loss])
     out.append(replace(loss, reason=loss.reason + _trained_why(config, fit)) if v.loss == "plain" else loss)
     k, layers = v.checkpoint_layers, m.num_layers
-    out.append(_choice("gradient_checkpointing", k > 0, t.gradient_checkpointing, _checkpointing_why(undo)))
+    out.append(choice("gradient_checkpointing", k > 0, t.gradient_checkpointing, _checkpointing_why(undo)))
     out.append(
-        _choice(
+        choice(
             "checkpoint_layers",
             k,
             t.checkpoint_layers,
@@ -139,7 +139,7 @@ def record_savers(
         if v.activation_offload
         else "off: activations stay on the device"
     )
-    out.append(_choice("activation_offload", v.activation_offload, t.activation_offload, offload_why))
+    out.append(choice("activation_offload", v.activation_offload, t.activation_offload, offload_why))
     in_backward_why = (
         "each parameter is updated as soon as its gradient is complete, so the whole model's gradients never exist "
         "at once; " + undo.text(optimizer_in_backward=False)
@@ -147,7 +147,7 @@ def record_savers(
         else "off: one optimizer step after the backward pass"
         + ("" if hw.is_cpu or topo.world > 1 or t.max_grad_norm == 0 else " (it needs max_grad_norm: 0)")
     )
-    out.append(_choice("optimizer_in_backward", v.optimizer_in_backward, t.optimizer_in_backward, in_backward_why))
+    out.append(choice("optimizer_in_backward", v.optimizer_in_backward, t.optimizer_in_backward, in_backward_why))
 
 
 def _trained_why(config: Config, fit: Fit) -> str:
@@ -156,15 +156,12 @@ def _trained_why(config: Config, fit: Fit) -> str:
     share = config.data.trained_share()
     if share is None or not head_on_trained(config, fit.candidate):
         return ""
+    largest = "the largest share of a prepared row's positions trained"
     if share == 1:
-        return (
-            "; it asks the model for the trained positions' logits only, sized for every position of a row (ft train "
-            "sizes them by the largest share of a prepared row's positions trained)"
-        )
-    return (
-        f"; it asks the model for the trained positions' logits only, sized for {share:.1%} of a row's positions (the "
-        "largest share of a prepared row's positions trained)"
-    )
+        sized = f"every position of a row (ft train sizes them by {largest})"
+    else:
+        sized = f"{share:.1%} of a row's positions ({largest})"
+    return f"; it asks the model for the trained positions' logits only, sized for {sized}"
 
 
 def _checkpointing_why(undo: _Undo) -> str:
@@ -239,12 +236,6 @@ def record_vision(
             f"per device, {how} (per micro-batch, {n} × {g.patches} patches per sequence)",
         )
     )
-
-
-def _choice(field: str, value, asked, reason: str) -> Decision:
-    if asked != "auto":
-        return Decision(field, value, "as set in the config", "config")
-    return Decision(field, value, reason)
 
 
 def _replace(out: list[Decision], decision: Decision) -> None:

@@ -113,13 +113,8 @@ from finetune.plan.setup import Setup
 # activations and logits are computed in plan/transients.py; imported here for the estimate and its callers
 from finetune.plan.transients import (  # noqa: F401
     DTYPE_BYTES,
-    FLEX_BLOCK,
     activation_bytes,
-    block_mask_bytes,
     checkpointed_layers,
-    dequantized_weight_bytes,
-    layer_activation_bytes,
-    layer_activation_elements,
     logits_bytes,
     offloaded_activation_bytes,
     pinned_bytes,
@@ -238,7 +233,8 @@ def estimate(m: ModelFacts, s: Setup, processes_per_node: int = 1) -> Estimate:
     host[ROLLOUT_HOST] = s.rollout_host_bytes
     host = {k: v * processes_per_node for k, v in host.items()}
     host[f"process runtimes ({PROCESS_HOST_RAM / GiB:g} GiB each)"] = PROCESS_HOST_RAM * processes_per_node
-    host[LOADING] = (host_loading_bytes(m, s, a, state) + PROCESS_HOST_RAM) * processes_per_node
+    host_load = loaded_bytes(state) if s.loading == "host" else 0  # each process's whole quantized model
+    host[LOADING] = (host_load + PROCESS_HOST_RAM) * processes_per_node
     device = {k: int(v) for k, v in device.items() if v}
     host = {k: int(v) for k, v in host.items() if v}
     return Estimate(device, host, m.num_params, trainable, model_notes(m, s, a))
@@ -448,7 +444,7 @@ def expert_parallel_bytes(m: ModelFacts, s: Setup, a: int, device: dict[str, flo
 
 def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> float:
     """What one rank holds on its device while creating the model (see the module docstring)."""
-    held = state["weights"] + state["adapter"] + state["reference model"]
+    held = loaded_bytes(state)
     if s.loading == "replica":
         return held
     if s.offload == "all":  # the shards are created in host memory
@@ -457,10 +453,8 @@ def loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> f
     return held / max(1, s.shard_size) + largest
 
 
-def host_loading_bytes(m: ModelFacts, s: Setup, a: int, state: dict[str, float]) -> float:
-    """Host RAM of one process while it loads: the whole quantized model with `host` loading."""
-    if s.loading != "host":
-        return 0
+def loaded_bytes(state: dict[str, float]) -> float:
+    """What loading creates of the state: weights, adapter and a reference copy."""
     return state["weights"] + state["adapter"] + state["reference model"]
 
 

@@ -40,6 +40,13 @@ class Decision:
     source: str = "auto"
 
 
+def choice(field: str, value, asked, reason: str) -> Decision:
+    """`value` with `reason` where ft chose it (`asked` is auto), else as the config set it."""
+    if asked != "auto":
+        return Decision(field, value, "as set in the config", "config")
+    return Decision(field, value, reason)
+
+
 @dataclass(frozen=True)
 class RolloutPlan:
     """Where a sampling method's rollouts run and the step split (plan/rollout.py); what finetune/rollout/ reads."""

@@ -27,15 +27,15 @@ from finetune.plan import expert_parallel
 from finetune.plan.advice import no_fit_error
 from finetune.plan.attention import choose_attention, varlen_fast
 from finetune.plan.candidates import Candidate, data_parallel, loading, sharded_params
-from finetune.plan.comm import Links, links
+from finetune.plan.comm import Links, collective_seconds, links
 from finetune.plan.compiling import choose_compile
 from finetune.plan.explain import alternatives, record_headroom, record_parallel, record_savers, record_vision
 from finetune.plan.launch import launch_command, needs_launcher
 from finetune.plan.memory import LOADING, GiB
 from finetune.plan.parallel import asked
 from finetune.plan.parallel import check as check_parallel
-from finetune.plan.plan import Decision, Plan
-from finetune.plan.pricing import comm_seconds, traffic
+from finetune.plan.plan import Decision, Plan, choice
+from finetune.plan.pricing import traffic
 from finetune.plan.rollout import choose_rollout
 from finetune.plan.savers import chunk_tokens
 from finetune.plan.search import Fit, compensation, device_capacity, host_capacity, search, setup
@@ -177,7 +177,9 @@ def plan(
         decisions=tuple(decisions),
         launch=(),  # below: built from the finished plan
         communication=step,
-        communication_seconds=comm_seconds(step, topo, c, speeds),
+        communication_seconds=sum(
+            collective_seconds(step, topo.nodes, c.sharding, topo.processes_per_node, c.tp * c.cp, speeds).values()
+        ),
         quant_storage=precision if c.quantization == "nf4" and sharded_params(c) else None,
         train_embeddings=bool(new_tokens or config.data.add_special_tokens),
         reference=config.method.reference_kind(c.adapter),
@@ -234,52 +236,27 @@ def _record_fit(
 ) -> None:
     c, a, q, d, t = fit.candidate, config.adapter, config.quantization, config.distributed, config.train
     gib = f"{fit.estimate.device_bytes / GiB:.1f} GiB per device"
-    out.append(
-        _choice(
-            "adapter",
-            c.adapter,
-            a.type,
-            why
-            or {
-                "lora": f"LoRA fits ({gib}): trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} "
-                "parameters, base kept in full precision",
-                "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
-            }.get(c.adapter, ""),
-        )
-    )
-    out.append(
-        _choice(
-            "quantization",
-            c.quantization,
-            q.type,
-            {
-                "nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""),
-                "none": "the base fits unquantized" + (" (streamed from host RAM)" if c.offload == "all" else ""),
-            }.get(c.quantization, ""),
-        )
-    )
-    out.append(_choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
-    out.append(_choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
-    out.append(
-        _choice(
-            "offload",
-            c.offload,
-            d.offload,
-            _offload_reason(c, others),
-        )
-    )
+    trains = f"trains {fit.estimate.trainable_params:,} of {fit.estimate.total_params:,} parameters"
+    adapters = {
+        "lora": f"LoRA fits ({gib}): {trains}, base kept in full precision",
+        "qlora": f"LoRA on a 16-bit base does not fit; QLoRA's 4-bit base does ({gib})",
+    }
+    out.append(choice("adapter", c.adapter, a.type, why or adapters.get(c.adapter, "")))
+    quantizations = {
+        "nf4": "QLoRA: 4-bit NormalFloat base" + (" with double quantization" if q.double_quant else ""),
+        "none": "the base fits unquantized" + (" (streamed from host RAM)" if c.offload == "all" else ""),
+    }
+    out.append(choice("quantization", c.quantization, q.type, quantizations.get(c.quantization, "")))
+    out.append(choice("backend", c.backend, d.backend, _backend_reason(c, topo)))
+    out.append(choice("sharding", c.sharding, d.sharding, _sharding_reason(c, topo)))
+    out.append(choice("offload", c.offload, d.offload, _offload_reason(c, others)))
     dp = data_parallel(topo.world, c)
     per_rank = batch // dp
     ranks = f"{dp} ranks" if dp == topo.world else f"{dp} data-parallel ranks ({topo.world} / (tp {c.tp} × cp {c.cp}))"
-    out.append(
-        _choice(
-            "micro_batch_size",
-            fit.micro_batch_size,
-            t.micro_batch_size,
-            f"largest divisor of the {per_rank} sequences per {'rank' if dp == topo.world else 'data-parallel rank'} "
-            f"that fits{' with room to spare (see memory_headroom)' if fit.fuller else ''} ({gib})",
-        )
-    )
+    rank = "rank" if dp == topo.world else "data-parallel rank"
+    room = " with room to spare (see memory_headroom)" if fit.fuller else ""
+    reason = f"largest divisor of the {per_rank} sequences per {rank} that fits{room} ({gib})"
+    out.append(choice("micro_batch_size", fit.micro_batch_size, t.micro_batch_size, reason))
     out.append(
         Decision(
             "gradient_accumulation_steps",
@@ -319,12 +296,6 @@ def _offload_reason(c: Candidate, others: tuple[Fit, ...]) -> str:
             "everything on the device (ft plan --explain-candidates lists them)"
         )
     return f"only fits with {c.offload} moved to host RAM (slower: PCIe traffic each step)"
-
-
-def _choice(field: str, value, asked, reason: str) -> Decision:
-    if asked != "auto":
-        return Decision(field, value, "as set in the config", "config")
-    return Decision(field, value, reason)
 
 
 def _backend_reason(c: Candidate, topo: Topology) -> str:

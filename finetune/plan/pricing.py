@@ -14,7 +14,6 @@ from finetune.plan.comm import (
     expert_parallel_traffic,
     parallel_traffic,
     reduces_every_micro_batch,
-    seconds,
     step_traffic,
 )
 from finetune.plan.cost import forward_flops_per_token, step_seconds
@@ -91,10 +90,6 @@ def traffic(fit: Fit, topo: Topology, m: ModelFacts, s: Setup) -> dict[str, floa
             s.accumulation,
         )
     return out
-
-
-def comm_seconds(traffic: dict[str, float], topo: Topology, c: Candidate, speeds: Links = Links()) -> float:
-    return seconds(traffic, topo.nodes, c.sharding, topo.processes_per_node, c.tp * c.cp, speeds)
 
 
 def priced(fit: Fit, topo: Topology, m: ModelFacts, s: Setup, hw: Hardware, speeds: Links = Links()) -> Fit:

@@ -32,9 +32,7 @@ from finetune.errors import PlanError
 from finetune.hardware import Hardware
 from finetune.plan.comm import INTER_NODE_BPS, INTRA_NODE_BPS
 from finetune.plan.cost import generation_seconds
-from finetune.plan.memory import (
-    GiB,
-)
+from finetune.plan.memory import GiB
 from finetune.plan.plan import Decision, RolloutPlan
 from finetune.plan.rollout_options import (
     MAX_SHARE,
@@ -156,18 +154,15 @@ def choose_engine(config: Config, hw: Hardware, out: list[Decision]) -> str:
     else:
         engine = "vllm"
         why = "GPUs and vLLM installed: vLLM samples with a paged KV cache and receives the trainer's weights"
-    if engine == "transformers" and method.rollout.placement == "ray":
-        raise PlanError(
-            f"method.rollout.placement: ray runs vLLM's servers on the Ray cluster, but method.engine: auto chose "
-            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
-            "method.rollout.placement: auto"
-        )
-    if engine == "transformers" and method.rollout.asynchronous:
-        raise PlanError(
-            f"method.rollout.asynchronous: true needs a vLLM rollout engine, but method.engine: auto chose "
-            f"transformers ({why.split(':')[0]}); set method.engine: vllm where vLLM is installed, or "
-            "method.rollout.asynchronous: false"
-        )
+    for asked, needs, instead in (
+        (method.rollout.placement == "ray", "placement: ray runs vLLM's servers on the Ray cluster", "placement: auto"),
+        (method.rollout.asynchronous, "asynchronous: true needs a vLLM rollout engine", "asynchronous: false"),
+    ):
+        if engine == "transformers" and asked:
+            raise PlanError(
+                f"method.rollout.{needs}, but method.engine: auto chose transformers ({why.split(':')[0]}); set "
+                f"method.engine: vllm where vLLM is installed, or method.rollout.{instead}"
+            )
     out.append(Decision("engine", engine, why))
     return engine
 
@@ -325,11 +320,12 @@ def _external(job: Job, out: list[Decision]) -> Placement:
     share_of = MAX_SHARE if r.memory_share == "auto" else r.memory_share
     option = Option("server", 0, tp, share_of, topo.engine, fit, 1, batch, overlap=r.asynchronous) if fit else None
     split = seconds(job, option, INTER_NODE_BPS) if option else (0.0, 0.0, 0.0)
+    urls = r.url if isinstance(r.url, str) else ", ".join(r.url)
     out.append(
         Decision(
             "rollout.placement",
             "server",
-            f"method.rollout.url: the vLLM server at {_urls(r.url)} samples; ft starts none and the trainer keeps all "
+            f"method.rollout.url: the vLLM server at {urls} samples; ft starts none and the trainer keeps all "
             f"{job.hw.world_size} GPUs (its step estimate assumes one engine of {tp} GPU{'s' if tp > 1 else ''})",
             "config",
         )
@@ -346,10 +342,6 @@ def _external(job: Job, out: list[Decision]) -> Placement:
         generation_seconds=split[0],
         sync_seconds=split[2],
     )
-
-
-def _urls(url) -> str:
-    return url if isinstance(url, str) else ", ".join(url)
 
 
 # ---------------------------------------------------------------- reasons and refusals

@@ -22,12 +22,7 @@ from finetune.plan import savers as saver_options
 from finetune.plan.attention import estimated_kernel
 from finetune.plan.candidates import Candidate, candidates, data_parallel, loading
 from finetune.plan.comm import Links
-from finetune.plan.memory import (
-    PINNED_ACTIVATIONS,
-    Estimate,
-    Setup,
-    estimate,
-)
+from finetune.plan.memory import PINNED_ACTIVATIONS, Estimate, Setup, estimate
 from finetune.plan.pricing import Fit, priced
 from finetune.plan.savers import Savers, chunk_tokens
 from finetune.plan.topology import Topology, pure_bf16_mode
@@ -109,22 +104,15 @@ def plain(config: Config, c: Candidate) -> bool:
     return (c.tp, c.cp) == (parallel.asked(d.tensor_parallel) or 1, parallel.asked(d.context_parallel) or 1)
 
 
-def best_plain(config: Config, fit: Fit, ranked: list[Fit]) -> Fit | None:
-    """The fastest fit of the same adapter and quantization as `fit` without tensor or context parallelism of its
-    own choosing."""
-    group = (fit.candidate.adapter, fit.candidate.quantization)
-    return next(
-        (f for f in ranked if plain(config, f.candidate) and (f.candidate.adapter, f.candidate.quantization) == group),
-        None,
-    )
-
-
 def _plain_unless_it_pays(config: Config, chosen: Fit, ranked: list[Fit]) -> Fit:
-    """Tensor or context parallelism only where it pays: more than parallel.PAYS faster than the best setup without,
+    """Tensor or context parallelism only where it pays: more than parallel.PAYS faster than the best setup without
+    (the fastest fit of the same adapter and quantization without tensor or context parallelism of its own choosing),
     or the only one that fits."""
     if plain(config, chosen.candidate):
         return chosen
-    other = best_plain(config, chosen, ranked)
+    group = (chosen.candidate.adapter, chosen.candidate.quantization)
+    same = (f for f in ranked if (f.candidate.adapter, f.candidate.quantization) == group)
+    other = next((f for f in same if plain(config, f.candidate)), None)
     return other if other is not None and other.step_seconds <= parallel.PAYS * chosen.step_seconds else chosen
 
 
@@ -166,13 +154,9 @@ def fit_candidate(
         if not roomy(fit, hw):
             room = _largest_fit(config, hw, m, topo, precision, batch, cand, combo, allowed, speeds, ROOMY)
             found += [room] if room is not None else []
-        elif fit.micro_batch_size == sizes[-1] and _free(combo) and fit is _fastest(found):
+        elif fit.micro_batch_size == sizes[-1] and _free(combo) and fit is min(found, key=lambda f: f.step_seconds):
             break  # the largest micro-batch without any saver, with room to spare: nothing can be better
     return prefer_room(sorted(found, key=lambda f: f.step_seconds), hw) if found else None
-
-
-def _fastest(fits: list[Fit]) -> Fit:
-    return min(fits, key=lambda f: f.step_seconds)
 
 
 def _sizes(config: Config, topo: Topology, batch: int, cand: Candidate) -> tuple[list[int], int]:
@@ -223,17 +207,15 @@ def _largest_fit(config, hw, m, topo, precision, batch, cand, combo, sizes, spee
     lo, hi, found = 0, len(sizes) - 1, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        est = estimate(
-            m, setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m), topo.processes_per_node
-        )
+        s = setup(config, hw, topo, precision, batch, cand, sizes[mid], combo, m)
+        est = estimate(m, s, topo.processes_per_node)
         if fits(est, hw, share):
-            found, lo = (sizes[mid], est), mid + 1
+            found, lo = (sizes[mid], est, s), mid + 1
         else:
             hi = mid - 1
     if found is None:
         return None
-    mb, est = found
-    s = setup(config, hw, topo, precision, batch, cand, mb, combo, m)
+    mb, est, s = found
     return priced(Fit(cand, mb, combo, est), topo, m, s, hw, speeds)
 
 
@@ -254,7 +236,7 @@ def setup(
     cand: Candidate,
     mb: int,
     savers: Savers,
-    m: ModelFacts | None = None,
+    m: ModelFacts,
 ) -> Setup:
     """The memory estimator's view of one candidate."""
     a, method = config.adapter, config.method
@@ -262,7 +244,7 @@ def setup(
     # FSDP's group: a node (hybrid_shard), else the data- and context-parallel ranks of one tensor-parallel slot
     shard_size = topo.processes_per_node if cand.sharding == "hybrid_shard" else topo.world // cand.tp
     # the kernel the planner will choose for this model (plan/attention.py): eager's T×T scores, flex's block mask
-    attn = estimated_kernel(config, hw, m) if m is not None else config.model.attn_implementation
+    attn = estimated_kernel(config, hw, m)
     gen_tokens = method.generation_tokens(config.data.seq_len) if topo.engine.samples else 0
     targets = a.target_modules if isinstance(a.target_modules, str) else tuple(a.target_modules)
     return Setup(
@@ -278,7 +260,7 @@ def setup(
         compensation=compensation(config) if savers.pure_bf16 else "none",
         loss=savers.estimator_loss,
         trained_share=trained_share(config, cand),
-        loss_chunk_tokens=chunk_tokens(m) if m is not None and savers.loss == "chunked" else 0,
+        loss_chunk_tokens=chunk_tokens(m) if savers.loss == "chunked" else 0,
         activation_offload=savers.activation_offload,
         optimizer_in_backward=savers.optimizer_in_backward,
         sharding=cand.sharding,
@@ -286,7 +268,7 @@ def setup(
         offload=cand.offload,
         lora_r=a.r,
         lora_targets=targets,
-        lora_dropout=lora_dropout(a, m, cand.adapter) if m is not None else a.dropout,
+        lora_dropout=lora_dropout(a, m, cand.adapter),
         dora=a.dora,
         modules_to_save=tuple(a.modules_to_save),
         double_quant=config.quantization.double_quant,
@@ -324,14 +306,14 @@ def trained_share(config: Config, cand: Candidate) -> float:
     return share if share is not None and head_on_trained(config, cand) else 1.0
 
 
-def vision_split(config, m: ModelFacts | None, adapter: str) -> dict:
+def vision_split(config, m: ModelFacts, adapter: str) -> dict:
     """Setup's vision fields: what of a vision-language model's vision side trains (model.train_vision,
     config/vision_checks.py: the tower stays frozen unless `all`, the projector trains with `projector` or `all`), and
     the patches its tower runs over per sequence (the images per sample the plan assumes, each the largest the
     processor makes)."""
     from finetune.config.vision_checks import geometry, images_per_sample, train_vision, trains_images
 
-    if m is None or not trains_images(config, m):
+    if not trains_images(config, m):
         return {}
     trained = train_vision(config, adapter)[0]
     tower, projector = m.vision_params - m.projector_params, m.projector_params

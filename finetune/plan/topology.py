@@ -69,14 +69,7 @@ def _choose_topology(config: Config, hw: Hardware, out: list[Decision]) -> Topol
     unit = "process" if hw.is_cpu else "GPU"
     if d.backend == "single":
         idle = "" if hw.world_size == 1 else f" ({hw.world_size - 1} of the {hw.world_size} {unit}s stay idle)"
-        out.append(
-            Decision(
-                "world_size",
-                1,
-                "backend single runs one process" + idle,
-                "config",
-            )
-        )
+        out.append(Decision("world_size", 1, "backend single runs one process" + idle, "config"))
         return Topology(1, 1)
     nodes = hw.nodes if d.nodes == "auto" else d.nodes
     if nodes > hw.nodes:
@@ -116,16 +109,13 @@ def choose_precision(config: Config, hw: Hardware, out: list[Decision]) -> str:
     if p != "auto":
         if acc is not None and p in ("bf16", "bf16-pure") and not acc.bf16:
             raise PlanError(f"train.precision: {p} is not supported by {acc.name}; set train.precision: fp16 (or auto)")
-        if p == "bf16-pure":
-            out.append(Decision("precision", p, "as set in the config", "config"))
-            return "bf16"
         if acc is None and p == "fp16":
             raise PlanError(
                 "train.precision: fp16 is not supported for training on CPU; set train.precision: bf16 or fp32 "
                 "(or auto)"
             )
         out.append(Decision("precision", p, "as set in the config", "config"))
-        return p
+        return "bf16" if p == "bf16-pure" else p
     if acc is None:
         out.append(
             Decision(

@@ -120,17 +120,11 @@ def activation_bytes(m: ModelFacts, s: Setup, a: int) -> float:
     are offloaded, the two layers' worth in flight), plus a checkpointed layer's recomputed activations and their
     gradients."""
     per_layer, k = layer_activation_bytes(m, s, a), checkpointed_layers(m, s)
-    working = recomputed_bytes(m, s, a)
+    working = per_layer if k else 0  # the layer being recomputed (its gradients are transient, layer by layer)
     if s.activation_offload:  # two layers' stored tensors in flight: a checkpointed layer stores only its input
         stored = a * tokens_per_micro_batch(s) * m.hidden_size if k == m.num_layers else per_layer
         return 2 * stored + working + block_mask_bytes(m, s)
     return stored_activation_bytes(m, s, a) + working + block_mask_bytes(m, s)
-
-
-def recomputed_bytes(m: ModelFacts, s: Setup, a: int) -> float:
-    """The layer being recomputed in the backward pass, when layers are checkpointed (its gradients are transient,
-    layer by layer)."""
-    return layer_activation_bytes(m, s, a) if checkpointed_layers(m, s) else 0
 
 
 FLEX_BLOCK = 128  # torch's flex_attention block (torch/nn/attention/flex_attention.py _DEFAULT_SPARSE_BLOCK_SIZE)
