@@ -303,3 +303,31 @@ def test_fsdp_gathers_the_largest_layer_and_the_root_unit():
     assert deepseek.layer_params > deepseek.decoder_params / 61  # an MoE layer outweighs the three dense ones
     assert deepseek.layer_params > max(deepseek.embedding_params, deepseek.lm_head_params)
     assert d["gathered layers"] == 2 * deepseek.layer_params * 2 + 2 * root
+
+
+@pytest.mark.parametrize("sharding, offload", [("zero3", "optimizer"), ("full_shard", "all")])
+def test_offloaded_entries_keep_one_order_under_any_hash_seed(sharding, offload):
+    """The host's entries (plan.json, ft plan's table) come in the same order in every process: Python's string hashes
+    differ between processes, so an order taken from a set would change from run to run."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from finetune.catalog import lookup\nfrom finetune.plan.memory import Setup, estimate\n"
+        "s = Setup(adapter='full', quantization='none', precision='bf16', optimizer='adamw_torch', micro_batch_size=1,"
+        f" seq_len=2048, gradient_checkpointing=False, sharding='{sharding}', shard_size=8, offload='{offload}')\n"
+        "print(list(estimate(lookup('meta-llama/Llama-3.1-8B'), s).host))"
+    )
+    orders = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": str(seed)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in range(6)
+    }
+    assert len(orders) == 1, orders
+    assert "offloaded optimizer" in orders.pop()

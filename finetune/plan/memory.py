@@ -365,12 +365,12 @@ def _shard_and_offload(
     if s.optimizer in PAGED and s.offload == "none":  # unified memory: pages move to host RAM under pressure
         host["paged optimizer states"] = device.pop("optimizer")
     if s.offload == "optimizer":
-        moved = {"optimizer", "master weights"}
+        moved = [k for k in state if k in ("master weights", "optimizer")]
     elif s.offload == "all":
-        moved = set(state) - {"compute copy"}
+        moved = [k for k in state if k != "compute copy"]
     else:
-        moved = set()
-    for k in moved:
+        moved = []
+    for k in moved:  # in state's order: the plan reads the same under any hash seed
         host[f"offloaded {k}"] = device.pop(k)
     if params_sharded and s.quantization == "nf4" and s.nf4_library == "bitsandbytes":
         # bitsandbytes keeps each 4-bit layer's quantization state (absmax, nested statistics) on the module, beside its
