@@ -1,7 +1,8 @@
 """Which of ft's modules the launcher's path goes through: `ft train JOB ARGS...` traced from the command line to the
-moment it starts torchrun (which is not started). Prints the modules whose functions ran (class bodies and
-dataclass-generated code left out), then the modules that received the job file's path as an argument and how often
-such a call entered a module already further down the stack (control coming back to a module it had left).
+moment it starts torchrun (which is not started). Prints the modules whose functions ran (module and class bodies,
+that is imports, and dataclass-generated code left out) and how many calls entered a module already further down the
+stack (control coming back to a module it had left), then the modules that received the job file's path as an
+argument and how many of those calls came back so.
 
     python bench/launch_path.py examples/yaml/quickstart.yaml --hardware cpu:2 --set output.dir=/tmp/lp/run
 
@@ -11,6 +12,7 @@ stop at the launch as an error of its own (and writes its traceback log in the r
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -24,8 +26,8 @@ def main(argv: list[str]) -> None:
     job = argv[0]
     called: set[str] = set()
     with_job: set[str] = set()
-    back = 0
-    stack: list[str | None] = []  # per live ft frame: its module where the job path was an argument, else None
+    back = reentries = 0
+    stack: list[tuple] = []  # per live ft function frame: (its module, the frame, whether the job path is an argument)
     real_popen = subprocess.Popen
 
     def popen(*args, **kwargs):
@@ -39,23 +41,25 @@ def main(argv: list[str]) -> None:
         return isinstance(value, str | pathlib.PurePath) and str(value) == job
 
     def profile(frame, event, arg):
-        nonlocal back
+        nonlocal back, reentries
         module = frame.f_globals.get("__name__", "")
-        code = frame.f_code.co_name
-        if not module.startswith("finetune") or code.startswith(("<", "__create_fn__")):
+        code = frame.f_code
+        if not module.startswith("finetune") or code.co_name.startswith(("<", "__create_fn__")):
             return
-        if "__qualname__" in frame.f_locals and "__module__" in frame.f_locals:  # a class body
+        if not code.co_flags & inspect.CO_OPTIMIZED:  # a module's or a class's body (an import), not a function
             return
         if event == "call":
             called.add(module)
+            below = [m for m, _, _ in stack]
+            reentries += bool(below) and below[-1] != module and module in below
             if any(is_job(v) for v in frame.f_locals.values()):
                 with_job.add(module)
-                caller = next((m for m in reversed(stack) if m), None)
-                back += caller is not None and caller != module and module in stack
-                stack.append(module)
+                caller = next((m for m, _, job_arg in reversed(stack) if job_arg), None)
+                back += caller is not None and caller != module and any(m == module for m, _, j in stack if j)
+                stack.append((module, frame, True))
             else:
-                stack.append(None)
-        elif event == "return" and stack:
+                stack.append((module, frame, False))
+        elif event == "return" and stack and stack[-1][1] is frame:
             stack.pop()
 
     from finetune.cli import main as ft
@@ -69,7 +73,8 @@ def main(argv: list[str]) -> None:
     finally:
         sys.setprofile(None)
         subprocess.Popen = real_popen
-    print(f"{len(called)} modules ran functions on the way to the launch:")
+    print(f"{len(called)} modules ran functions on the way to the launch; {reentries} calls entered a module that was")
+    print("already further down the stack (control going back to a module it had left):")
     print("  " + " ".join(sorted(called)))
     print(f"the job file's path reached {len(with_job)} modules, and came back to one it had left {back} times:")
     print("  " + " ".join(sorted(with_job)))
