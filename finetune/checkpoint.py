@@ -25,7 +25,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from finetune.artifacts.run import RunFolder
+from finetune.artifacts.run import CHECKPOINT_STATE, RunFolder
 from finetune.errors import FtError
 
 
@@ -135,7 +135,7 @@ def _complete(tmp: Path, final: Path, engine, state: dict, step: int) -> None:
     import torch
 
     torch.save(engine.scheduler.state_dict(), tmp / "scheduler.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "format": engine.format}, indent=2))
+    (tmp / CHECKPOINT_STATE).write_text(json.dumps({**state, "step": step, "format": engine.format}, indent=2))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -210,7 +210,7 @@ def atomic_folder(path: Path, what: str):
 def read_state(path: Path) -> dict:
     """A complete checkpoint's state.json."""
     try:
-        state = json.loads((Path(path) / "state.json").read_text())
+        state = json.loads((Path(path) / CHECKPOINT_STATE).read_text())
     except (OSError, ValueError) as e:
         raise FtError(
             f"checkpoint {path}: cannot read state.json ({type(e).__name__}: {e}); it is not a complete ft "

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune import checkpoint
-from finetune.artifacts.run import RunFolder, checkpoint_step, refuse_replacing_run
+from finetune.artifacts.run import RunFolder, checkpoint_step, complete, refuse_replacing_run
 from finetune.artifacts.weights import final_dtype, record_dtype, saved_state
 from finetune.errors import FtError
 
@@ -83,7 +83,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
             )
         return found
     path = folder.checkpoint(step)
-    if not (path / "state.json").is_file():
+    if not complete(path):
         have = ", ".join(str(checkpoint_step(p)) for p in folder.checkpoints()) or "none"
         raise FtError(f"--step {step}: {run_dir} has no complete checkpoint at that step (complete: {have})")
     return path

@@ -54,6 +54,9 @@ LAUNCH_FILES = ("job.sbatch", "job-k8s.yaml", "slurm-*.out")
 # Every entry ft writes into a run folder (the trackers' folders included); anything else is not ft's to remove.
 TRACKERS = ("tensorboard", "wandb", "mlflow.db", "mlruns", "mlartifacts")  # each tracker's files (trackers.py)
 CHECKPOINT = re.compile(r"^step-(\d{8})$")  # checkpoints/step-NNNNNNNN
+CHECKPOINT_STATE = (
+    "state.json"  # a checkpoint's record (finetune/checkpoint.py), written last: the checkpoint is complete
+)
 WRITTEN = (
     MARKER,
     LOCK,
@@ -164,7 +167,7 @@ class RunFolder:
         root = self.checkpoints_dir
         if not root.is_dir():
             return []
-        found = [p for p in root.iterdir() if CHECKPOINT.match(p.name) and (p / "state.json").is_file()]
+        found = [p for p in root.iterdir() if CHECKPOINT.match(p.name) and complete(p)]
         return sorted(found, key=checkpoint_step)
 
     def is_run(self) -> bool:
@@ -266,6 +269,17 @@ def json_object(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def complete(checkpoint: Path) -> bool:
+    """A checkpoint folder that holds its state.json: written whole."""
+    return (Path(checkpoint) / CHECKPOINT_STATE).is_file()
+
+
+def is_checkpoint(path: Path) -> bool:
+    """`path` is a complete checkpoint in a run folder's checkpoints/."""
+    path = Path(path).expanduser()
+    return path.parent == RunFolder(path.parent.parent).checkpoints_dir and complete(path)
 
 
 def checkpoint_step(path: Path) -> int:

@@ -67,9 +67,9 @@ class ExportReport:
 # ---------------------------------------------------------------- sources that are not exported as they are
 def _unconsolidated(path: Path) -> FtError | None:
     """The error for a checkpoint, or a run folder holding checkpoints and no final/: `ft consolidate` first."""
-    from finetune.artifacts.run import checkpoint_step
+    from finetune.artifacts.run import checkpoint_step, is_checkpoint
 
-    if path.parent.name == "checkpoints" and (path / "state.json").is_file():
+    if is_checkpoint(path):
         run, step = RunFolder(path.parent.parent), checkpoint_step(path)
     else:
         run = RunFolder(path)
