@@ -154,13 +154,14 @@ def test_the_checker_sees_a_circle_and_a_private_import(tmp_path):
 
 
 def test_only_the_run_folder_module_joins_its_names_to_a_path():
-    """`x / "result.json"` (or "checkpoints", f"step-...", ...) outside finetune/artifacts/run.py: a second place that
-    knows the run folder's layout. Every entry ft writes there is named by RunFolder."""
+    """`x / "result.json"` (or "checkpoints", f"step-...", a checkpoint's "state.json", ...), or `x.name ==
+    "checkpoints"`, outside finetune/artifacts/run.py: a second place that knows the run folder's layout. Every entry
+    ft writes there is named by RunFolder."""
     import fnmatch
 
-    from finetune.artifacts.run import TRACKERS, WRITTEN
+    from finetune.artifacts.run import CHECKPOINT_STATE, TRACKERS, WRITTEN
 
-    names = [n for n in WRITTEN if n not in TRACKERS]  # a tracker's name is also its config value
+    names = [n for n in WRITTEN if n not in TRACKERS] + [CHECKPOINT_STATE]  # a tracker's name is also its config value
     starts = [n.split("*")[0] for n in names if "*" in n] + ["step-", ".tmp-step-"]  # and the checkpoints' folders
 
     def named(node) -> str | None:
@@ -172,8 +173,9 @@ def test_only_the_run_folder_module_joins_its_names_to_a_path():
         return None
 
     # errors.py writes its traceback log in the run folder or the temporary folder (it imports nothing of ft's);
-    # ft generate's launch.txt is in its own output's parts folder, not a run folder
-    elsewhere = {"finetune.errors", "finetune.infer.generate"}
+    # ft generate's launch.txt is in its own output's parts folder, and data/rows.py's state.json in a prepared data
+    # set's cache entry, not in a run folder
+    elsewhere = {"finetune.errors", "finetune.infer.generate", "finetune.data.rows"}
     found = []
     for name, path in modules().items():
         if name == "finetune.artifacts.run" or name in elsewhere:
@@ -181,6 +183,8 @@ def test_only_the_run_folder_module_joins_its_names_to_a_path():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and (text := named(node.right)):
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} {text!r}")
+            if isinstance(node, ast.Compare):  # path.name == "checkpoints"
+                found += [f"{path.relative_to(REPO)}:{node.lineno} {t!r}" for c in node.comparators if (t := named(c))]
     assert not found, "run folder names outside RunFolder: " + "; ".join(found)
 
 

@@ -54,9 +54,7 @@ LAUNCH_FILES = ("job.sbatch", "job-k8s.yaml", "slurm-*.out")
 # Every entry ft writes into a run folder (the trackers' folders included); anything else is not ft's to remove.
 TRACKERS = ("tensorboard", "wandb", "mlflow.db", "mlruns", "mlartifacts")  # each tracker's files (trackers.py)
 CHECKPOINT = re.compile(r"^step-(\d{8})$")  # checkpoints/step-NNNNNNNN
-CHECKPOINT_STATE = (
-    "state.json"  # a checkpoint's record (finetune/checkpoint.py), written last: the checkpoint is complete
-)
+CHECKPOINT_STATE = "state.json"  # a checkpoint's record (checkpoint.py), written last: the checkpoint is complete
 WRITTEN = (
     MARKER,
     LOCK,
